@@ -1,0 +1,170 @@
+"""The heads directory: the one artefact that joins training and serving.
+
+    <dir>/config.json        HeadsConfig as JSON (kind, sizes, taps, target identity, tree)
+    <dir>/model.safetensors  the head weights
+
+Writes are atomic: the whole directory is written under a temporary name beside the
+destination and renamed into place, so a reader never sees a half-written directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specheads.heads.target import TargetIdentity
+
+FORMAT_NAME = "specheads"
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+HEAD_KINDS = ("medusa",)
+
+
+@dataclass
+class HeadsConfig:
+    kind: str  # one of HEAD_KINDS
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_layers: int
+    tap_layers: list[int]  # target layers the heads read (see heads/target.py for the convention)
+    target: TargetIdentity
+    tree: dict | None = None  # {"paths": [[rank, ...], ...], ...}; see serving/tree.py
+    calibration: dict | None = None  # per-depth top-k accuracy measured after training
+    dtype: str = "float32"
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "HeadsConfig":
+        if raw.get("format") != FORMAT_NAME:
+            raise ValueError(f"{source} is not a specheads heads config (format={raw.get('format')!r}, "
+                             f"expected {FORMAT_NAME!r}); foreign layouts are read by `specheads export --import`")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{source} has format_version={raw.get('format_version')!r}; "
+                             f"this specheads reads version {FORMAT_VERSION}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"{source} has unknown keys {unknown}; known keys are {sorted(names)}")
+        if raw.get("kind") not in HEAD_KINDS:
+            raise ValueError(f"{source}: kind must be one of {list(HEAD_KINDS)}, got {raw.get('kind')!r}")
+        values = dict(raw)
+        values["target"] = TargetIdentity(**raw["target"])
+        return cls(**values)
+
+    def check_fits(self, target: TargetIdentity, source: str = "heads") -> None:
+        """Raise a ValueError naming both values when these heads do not fit `target`."""
+        problems = []
+        for name in ("hidden_size", "vocab_size"):
+            mine, theirs = getattr(self, name), getattr(target, name)
+            if mine != theirs:
+                problems.append(f"{name}: heads were trained for {mine}, the target has {theirs}")
+        if self.target.model_type != target.model_type:
+            problems.append(f"architecture: heads were trained for {self.target.architecture} "
+                            f"(model_type {self.target.model_type!r}), the target is "
+                            f"{target.architecture} (model_type {target.model_type!r})")
+        if max(self.tap_layers, default=0) > target.num_layers:
+            problems.append(f"tap layers {self.tap_layers} need at least {max(self.tap_layers)} "
+                            f"layers, the target has {target.num_layers}")
+        if problems:
+            raise ValueError(f"{source} do not fit the target {target.name_or_path or target.architecture!r}: "
+                             + "; ".join(problems))
+
+
+def build_heads(config: HeadsConfig) -> nn.Module:
+    if config.kind == "medusa":
+        from specheads.heads.medusa import MedusaHeads
+
+        return MedusaHeads(config.hidden_size, config.vocab_size, config.num_heads, config.num_layers)
+    raise ValueError(f"unknown head kind {config.kind!r}; expected one of {list(HEAD_KINDS)}")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a file via temp file + fsync + rename, so it is either old or whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a fully written `tmp_dir` to `final_dir`, replacing any previous directory."""
+    final_dir = Path(final_dir)
+    if final_dir.exists():
+        trash = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
+        os.replace(final_dir, trash)
+        os.replace(tmp_dir, final_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, final_dir)
+
+
+def save_heads(directory: str | os.PathLike, heads: nn.Module, config: HeadsConfig) -> Path:
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+    try:
+        state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        atomic_write_text(tmp / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+        replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def read_heads_config(directory: str | os.PathLike) -> HeadsConfig:
+    directory = Path(directory)
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"heads directory {str(directory)!r} has no {CONFIG_NAME}; expected a "
+                                "directory written by `specheads train` (config.json + model.safetensors)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    return HeadsConfig.from_dict(raw, source=str(path))
+
+
+def load_heads(directory: str | os.PathLike, target: TargetIdentity | None = None,
+               device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[nn.Module, HeadsConfig]:
+    """Load heads; with `target`, first check they fit it (hidden, vocab, architecture)."""
+    directory = Path(directory)
+    config = read_heads_config(directory)
+    if target is not None:
+        config.check_fits(target, source=f"heads at {str(directory)!r}")
+    heads = build_heads(config)
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"heads directory {str(directory)!r} has no {WEIGHTS_NAME}")
+    state = load_file(str(weights))
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match a {config.kind} head of this config: "
+                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    heads.to(device=device, dtype=dtype)
+    heads.eval()
+    return heads, config

@@ -1,0 +1,184 @@
+"""The frozen-target adapter: the only way any part of specheads reaches the target LM.
+
+It loads a decoder-only Hugging Face causal LM (hub id or local path) through
+`AutoModelForCausalLM`, freezes it, and runs one forward pass that returns the logits
+plus the hidden states of chosen layers. Masks, positions and the KV cache are passed in
+as arguments; nothing is stashed on the model.
+
+Shape legend: B batch, T query tokens, S cached tokens, H hidden size, V vocab size.
+
+Layer-id convention for taps: tap `i` is `hidden_states[i]` of transformers' output,
+i.e. the *input* of decoder layer `i` (tap 0 is the token embeddings). Tap
+`num_layers` is the final hidden state after the last norm, which is what the lm_head
+consumes (transformers ties `hidden_states[-1]` to `last_hidden_state`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a heads directory records about the target it was trained on."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    name_or_path: str
+
+    @classmethod
+    def from_config(cls, config, name_or_path: str = "", architecture: str | None = None) -> "TargetIdentity":
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        archs = getattr(config, "architectures", None) or [architecture or type(config).__name__]
+        return cls(
+            architecture=archs[0],
+            model_type=config.model_type,
+            hidden_size=text_config.hidden_size,
+            vocab_size=text_config.vocab_size,
+            num_layers=text_config.num_hidden_layers,
+            name_or_path=str(name_or_path or getattr(config, "_name_or_path", "")),
+        )
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, T, V]
+    taps: list[torch.Tensor]  # each [B, T, H], in the order of the requested tap layers
+    past_key_values: object | None = None
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def check_target_exists(name_or_path: str) -> None:
+    """Fail early, with a clear message, for a local path that is not there.
+
+    A string that looks like a hub id (`org/name`) and is not a local directory is left to
+    `from_pretrained`, which resolves it from the hub cache or the hub.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"target directory {str(path)!r} has no config.json; expected a directory written "
+                "by save_pretrained (config.json + weights) or a hub id like 'org/model'")
+        return
+    if _looks_like_hub_id(name_or_path):
+        return
+    raise FileNotFoundError(
+        f"target {name_or_path!r} does not exist: expected a local model directory with "
+        "config.json (from save_pretrained) or a hub id like 'meta-llama/Llama-3.1-8B-Instruct'")
+
+
+def load_target(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu", trust_remote_code: bool = False,
+                attn_implementation: str | None = "sdpa") -> nn.Module:
+    """Load a causal LM, frozen and in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    name_or_path = str(name_or_path)
+    check_target_exists(name_or_path)
+    kwargs = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    model.to(device)
+    return freeze(model)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+class TargetAdapter:
+    """A frozen causal LM plus the few things heads need from it."""
+
+    def __init__(self, model: nn.Module, name_or_path: str = ""):
+        self.model = model
+        self.config = model.config
+        self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.identity = TargetIdentity.from_config(model.config, name_or_path, type(model).__name__)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs) -> "TargetAdapter":
+        return cls(load_target(name_or_path, **kwargs), str(name_or_path))
+
+    @property
+    def num_layers(self) -> int:
+        return self.identity.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.identity.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.identity.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def check_taps(self, tap_layers: list[int]) -> None:
+        for tap in tap_layers:
+            if not 0 <= tap <= self.num_layers:
+                raise ValueError(f"tap layer {tap} is out of range: the target has {self.num_layers} "
+                                 f"layers, so taps must be in [0, {self.num_layers}]")
+
+    def forward(self, input_ids: torch.Tensor, tap_layers: list[int], *,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool = False,
+                logits_to_keep: int | torch.Tensor = 0) -> TargetOutput:
+        """One target forward pass.
+
+        input_ids [B, T]; attention_mask either 2-D [B, S+T] padding mask or a prepared 4-D
+        mask [B, 1, T, S+T] (bool, True = attend); position_ids [B, T].
+        """
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            output_hidden_states=list(tap_layers) if tap_layers else False,
+            logits_to_keep=logits_to_keep,
+            return_dict=True,
+        )
+        taps = [out.hidden_states[t] for t in tap_layers] if tap_layers else []
+        return TargetOutput(logits=out.logits, taps=taps, past_key_values=out.past_key_values)
+
+    __call__ = forward

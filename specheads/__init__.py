@@ -1,0 +1,31 @@
+"""specheads: self-speculative decoding heads for Hugging Face causal LMs.
+
+The public Python API is re-exported here lazily, so `import specheads` stays fast and
+never pulls in deepspeed, wandb, datasets or fastapi.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "TargetAdapter": "specheads.heads.target",
+    "load_target": "specheads.heads.target",
+    "MedusaHeads": "specheads.heads.medusa",
+    "HeadsConfig": "specheads.heads.heads_dir",
+    "save_heads": "specheads.heads.heads_dir",
+    "load_heads": "specheads.heads.heads_dir",
+    "DraftTree": "specheads.serving.tree",
+    "SpeculativeDecoder": "specheads.serving.decode",
+    "build_tiny_target": "specheads.data.tiny_target",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'specheads' has no attribute {name!r}")
