@@ -154,8 +154,7 @@ def test_random_heads_are_lossless(arch_setup):
     torch.manual_seed(0)
     heads = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS)
     heads.init_lm_heads_from(target.lm_head())  # plausible candidates: often the target's own top tokens
-    for head in heads.heads:
-        nn.init.normal_(head.blocks[0].linear.weight, std=0.2)
+    nn.init.normal_(heads.block_weight, std=0.2)
     decoder = SpeculativeDecoder(target, heads, DraftTree.from_paths(TREE_PATHS))
     for case in cases:
         result = decoder.generate(torch.tensor([case.prompt]), NUM_NEW)
