@@ -1,0 +1,48 @@
+"""`specheads train`: train speculative-decoding heads from a recipe.
+
+    python -m specheads.train RECIPE.yaml [--set dotted.key=value ...]
+    deepspeed --num_gpus 2 --module specheads.train RECIPE.yaml [--set ...]
+
+The deepspeed launcher adds `--local_rank=N`; it is accepted and ignored (the rank comes
+from the environment). User errors (bad recipe, missing target, unusable data, a
+checkpoint that does not fit) print one line to stderr and return 1; bugs keep their
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specheads train", description="Train heads from a recipe (DeepSpeed).")
+    parser.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-medusa.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe value by its dotted key, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from specheads.data.text import DataError
+    from specheads.training.checkpoint import CheckpointError
+    from specheads.training.config import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        from specheads.training.trainer import run
+
+        run(recipe)
+    except (RecipeError, DataError, CheckpointError, FileNotFoundError) as err:
+        rank = os.environ.get("RANK", "0")
+        prefix = "" if os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] "
+        print(f"specheads train: error: {prefix}{err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Two CPU ranks through the real `deepspeed --num_gpus 2 --module specheads.train` launcher:
+ZeRO-2 training writes a heads directory, and a run killed with SIGKILL after its first
+checkpoint resumes on re-run, finishes at the configured step and ends with the same
+weights as an uninterrupted run.
+
+The first multi-rank DeepSpeed run on a machine JIT-builds its shm comm op (about a
+minute); later runs reuse the torch extensions cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specheads.heads.heads_dir import load_heads
+
+from test_training import markov_walks, write_jsonl, write_recipe
+
+STEPS = 60
+SAVE_EVERY = 5
+LAUNCH_TIMEOUT_S = 600
+
+pytestmark = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_env() -> dict:
+    """This process's environment minus any rank variables an in-process run left behind."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["WANDB_MODE"] = "offline"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def launch(recipe: Path, *overrides: str) -> subprocess.Popen:
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "specheads.train",
+               str(recipe)]
+    for override in overrides:
+        command += ["--set", override]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=launcher_env(), start_new_session=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    try:
+        out, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        pytest.fail(f"deepspeed run timed out:\n{out[-4000:]}")
+    assert process.returncode == 0, f"deepspeed run failed ({process.returncode}):\n{out[-4000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ds")
+    walks = write_jsonl(tmp / "walks.jsonl", markov_walks())
+    return tmp, tiny_llama_dir, walks
+
+
+def recipe_for(setup, name: str) -> tuple[Path, Path]:
+    tmp, target, walks = setup
+    (tmp / name).mkdir()
+    output_dir = tmp / name / "run"
+    recipe = write_recipe(tmp / name, target, walks, output_dir)
+    return recipe, output_dir
+
+
+OVERRIDES = (f"train.steps={STEPS}", f"train.save_every={SAVE_EVERY}", "train.zero_stage=2",
+             "train.micro_batch_size=4", "train.log_every=20")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup) -> tuple[Path, str]:
+    recipe, output_dir = recipe_for(setup, "uninterrupted")
+    out = finish(launch(recipe, *OVERRIDES))
+    return output_dir, out
+
+
+def test_two_rank_zero2_run_writes_heads(uninterrupted, tiny_llama_dir):
+    output_dir, out = uninterrupted
+    assert "2 rank(s), ZeRO stage 2" in out, out[-3000:]
+    assert out.count(f"step {STEPS}/{STEPS} ") == 1  # only rank 0 reports
+    heads, config = load_heads(output_dir / "heads")
+    assert config.num_heads == 3 and config.tree["num_nodes"] >= 1
+    assert config.tree["expected_accept_length"] > 0
+    manifest = json.loads((output_dir / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["zero_stage"] == 2
+    assert manifest["files"] == ["heads.safetensors", "rank-00000.pt", "rank-00001.pt"]
+    # Each rank read its own micro batch of 4 per step: 2 x 4 blocks consumed per step.
+    assert manifest["sampler"]["position"] == STEPS * 4 * 2
+    top1 = config.calibration["top1"]
+    assert min(top1) > 0.1, top1  # trained (untrained heads sit near 0.05 on this data)
+
+
+def test_killed_run_resumes_and_finishes_at_the_configured_step(setup, uninterrupted):
+    recipe, output_dir = recipe_for(setup, "killed")
+    latest = output_dir / "checkpoints" / "latest"
+    process = launch(recipe, *OVERRIDES)
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before it could be killed:\n" + process.communicate()[0][-3000:]
+    os.killpg(process.pid, signal.SIGKILL)  # launcher and both ranks, mid-run
+    process.communicate()
+    killed_at = int(latest.read_text().strip().split("-")[1])
+    assert 0 < killed_at < STEPS
+    assert not (output_dir / "heads").exists()
+
+    out = finish(launch(recipe, *OVERRIDES))
+    resumed_from = [line for line in out.splitlines() if "resuming from" in line]
+    assert resumed_from and f"(step {killed_at})" in resumed_from[0], out[-3000:]
+    assert f"steps {killed_at}->{STEPS}" in out
+    assert latest.read_text().strip() == f"step-{STEPS:08d}"
+    manifest = json.loads((output_dir / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").read_text())
+    assert manifest["step"] == STEPS
+    _, config = load_heads(output_dir / "heads")
+    assert config.tree is not None
+
+    # Resuming is exact: the same weights as the run that was never interrupted.
+    straight = load_file(str(uninterrupted[0] / "heads" / "model.safetensors"))
+    resumed = load_file(str(output_dir / "heads" / "model.safetensors"))
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name

@@ -1,0 +1,276 @@
+"""Crash-safe training checkpoints for the DeepSpeed engine that trains the heads.
+
+Layout under `<output_dir>/checkpoints/`:
+
+    latest                    text: the name of the newest complete checkpoint
+    step-00000040/
+        heads.safetensors     full fp32 head weights (gathered from the ZeRO partitions)
+        rank-00000.pt         per rank: its optimizer state (its ZeRO partition), loss-scaler
+        rank-00001.pt         state and RNG states; tensors and plain values only
+        manifest.json         step, sampler position, scheduler and engine counters, world
+                              size, ZeRO stage, precision, the recipe, and the file list
+
+Protocol: every rank writes into `.tmp-step-N/`; after a barrier rank 0 checks that all
+files are there, writes the manifest, renames the directory to `step-N` and only then
+rewrites `latest` (temp file + rename). So `latest` never names a partial checkpoint, and
+a directory that `latest` does not name is never loaded. A checkpoint named by `latest`
+that lacks a file is an error, not a silent restart.
+
+Loading uses safetensors and `torch.load(weights_only=True)`. DeepSpeed's optimizer
+state dicts hold a few Python objects (the loss scaler, ZeRO's stage enum and fragment
+maps); they are saved as plain values and restored onto the live optimizer's objects.
+Resuming needs the same world size, ZeRO stage and precision as the run that saved.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specheads.heads.heads_dir import atomic_write_text, replace_dir
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+WEIGHTS = "heads.safetensors"
+KEEP_LAST = 2  # complete checkpoints kept on disk
+UNSAVED = "<specheads: restored from the live optimizer>"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint named by `latest` that cannot be resumed from."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+# ---------------------------------------------------------------------------- distributed
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+# ---------------------------------------------------------------------------- plain state
+
+def to_plain(obj):
+    """A copy of `obj` that torch.load(weights_only=True) can read: tensors, numbers, strings,
+    containers. Enums become their values; other objects become the UNSAVED marker."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        return {key: to_plain(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_plain(value) for value in obj)
+    return UNSAVED
+
+
+def from_plain(saved, live):
+    """Undo to_plain against the live optimizer's state dict: markers take the live object,
+    enum values become the live enum type."""
+    if isinstance(saved, str) and saved == UNSAVED:
+        return live
+    if isinstance(live, enum.Enum):
+        return type(live)(saved)
+    if isinstance(saved, dict):
+        live = live if isinstance(live, dict) else {}
+        return {key: from_plain(value, live.get(key)) for key, value in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        live = live if isinstance(live, (list, tuple)) and len(live) == len(saved) else [None] * len(saved)
+        return type(saved)(from_plain(value, other) for value, other in zip(saved, live))
+    return saved
+
+
+def _scaler_state(optimizer) -> dict:
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None:
+        return {}
+    return {key: value for key, value in vars(scaler).items() if isinstance(value, (bool, int, float))}
+
+
+def _rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    return {"torch": torch.get_rng_state(), "python_version": version, "python_state": list(internal),
+            "python_gauss": gauss}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python_state"]), state["python_gauss"]))
+
+
+# ---------------------------------------------------------------------------- weights
+
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The heads' full fp32 weights. Collective under ZeRO: every rank must call it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = _unfused_masters(engine.optimizer)
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)  # ZeRO 1-3: gathered fp32 master; else None
+        if full is None:
+            full = masters.get(id(param), param)
+        state[name] = full.detach().to("cpu", torch.float32).clone()
+    for name, buffer in engine.module.named_buffers():
+        state[name] = buffer.detach().to("cpu").clone()
+    return state
+
+
+def _unfused_masters(optimizer) -> dict[int, torch.Tensor]:
+    """fp32 masters of DeepSpeed's ZeRO-0 fp16/bf16 optimizer, keyed by id(low-precision param)."""
+    low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
+    if not low or not high:
+        return {}
+    return {id(p16): p32 for group16, group32 in zip(low, high) for p16, p32 in zip(group16, group32)}
+
+
+# ---------------------------------------------------------------------------- save
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_torch(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_state: dict,
+                    recipe_dict: dict, precision: str) -> Path:
+    """Collective: all ranks call it at the same step. Returns the checkpoint directory."""
+    rank, world_size = _rank_world()
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    name = checkpoint_name(step)
+    tmp = root / f".tmp-{name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    weights = full_state_dict(engine)  # collective under ZeRO
+    _save_torch({"optimizer": to_plain(engine.optimizer.state_dict()),
+                 "loss_scaler": _scaler_state(engine.optimizer),
+                 "rng": _rng_state()}, tmp / rank_file(rank))
+    barrier()
+    final = root / name
+    if rank == 0:
+        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        _fsync(tmp / WEIGHTS)
+        files = [WEIGHTS] + [rank_file(r) for r in range(world_size)]
+        missing = [f for f in files if not (tmp / f).is_file()]
+        if missing:
+            raise CheckpointError(f"checkpoint {tmp} is missing {missing} after all ranks wrote; not publishing it")
+        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        manifest = {
+            "step": step, "world_size": world_size, "zero_stage": engine.zero_optimization_stage(),
+            "precision": precision, "sampler": sampler_state, "scheduler": scheduler,
+            "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                       "skipped_steps": engine.skipped_steps},
+            "files": files, "recipe": recipe_dict,
+        }
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        _fsync(tmp)
+        replace_dir(tmp, final)
+        _fsync(root)
+        atomic_write_text(root / LATEST, name + "\n")
+        _prune(root, keep=name)
+    barrier()
+    return final
+
+
+def _prune(root: Path, keep: str) -> None:
+    complete = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name <= keep)
+    for old in complete[:-KEEP_LAST]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_partial(output_dir: str | os.PathLike) -> None:
+    """Remove temp directories a killed run left behind (rank 0, before training starts)."""
+    for tmp in (Path(output_dir) / CHECKPOINTS_DIR).glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- load
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> tuple[Path, dict] | None:
+    """(directory, manifest) of the checkpoint `latest` names; None when there is no `latest`."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    directory = root / name
+    if not name or not (directory / MANIFEST).is_file():
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint (no {MANIFEST}); "
+                              f"delete {root} to start over")
+    manifest = json.loads((directory / MANIFEST).read_text())
+    missing = [f for f in manifest["files"] if not (directory / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} is missing {missing}; delete {root} to start over")
+    return directory, manifest
+
+
+def load_checkpoint(directory: Path, manifest: dict, engine, precision: str, grad_accum: int) -> None:
+    """Restore weights, optimizer, scheduler, engine counters and RNG into `engine` (all ranks)."""
+    rank, world_size = _rank_world()
+    stage = engine.zero_optimization_stage()
+    saved = (manifest["world_size"], manifest["zero_stage"], manifest["precision"])
+    if saved != (world_size, stage, precision):
+        raise CheckpointError(
+            f"checkpoint {directory} was written with world size {saved[0]}, ZeRO stage {saved[1]}, precision "
+            f"{saved[2]!r}; this run has {world_size}, {stage}, {precision!r}. Resume with the same settings, "
+            "or use a new train.output_dir")
+    if stage < 3:  # ZeRO-3 restores its partitioned weights from the optimizer's fp32 partitions
+        dtype = next(engine.module.parameters()).dtype
+        weights = load_file(str(directory / WEIGHTS))
+        engine.module.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    per_rank = [torch.load(directory / rank_file(r), map_location="cpu", weights_only=True)
+                for r in range(world_size)]
+    live = engine.optimizer.state_dict()
+    optimizer_states = [from_plain(state["optimizer"], live) for state in per_rank]
+    if engine.zero_optimization():
+        engine.optimizer.load_state_dict(state_dict_list=optimizer_states, load_optimizer_states=True,
+                                         load_from_fp32_weights=True)
+    elif precision in ("bf16", "fp16"):
+        engine.optimizer.load_state_dict(optimizer_states[rank], load_optimizer_states=True)
+    else:
+        engine.optimizer.load_state_dict(optimizer_states[rank])
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for key, value in per_rank[rank]["loss_scaler"].items():
+        setattr(scaler, key, value)
+    if engine.lr_scheduler is not None and manifest["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(manifest["scheduler"])
+    counters = manifest["engine"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.skipped_steps = counters["skipped_steps"]
+    engine.micro_steps = manifest["step"] * grad_accum
+    _set_rng_state(per_rank[rank]["rng"])

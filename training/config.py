@@ -1,0 +1,261 @@
+"""Recipes: YAML files that map 1:1 onto the small dataclasses below, one per part.
+
+    target:    TargetConfig     which frozen LM the heads are trained on
+    heads:     HeadsSpec        head kind and sizes
+    data:      DataConfig       where the text comes from and how it is packed
+    train:     TrainConfig      steps, batch, optimiser, precision, ZeRO stage, checkpoints
+    tracking:  "wandb" | "none"
+    wandb:     WandbConfig      used when tracking is "wandb"
+    calibrate: CalibrateConfig  held-out acceptance measurement and tree size
+
+Loading is strict: an unknown key or a bad value raises RecipeError naming the key's
+dotted path (`train.micro_batch_size: expected a positive int, got 'x'`). Overrides use
+the same dotted paths (`--set train.steps=10`); their values are parsed as YAML scalars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the dotted key and what would be right."""
+
+
+# A field's check is (description of what is expected, predicate). The description is the
+# "expected ..." part of the error message.
+Check = tuple[str, Callable[[Any], bool]]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+POSITIVE_INT: Check = ("a positive int", lambda v: _is_int(v) and v > 0)
+NON_NEGATIVE_INT: Check = ("an int >= 0", lambda v: _is_int(v) and v >= 0)
+OPTIONAL_POSITIVE_INT: Check = ("a positive int or null", lambda v: v is None or (_is_int(v) and v > 0))
+POSITIVE_NUMBER: Check = ("a number > 0", lambda v: _is_number(v) and v > 0)
+NON_NEGATIVE_NUMBER: Check = ("a number >= 0", lambda v: _is_number(v) and v >= 0)
+FRACTION: Check = ("a number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1)
+BOOL: Check = ("true or false", lambda v: isinstance(v, bool))
+NON_EMPTY_STR: Check = ("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
+OPTIONAL_STR: Check = ("a string or null", lambda v: v is None or (isinstance(v, str) and bool(v.strip())))
+
+
+def _as_float(value):
+    """`lr: 1` means 1.0, and `lr: 3e-4` (which YAML 1.1 reads as a string) means 0.0003."""
+    if _is_int(value):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) else value
+    return value
+
+
+def one_of(*choices) -> Check:
+    return (f"one of {list(choices)}", lambda v: v in choices and not isinstance(v, bool))
+
+
+def _field(default, check: Check, help: str = ""):
+    return field(default=default, metadata={"check": check, "help": help})
+
+
+def _required(check: Check, help: str = ""):
+    return field(metadata={"check": check, "help": help})
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = _required(NON_EMPTY_STR, "a local model directory, a hub id, or embedded:tiny")
+    dtype: str = _field("float32", one_of("float32", "bfloat16", "float16"))
+    trust_remote_code: bool = _field(False, BOOL)
+
+
+@dataclass
+class HeadsSpec:
+    kind: str = _field("medusa", one_of("medusa"))
+    num_heads: int = _field(4, POSITIVE_INT)
+    num_layers: int = _field(1, NON_NEGATIVE_INT)
+
+
+@dataclass
+class DataConfig:
+    source: str = _field("embedded:stdlib", NON_EMPTY_STR,
+                         "embedded:stdlib, a local .jsonl/.json/.parquet file, or a datasets name")
+    text_field: str = _field("text", NON_EMPTY_STR)
+    tokenizer: str | None = _field(None, OPTIONAL_STR, "tokenizer path or hub id; null = the target's")
+    seq_len: int = _field(256, POSITIVE_INT)
+    # Held-out data for calibration: eval_source if set, else embedded:stdlib's held-out
+    # split, else the last eval_fraction of the (shuffled) source records.
+    eval_source: str | None = _field(None, OPTIONAL_STR)
+    eval_fraction: float = _field(0.05, FRACTION)
+    max_records: int | None = _field(None, OPTIONAL_POSITIVE_INT)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _field(100, POSITIVE_INT, "optimizer steps")
+    micro_batch_size: int = _field(8, POSITIVE_INT, "blocks per rank per micro step")
+    grad_accum: int = _field(1, POSITIVE_INT)
+    lr: float = _field(1e-3, POSITIVE_NUMBER)
+    weight_decay: float = _field(0.0, NON_NEGATIVE_NUMBER)
+    warmup_steps: int = _field(0, NON_NEGATIVE_INT)
+    scheduler: str = _field("cosine", one_of("cosine", "constant"))
+    grad_clip: float = _field(1.0, NON_NEGATIVE_NUMBER, "0 disables clipping")
+    precision: str = _field("fp32", one_of("fp32", "bf16", "fp16"))
+    zero_stage: int = _field(0, one_of(0, 1, 2, 3))
+    seed: int = _field(0, NON_NEGATIVE_INT)
+    save_every: int = _field(100, POSITIVE_INT, "steps between checkpoints (one is always written at the end)")
+    log_every: int = _field(10, POSITIVE_INT)
+    output_dir: str = _field("runs/medusa", NON_EMPTY_STR)
+
+
+@dataclass
+class WandbConfig:
+    project: str = _field("specheads", NON_EMPTY_STR)
+    entity: str | None = _field(None, OPTIONAL_STR)
+    run_name: str | None = _field(None, OPTIONAL_STR)
+
+
+@dataclass
+class CalibrateConfig:
+    num_nodes: int = _field(16, POSITIVE_INT, "draft-tree node budget")
+    max_rank: int = _field(4, POSITIVE_INT, "top-k candidates measured per head")
+    eval_batches: int = _field(8, POSITIVE_INT, "held-out batches of train.micro_batch_size blocks")
+
+
+@dataclass
+class Recipe:
+    target: TargetConfig
+    heads: HeadsSpec = field(default_factory=HeadsSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: str = _field("none", one_of("wandb", "none"))
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _section_type(cls, f: dataclasses.Field):
+    """The dataclass a field of `cls` holds, or None for a scalar field."""
+    hint = typing.get_type_hints(cls)[f.name]
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def _unknown_key(dotted: str, known: list[str]) -> RecipeError:
+    close = difflib.get_close_matches(dotted.rsplit(".", 1)[-1], known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    where = dotted.rsplit(".", 1)[0] + " " if "." in dotted else ""
+    return RecipeError(f"{dotted}: unknown key; {hint}known keys in {where or 'a recipe '}are {known}")
+
+
+def _build(cls, raw, prefix: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping of keys to values, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise _unknown_key(f"{prefix}{key}", sorted(fields))
+    values = {}
+    for name, f in fields.items():
+        dotted = f"{prefix}{name}"
+        section = _section_type(cls, f)
+        if section is not None:
+            if name not in raw and f.default_factory is dataclasses.MISSING:
+                raise RecipeError(f"{dotted}: required section is missing")
+            values[name] = _build(section, raw.get(name), f"{dotted}.")
+            continue
+        if name not in raw:
+            if f.default is dataclasses.MISSING:
+                raise RecipeError(f"{dotted}: required, expected {f.metadata['check'][0]}"
+                                  + (f" ({f.metadata['help']})" if f.metadata.get("help") else ""))
+            continue
+        value = raw[name]
+        expected, ok = f.metadata["check"]
+        if isinstance(f.default, float):
+            value = _as_float(value)
+        if not ok(value):
+            raise RecipeError(f"{dotted}: expected {expected}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def recipe_from_dict(raw: dict) -> Recipe:
+    return _build(Recipe, raw, "")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.steps=10' -> ('train.steps', 10); the value is parsed as a YAML scalar."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise RecipeError(f"override {text!r}: expected dotted.key=value, e.g. train.steps=10")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{key}: cannot parse {value!r} as a YAML value ({err.__class__.__name__})") from None
+    return key, parsed
+
+
+def apply_override(raw: dict, dotted: str, value) -> None:
+    """Set `dotted` in the raw recipe mapping, checking the path against the schema."""
+    parts = dotted.split(".")
+    cls, node = Recipe, raw
+    for depth, name in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        here = ".".join(parts[:depth + 1])
+        if name not in fields:
+            raise _unknown_key(here, sorted(fields))
+        section = _section_type(cls, fields[name])
+        last = depth == len(parts) - 1
+        if last:
+            if section is not None:
+                raise RecipeError(f"{here}: is a section; override one of its keys, e.g. "
+                                  f"{here}.{dataclasses.fields(section)[0].name}=...")
+            node[name] = value
+            return
+        if section is None:
+            raise RecipeError(f"{here}: is a value, not a section, so {dotted} does not exist")
+        child = node.get(name)
+        if child is None:
+            child = node[name] = {}
+        elif not isinstance(child, dict):
+            raise RecipeError(f"{here}: expected a mapping of keys to values, got {child!r}")
+        cls, node = section, child
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {str(path)!r} does not exist (expected a YAML file, e.g. recipes/tiny-medusa.yaml)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"recipe {str(path)!r} is not valid YAML: {err}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {str(path)!r}: expected a mapping at the top level, got {type(raw).__name__}")
+    for text in overrides:
+        apply_override(raw, *parse_override(text))
+    return recipe_from_dict(raw)
