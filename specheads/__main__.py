@@ -1,0 +1,5 @@
+import sys
+
+from specheads.cli import main
+
+sys.exit(main())

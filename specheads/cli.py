@@ -1,0 +1,104 @@
+"""The `specheads` command line.
+
+    specheads train RECIPE.yaml [--set dotted.key=value ...]
+    specheads generate --target T [--heads H] --prompt TEXT [--max-new-tokens N] [--json]
+    specheads demo [--workdir DIR]
+
+Every subcommand imports its machinery lazily so `specheads --help` is instant. User
+errors (bad paths, mismatched heads, bad recipes) print one clear line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one line, exit status 2."""
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with (or without) heads and print alpha, tau, tokens/s")
+    p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
+    p.add_argument("--heads", help="heads directory (config.json + model.safetensors); omit for plain decoding")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="build the embedded target, train Medusa heads with DeepSpeed, compare decoding")
+    p.add_argument("--workdir", default="runs/demo", help="where the heads and checkpoints go")
+    p.add_argument("--recipe", default=None, help="recipe to train (default: the shipped tiny-medusa.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted recipe override, repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--retrain", action="store_true", help="train even if the workdir already has heads")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specheads", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train heads from a recipe (DeepSpeed)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    _add_generate(sub)
+    _add_demo(sub)
+    return parser
+
+
+def cmd_generate(args) -> int:
+    from specheads.runner import load_decoder
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
+                                      trust_remote_code=args.trust_remote_code)
+    prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    if not prompt_ids:
+        raise UserError("--prompt is empty after tokenization; give at least one token of text")
+    result = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens,
+                              eos_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+    stats = result.stats
+    report = {"text": text, "num_tokens": len(result.tokens), "finish_reason": result.finish_reason,
+              "speculative": args.heads is not None, "alpha": stats.alpha, "tau": stats.tau,
+              "tokens_per_s": stats.tokens_per_s, "steps": stats.steps,
+              "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(args.prompt + text)
+        print(f"\n[{len(result.tokens)} tokens, finish={result.finish_reason}] alpha={stats.alpha:.3f} "
+              f"tau={stats.tau:.2f} tokens/s={stats.tokens_per_s:.1f}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            from specheads.train import main as train_main
+
+            return train_main(args.args)
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "demo":
+            from specheads.demo import run_demo
+
+            return run_demo(args)
+    except (UserError, FileNotFoundError, ValueError) as err:
+        print(f"specheads {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

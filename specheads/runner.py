@@ -1,0 +1,30 @@
+"""Loading a target (+ heads) into a ready decoder: shared by `generate`, `demo` and, later,
+`serve` and `bench`. Resolves the embedded target name and checks heads fit the target
+before any weights are used."""
+
+from __future__ import annotations
+
+
+def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
+    from specheads.data.tiny_target import resolve_target
+
+    return resolve_target(str(name_or_path), progress=progress)
+
+
+def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 trust_remote_code: bool = False, progress: bool = True):
+    """(SpeculativeDecoder, tokenizer) for a target and optional heads directory."""
+    from transformers import AutoTokenizer
+
+    from specheads.heads.heads_dir import load_heads
+    from specheads.heads.target import TargetAdapter
+    from specheads.serving.decode import SpeculativeDecoder
+    from specheads.serving.tree import DraftTree
+
+    path = resolve_target_name(target, progress=progress)
+    adapter = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    decoder = SpeculativeDecoder(adapter)
+    if heads is not None:  # checked against the target before anything else is loaded
+        head_module, config = load_heads(heads, target=adapter.identity, device=device, dtype=adapter.dtype)
+        decoder = SpeculativeDecoder(adapter, head_module, DraftTree.from_heads_config(config))
+    return decoder, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

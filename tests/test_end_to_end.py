@@ -1,0 +1,158 @@
+"""End to end on the real embedded target: heads trained through `specheads.train` (DeepSpeed,
+one process), then decoded losslessly; plus the `specheads` CLI as a user runs it.
+
+The embedded target is built once and cached (see conftest.embedded_target_dir).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specheads.data.corpus import stdlib_texts
+from specheads.heads.heads_dir import load_heads
+from specheads.heads.medusa import MedusaHeads
+from specheads.heads.target import TargetAdapter
+from specheads.serving.decode import SpeculativeDecoder
+from specheads.serving.tree import DraftTree
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-medusa.yaml"
+NUM_PROMPTS = 20
+TRAIN_STEPS = 80
+
+
+@pytest.fixture(scope="module")
+def embedded(embedded_target_dir):
+    from transformers import AutoTokenizer
+
+    return TargetAdapter.from_pretrained(embedded_target_dir), AutoTokenizer.from_pretrained(embedded_target_dir)
+
+
+@pytest.fixture(scope="module")
+def trained_heads_dir(embedded_target_dir, tmp_path_factory) -> Path:
+    from specheads.train import main
+
+    out = tmp_path_factory.mktemp("e2e-train")
+    rc = main([str(RECIPE), "--set", f"train.output_dir={out}", "--set", f"train.steps={TRAIN_STEPS}",
+               "--set", "train.zero_stage=0", "--set", "train.save_every=1000",
+               "--set", f"target.name_or_path={embedded_target_dir}"])
+    assert rc == 0
+    return out / "heads"
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded) -> list[list[int]]:
+    """Held-out source snippets, 8-40 tokens each (the target never trained on these files)."""
+    _, tokenizer = embedded
+    rng = random.Random(0)
+    texts = [t for t in stdlib_texts("heldout") if len(t) > 2000]
+    out = []
+    for i in range(NUM_PROMPTS):
+        ids = tokenizer(texts[i % len(texts)], add_special_tokens=False)["input_ids"]
+        start = rng.randrange(0, len(ids) - 64)
+        out.append(ids[start:start + rng.randrange(8, 40)])
+    return out
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def cut_inside_a_path(result) -> bool:
+    """True when EOS or the length limit stopped emission part-way through an accepted path."""
+    stats = result.stats
+    return stats.steps > 0 and 1 + stats.steps + stats.accepted_tokens > len(result.tokens)
+
+
+def test_lossless_on_the_trained_embedded_target(embedded, trained_heads_dir, prompts):
+    target, tokenizer = embedded
+    heads, config = load_heads(trained_heads_dir, target=target.identity)
+    decoder = SpeculativeDecoder(target, heads, DraftTree.from_heads_config(config))
+    cut_cases = 0
+    for i, prompt in enumerate(prompts):
+        max_new = 9 + 3 * i  # uneven limits, so some fall inside accepted paths
+        eos = tokenizer.eos_token_id
+        if i % 2:  # an EOS that really occurs in the continuation
+            plain = hf_greedy(target.model, prompt, max_new, None)
+            eos = plain[min(4 + i % 5, len(plain) - 1)]
+        reference = hf_greedy(target.model, prompt, max_new, eos)
+        result = decoder.generate(prompt, max_new_tokens=max_new, eos_token_id=eos)
+        assert result.tokens == reference, f"prompt {i}: speculative output differs from HF greedy"
+        cut_cases += cut_inside_a_path(result)
+    assert cut_cases >= 2, "no prompt stopped inside an accepted path; the test lost its point"
+
+
+def decode_tau(target, heads, tree, prompts, max_new_tokens=48) -> float:
+    decoder = SpeculativeDecoder(target, heads, tree)
+    stats = [decoder.generate(p, max_new_tokens=max_new_tokens).stats for p in prompts]
+    return sum(s.accepted_tokens + s.steps for s in stats) / sum(s.steps for s in stats)
+
+
+def test_training_raises_tau_clearly(embedded, trained_heads_dir, prompts):
+    target, _ = embedded
+    trained, config = load_heads(trained_heads_dir, target=target.identity)
+    untrained = MedusaHeads(config.hidden_size, config.vocab_size, config.num_heads, config.num_layers)
+    untrained.init_lm_heads_from(target.lm_head())  # how training starts
+    tree = DraftTree.from_heads_config(config)
+    tau_trained = decode_tau(target, trained, tree, prompts)
+    tau_untrained = decode_tau(target, untrained, tree, prompts)
+    assert tau_trained > tau_untrained + 0.25, (tau_trained, tau_untrained)
+    assert config.calibration and config.tree["paths"], "training must store a calibrated tree"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specheads", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_generate_matches_hf_and_reports_metrics(embedded, embedded_target_dir, trained_heads_dir):
+    target, tokenizer = embedded
+    prompt = "def join(a, *p):\n    "
+    proc = run_cli("generate", "--target", str(embedded_target_dir), "--heads", str(trained_heads_dir),
+                   "--prompt", prompt, "--max-new-tokens", "32", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    expected = tokenizer.decode(hf_greedy(target.model, ids, 32, tokenizer.eos_token_id), skip_special_tokens=True)
+    assert report["text"] == expected
+    assert 0.0 <= report["alpha"] <= 1.0 and report["tau"] >= 1.0 and report["tokens_per_s"] > 0
+    assert report["accepted_tokens"] <= report["drafted_tokens"]
+    plain = run_cli("generate", "--target", str(embedded_target_dir), "--prompt", prompt, "--max-new-tokens", "32")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.startswith(prompt + expected)
+    assert "tau=1.00" in plain.stderr
+
+
+def test_cli_missing_target_fails_clearly(tmp_path):
+    proc = run_cli("generate", "--target", str(tmp_path / "no-such-model"), "--prompt", "x")
+    assert proc.returncode != 0
+    assert "no-such-model" in proc.stderr and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_mismatched_heads_fail_naming_both_values(trained_heads_dir, tiny_llama_dir):
+    # Heads are checked against the target before anything else is loaded.
+    proc = run_cli("generate", "--target", str(tiny_llama_dir), "--heads", str(trained_heads_dir), "--prompt", "x")
+    assert proc.returncode != 0
+    assert "hidden_size: heads were trained for 256, the target has 64" in proc.stderr
+    assert "vocab_size: heads were trained for 2048, the target has 256" in proc.stderr
+
+
+def test_cli_train_rejects_unknown_key_and_empty_dataset(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(RECIPE.read_text().replace("  seq_len: 256", "  seq_len: 256\n  seq_lenn: 128"))
+    proc = run_cli("train", str(bad))
+    assert proc.returncode != 0 and "data.seq_lenn" in proc.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = run_cli("train", str(RECIPE), "--set", f"data.source={empty}", "--set", f"train.output_dir={tmp_path / 'o'}")
+    assert proc.returncode != 0 and "empty.jsonl" in proc.stderr
+    assert "Traceback" not in proc.stderr
