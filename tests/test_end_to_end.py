@@ -7,6 +7,7 @@ The embedded target is built once and cached (see conftest.embedded_target_dir).
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -109,8 +110,15 @@ def test_training_raises_tau_clearly(embedded, trained_heads_dir, prompts):
     assert config.calibration and config.tree["paths"], "training must store a calibrated tree"
 
 
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specheads", *args], capture_output=True, text=True, timeout=600)
+    """Run `specheads` as a user would, from a shell without this process's
+    launcher-less DeepSpeed variables (the in-process training fixture sets them)."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    return subprocess.run([sys.executable, "-m", "specheads", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
 
 
 def test_cli_generate_matches_hf_and_reports_metrics(embedded, embedded_target_dir, trained_heads_dir):
