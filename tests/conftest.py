@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny targets built locally and saved through the real save_pretrained /
+from_pretrained paths. Nothing here touches a network."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 256
+
+
+def make_tiny_model(arch: str, directory: Path, seed: int = 0, vocab_size: int = TINY_VOCAB,
+                    hidden_size: int = 64, num_layers: int = 2) -> Path:
+    """Save a randomly initialised tiny causal LM of `arch` ("llama" | "qwen2") to `directory`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        arch, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    # Random init gives near-uniform logits; a larger init spread makes greedy decoding less
+    # tie-prone and more like a trained model's peaked distributions.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return make_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def embedded_target_dir() -> Path:
+    """The real embedded target (trained on the stdlib), built once and cached.
+
+    The cache lives where `specheads` keeps it (SPECHEADS_CACHE or ~/.cache/specheads), so
+    the demo and the tests share one build.
+    """
+    from specheads.data.tiny_target import build_tiny_target
+
+    return build_tiny_target(progress=False)
