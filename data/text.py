@@ -6,9 +6,15 @@ Sources (`DataConfig.source`):
   - a local .jsonl / .json / .parquet file, read with `datasets.load_dataset`;
   - any other string: a `datasets` dataset name (its "train" split).
 
-A record gives text in `text_field`, or token ids in an `input_ids` list (pre-tokenized
-data needs no tokenizer). Records without usable text are counted by reason and reported,
-never silently dropped. Documents are joined with EOS and cut into blocks [N, T]; only the
+A record is a ShareGPT `conversations` list, an OpenAI `messages` list, text in
+`text_field`, or token ids in an `input_ids` list (pre-tokenized data needs no tokenizer);
+the shape is detected per record (data/records.py). Conversations are rendered with the
+tokenizer's chat template (or a documented fallback) and get a loss mask on assistant
+tokens only (data/chat.py); text and token-id documents are all loss. A conversation longer
+than seq_len is cut to seq_len tokens when `truncate` is on (counted in the report), else
+skipped as "longer than seq_len". Records without usable content are counted by reason and
+reported, never silently dropped. Documents are joined with EOS (loss on it for text, not
+for conversations, whose template ends each reply) and cut into blocks [N, T]; only the
 last block can be padded, and its padding has loss mask 0.
 
 `BlockSampler` turns the blocks into one deterministic global stream (a seeded
@@ -27,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+from specheads.data.chat import TemplateError, ensure_chat_template, tokenize_conversation
+from specheads.data.records import Conversation, normalize_record
+
 EMBEDDED_STDLIB = "embedded:stdlib"
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TOKENIZE_CHUNK = 256  # documents per tokenizer call
@@ -42,12 +51,18 @@ class DataReport:
     num_records: int = 0
     num_documents: int = 0  # records that gave text or token ids
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
-    num_tokens: int = 0
+    num_tokens: int = 0  # tokens with loss
     num_blocks: int = 0
+    num_conversations: int = 0
+    num_truncated: int = 0  # conversations cut to seq_len
+    chat_template: str | None = None  # "tokenizer" | "fallback" when conversations were rendered
 
     def summary(self) -> str:
         text = (f"{self.source}: {self.num_documents}/{self.num_records} records used, "
                 f"{self.num_tokens} tokens in {self.num_blocks} blocks")
+        if self.num_conversations:
+            text += f"; {self.num_conversations} conversations ({self.chat_template} chat template"
+            text += f", {self.num_truncated} truncated to seq_len)" if self.num_truncated else ")"
         if self.skipped:
             reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(self.skipped.items()))
             text += f"; skipped {sum(self.skipped.values())} ({reasons})"
@@ -104,34 +119,15 @@ def _load_dataset(source: str, name: str, **kwargs) -> list[dict]:
 
 
 def extract_documents(records: list, text_field: str) -> tuple[list, Counter]:
-    """-> documents (str or list[int]) and skipped-record counts by reason."""
+    """-> documents (str, list[int] or Conversation) and skipped-record counts by reason."""
     documents, skipped = [], Counter()
     for record in records:
-        document, reason = _document(record, text_field)
+        document, reason = normalize_record(record, text_field)
         if reason is None:
             documents.append(document)
         else:
             skipped[reason] += 1
     return documents, skipped
-
-
-def _document(record, text_field: str) -> tuple[str | list[int] | None, str | None]:
-    """-> (document, None) or (None, why the record gives no document)."""
-    if isinstance(record, str):
-        return (record, None) if record.strip() else (None, "empty text")
-    if not isinstance(record, dict):
-        return None, f"not a mapping ({type(record).__name__})"
-    text = record.get(text_field)
-    if text is not None:
-        if not isinstance(text, str):
-            return None, f"{text_field!r} is not a string ({type(text).__name__})"
-        return (text, None) if text.strip() else (None, f"empty {text_field!r}")
-    token_ids = record.get("input_ids")
-    if token_ids is not None:
-        if not (isinstance(token_ids, list) and all(isinstance(t, int) and t >= 0 for t in token_ids)):
-            return None, "input_ids is not a list of token ids"
-        return (token_ids, None) if token_ids else (None, "empty input_ids")
-    return None, f"missing field {text_field!r}"
 
 
 # ---------------------------------------------------------------------------- tokens
@@ -146,40 +142,100 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
                         "to a tokenizer path, or give records pre-tokenized `input_ids`") from err
 
 
+@dataclass
+class Tokenized:
+    token_ids: list[list[int]]  # one list per kept document
+    loss_masks: list[list[bool] | None]  # per kept document; None = every token has loss
+    tokenizer: object | None
+    skipped: Counter  # documents dropped at tokenization, by reason
+    num_conversations: int = 0
+    num_truncated: int = 0
+    chat_template: str | None = None
+
+
 def tokenize_documents(documents: list, tokenizer_path: str | None, trust_remote_code: bool = False,
-                       ) -> tuple[list[list[int]], object | None]:
-    """Token ids per document; the tokenizer is loaded only when some document is text."""
+                       seq_len: int | None = None, truncate: bool = True, tokenizer=None) -> Tokenized:
+    """Token ids (+ assistant loss masks for conversations) per document.
+
+    The tokenizer is loaded only when some document is text or a conversation. A
+    conversation the template cannot split into assistant spans, or (with truncate off)
+    one longer than seq_len, is dropped and counted in `skipped`.
+    """
+    out = Tokenized([], [], tokenizer, Counter())
     if all(isinstance(doc, list) for doc in documents):
-        return documents, None
-    if tokenizer_path is None:
-        raise DataError("text records need a tokenizer: set data.tokenizer")
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
-    ids: list[list[int]] = [None] * len(documents)  # type: ignore[list-item]
-    text_positions = [i for i, doc in enumerate(documents) if isinstance(doc, str)]
-    for start in range(0, len(text_positions), TOKENIZE_CHUNK):
-        chunk = text_positions[start:start + TOKENIZE_CHUNK]
-        encoded = tokenizer([documents[i] for i in chunk], add_special_tokens=False, verbose=False)["input_ids"]
-        for i, token_ids in zip(chunk, encoded):
-            ids[i] = token_ids
-    for i, doc in enumerate(documents):
-        if ids[i] is None:
-            ids[i] = doc
-    return ids, tokenizer
+        out.token_ids, out.loss_masks = list(documents), [None] * len(documents)
+        return out
+    if out.tokenizer is None:
+        if tokenizer_path is None:
+            raise DataError("text records need a tokenizer: set data.tokenizer")
+        out.tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
+    text_ids = _tokenize_texts(out.tokenizer, [doc for doc in documents if isinstance(doc, str)])
+    if any(isinstance(doc, Conversation) for doc in documents):
+        if not getattr(out.tokenizer, "is_fast", False):
+            raise DataError("chat records need a fast tokenizer (assistant spans are found from character "
+                            f"offsets); {type(out.tokenizer).__name__} is not one")
+        out.chat_template = ensure_chat_template(out.tokenizer)
+    for doc in documents:
+        if isinstance(doc, str):
+            out.token_ids.append(next(text_ids))
+            out.loss_masks.append(None)
+        elif isinstance(doc, Conversation):
+            _add_conversation(out, doc, seq_len, truncate)
+        else:
+            out.token_ids.append(doc)
+            out.loss_masks.append(None)
+    return out
+
+
+def _tokenize_texts(tokenizer, texts: list[str]):
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        yield from tokenizer(texts[start:start + TOKENIZE_CHUNK], add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _add_conversation(out: Tokenized, conversation: Conversation, seq_len: int | None, truncate: bool) -> None:
+    try:
+        ids, mask = tokenize_conversation(out.tokenizer, conversation)
+    except TemplateError as err:
+        out.skipped[str(err)] += 1
+        return
+    except Exception as err:  # a template may raise anything (jinja errors, raise_exception)
+        out.skipped[f"chat template error ({type(err).__name__})"] += 1
+        return
+    if seq_len is not None and len(ids) > seq_len:
+        if not truncate:
+            out.skipped["longer than seq_len"] += 1
+            return
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if not any(mask):
+            out.skipped["no assistant token within seq_len"] += 1
+            return
+        out.num_truncated += 1
+    out.num_conversations += 1
+    out.token_ids.append(ids)
+    out.loss_masks.append(mask)
 
 
 def pack_blocks(documents: list[list[int]], seq_len: int, eos_id: int | None, pad_id: int,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Documents joined by EOS, cut into [N, T] blocks; the ragged tail is padded (mask 0)."""
+                loss_masks: list[list[bool] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents joined by EOS, cut into [N, T] blocks; the ragged tail is padded (mask 0).
+
+    loss_masks: per document, None (all tokens have loss, and so has its EOS separator) or
+    a per-token mask (a conversation: its EOS separator has no loss).
+    """
+    loss_masks = loss_masks if loss_masks is not None else [None] * len(documents)
     stream: list[int] = []
-    for doc in documents:
+    stream_mask: list[bool] = []
+    for doc, doc_mask in zip(documents, loss_masks):
         stream.extend(doc)
+        stream_mask.extend([True] * len(doc) if doc_mask is None else doc_mask)
         if eos_id is not None:
             stream.append(eos_id)
+            stream_mask.append(doc_mask is None)
     num_blocks = -(-len(stream) // seq_len)
     ids = torch.full((num_blocks * seq_len,), pad_id, dtype=torch.long)  # [N*T]
     mask = torch.zeros(num_blocks * seq_len, dtype=torch.bool)  # [N*T]
     ids[:len(stream)] = torch.tensor(stream, dtype=torch.long)
-    mask[:len(stream)] = True
+    mask[:len(stream)] = torch.tensor(stream_mask, dtype=torch.bool)
     return ids.view(num_blocks, seq_len), mask.view(num_blocks, seq_len)
 
 
@@ -187,8 +243,9 @@ def pack_blocks(documents: list[list[int]], seq_len: int, eos_id: int | None, pa
 
 def _empty(source: str, num_records: int, skipped: Counter, text_field: str) -> DataError:
     reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(skipped.items()))
-    return DataError(f"data source {source!r} is empty: {num_records} records, none with text in {text_field!r} "
-                     f"or token ids in 'input_ids'" + (f" (skipped {reasons})" if reasons else ""))
+    return DataError(f"data source {source!r} is empty: {num_records} records, none with text in {text_field!r}, "
+                     f"token ids in 'input_ids', or a usable 'conversations'/'messages' chat"
+                     + (f" (skipped {reasons})" if reasons else ""))
 
 
 def _special_ids(tokenizer, eos_token_id: int | None) -> tuple[int | None, int]:
@@ -200,16 +257,20 @@ def _special_ids(tokenizer, eos_token_id: int | None) -> tuple[int | None, int]:
 
 def build_blocks(source: str, records: list, text_field: str, seq_len: int, tokenizer_path: str | None,
                  eos_token_id: int | None = None, vocab_size: int | None = None,
-                 trust_remote_code: bool = False) -> PackedBlocks:
+                 trust_remote_code: bool = False, truncate: bool = True, tokenizer=None) -> PackedBlocks:
     """Records -> PackedBlocks; fails with a DataError naming `source` when nothing is usable."""
     documents, skipped = extract_documents(records, text_field)
-    report = DataReport(source=source, num_records=len(records), num_documents=len(documents),
-                        skipped=dict(skipped))
     if not documents:
         raise _empty(source, len(records), skipped, text_field)
-    token_ids, tokenizer = tokenize_documents(documents, tokenizer_path, trust_remote_code)
-    eos, pad = _special_ids(tokenizer, eos_token_id)
-    input_ids, loss_mask = pack_blocks(token_ids, seq_len, eos, pad)
+    tokenized = tokenize_documents(documents, tokenizer_path, trust_remote_code, seq_len, truncate, tokenizer)
+    skipped.update(tokenized.skipped)
+    if not tokenized.token_ids:
+        raise _empty(source, len(records), skipped, text_field)
+    report = DataReport(source=source, num_records=len(records), num_documents=len(tokenized.token_ids),
+                        skipped=dict(skipped), num_conversations=tokenized.num_conversations,
+                        num_truncated=tokenized.num_truncated, chat_template=tokenized.chat_template)
+    eos, pad = _special_ids(tokenized.tokenizer, eos_token_id)
+    input_ids, loss_mask = pack_blocks(tokenized.token_ids, seq_len, eos, pad, tokenized.loss_masks)
     if vocab_size is not None and int(input_ids.max()) >= vocab_size:
         raise DataError(f"data source {source!r} has token id {int(input_ids.max())}, but the target's vocab "
                         f"has {vocab_size} entries; the tokenizer or the pre-tokenized ids do not match the target")
@@ -247,7 +308,8 @@ def load_text_data(data, tokenizer_path: str | None, seed: int, eos_token_id: in
     if data.max_records is not None:
         train_records, eval_records = train_records[:data.max_records], eval_records[:data.max_records]
     build = dict(text_field=data.text_field, seq_len=data.seq_len, tokenizer_path=data.tokenizer or tokenizer_path,
-                 eos_token_id=eos_token_id, vocab_size=vocab_size, trust_remote_code=trust_remote_code)
+                 eos_token_id=eos_token_id, vocab_size=vocab_size, trust_remote_code=trust_remote_code,
+                 truncate=getattr(data, "truncate", True))  # DataConfig.truncate, once the recipe has it
     train = build_blocks(data.source, train_records, **build)
     eval_source = data.eval_source or (f"{data.source} (held-out)")
     if not eval_records:

@@ -1,0 +1,164 @@
+"""Optional offline hidden-state cache: run the target over the packed blocks once, store
+what training reads from it, and read it back batch by batch.
+
+    specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
+
+Layout of DIR: `manifest.json` (target identity, taps, top-k, shapes, dtype, shard list)
+and `shard-00000.safetensors`, ... each holding `blocks_per_shard` blocks:
+  input_ids [n, T] int64, loss_mask [n, T] bool,
+  tap_{layer} [n, T, H] in the target's dtype (one per requested tap layer),
+  logits [n, T, V]                           when top_k is None (full logits), else
+  topk_values [n, T, K] + topk_indices [n, T, K] int32 (the target's top-k logits).
+Full logits are the default for vocabularies up to FULL_LOGITS_MAX_VOCAB (tiny targets);
+larger vocabularies keep the top DEFAULT_TOP_K, which is what distillation needs (the rest
+of the distribution is nearly zero mass) at a fraction of the size.
+
+The total size is estimated and printed before anything is written, and the cache refuses
+to start when it exceeds `max_gb`. Each shard is written to a temp name and renamed, and
+the manifest is written last, so a directory with a manifest is always whole.
+
+Shape legend: N blocks, T block length, H hidden size, V vocab, K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specheads.data.text import DataError, PackedBlocks
+
+FORMAT_VERSION = 1
+FULL_LOGITS_MAX_VOCAB = 4096
+DEFAULT_TOP_K = 64
+MANIFEST = "manifest.json"
+
+
+def resolve_top_k(top_k: int | None, vocab_size: int) -> int | None:
+    """None (full logits) or a K < vocab; "auto" (-1) picks by vocab size."""
+    if top_k is not None and top_k < 0:
+        top_k = None if vocab_size <= FULL_LOGITS_MAX_VOCAB else DEFAULT_TOP_K
+    return None if top_k is None or top_k == 0 or top_k >= vocab_size else top_k
+
+
+def estimate_bytes(num_blocks: int, seq_len: int, hidden_size: int, num_taps: int, vocab_size: int,
+                   top_k: int | None, dtype: torch.dtype) -> int:
+    positions = num_blocks * seq_len
+    width = torch.finfo(dtype).bits // 8
+    logits = positions * vocab_size * width if top_k is None else positions * top_k * (width + 4)
+    return positions * (8 + 1) + positions * hidden_size * num_taps * width + logits
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def _features(target, input_ids: torch.Tensor, taps: list[int], top_k: int | None) -> dict[str, torch.Tensor]:
+    out = target(input_ids.to(target.device), taps)
+    features = {f"tap_{layer}": tap.cpu() for layer, tap in zip(taps, out.taps)}  # each [b, T, H]
+    if top_k is None:
+        features["logits"] = out.logits.cpu()  # [b, T, V]
+    else:
+        values, indices = out.logits.topk(top_k, dim=-1)  # [b, T, K]
+        features["topk_values"], features["topk_indices"] = values.cpu(), indices.to(torch.int32).cpu()
+    return features
+
+
+def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Path, *, top_k: int | None = -1,
+                batch_size: int = 8, blocks_per_shard: int = 256, max_gb: float | None = None, log=print) -> Path:
+    """Cache the target's taps and logits over `blocks` into `out_dir`; -> the manifest path."""
+    target.check_taps(taps)
+    out = Path(out_dir)
+    if (out / MANIFEST).exists():
+        raise DataError(f"{out} already holds a feature cache ({MANIFEST}); choose another --out or remove it")
+    num_blocks, seq_len = blocks.input_ids.shape
+    top_k = resolve_top_k(top_k, target.vocab_size)
+    total = estimate_bytes(num_blocks, seq_len, target.hidden_size, len(taps), target.vocab_size, top_k, target.dtype)
+    log(f"feature cache: {num_blocks} blocks x {seq_len} tokens, taps {taps}, "
+        f"{'full logits' if top_k is None else f'top-{top_k} logits'}: about {total / 1e9:.3f} GB ({total} bytes)")
+    if max_gb is not None and total > max_gb * 1e9:
+        raise DataError(f"the feature cache would take {total / 1e9:.3f} GB, over the limit of {max_gb} GB "
+                        "(--max-gb); cache fewer records, fewer taps or a smaller --top-k")
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for shard_start in range(0, num_blocks, blocks_per_shard):
+        indices = list(range(shard_start, min(num_blocks, shard_start + blocks_per_shard)))
+        parts: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, len(indices), batch_size):
+            input_ids, _ = blocks.batch(indices[start:start + batch_size])
+            for name, tensor in _features(target, input_ids, taps, top_k).items():
+                parts.setdefault(name, []).append(tensor)
+        input_ids, loss_mask = blocks.batch(indices)
+        tensors = {"input_ids": input_ids, "loss_mask": loss_mask,
+                   **{name: torch.cat(chunks) for name, chunks in parts.items()}}
+        name = f"shard-{len(shards):05d}.safetensors"
+        _save_atomic(tensors, out / name)
+        shards.append({"file": name, "num_blocks": len(indices)})
+        log(f"feature cache: wrote {name} ({shard_start + len(indices)}/{num_blocks} blocks)")
+    manifest = {"format_version": FORMAT_VERSION, "target": dataclasses.asdict(target.identity),
+                "taps": list(taps), "top_k": top_k,
+        "num_blocks": num_blocks, "seq_len": seq_len, "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size, "dtype": str(target.dtype).removeprefix("torch."),
+        "source": blocks.report.summary(), "total_bytes": total, "shards": shards}
+    tmp = out / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, default=str))
+    os.replace(tmp, out / MANIFEST)
+    return out / MANIFEST
+
+
+class FeatureCache:
+    """Reads a cache written by write_cache; `batch(indices)` mirrors PackedBlocks.batch."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        manifest = self.directory / MANIFEST
+        if not manifest.exists():
+            raise DataError(f"{self.directory} has no {MANIFEST}: not a feature cache, or its writing did not finish")
+        self.manifest = json.loads(manifest.read_text())
+        if self.manifest["format_version"] != FORMAT_VERSION:
+            raise DataError(f"{manifest}: format_version {self.manifest['format_version']}, expected {FORMAT_VERSION}")
+        self.taps: list[int] = self.manifest["taps"]
+        self._starts, start = [], 0
+        for shard in self.manifest["shards"]:
+            self._starts.append(start)
+            start += shard["num_blocks"]
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.manifest["num_blocks"]
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"block {index} is out of range for a cache of {len(self)} blocks")
+        shard = max(i for i, start in enumerate(self._starts) if start <= index)
+        return shard, index - self._starts[shard]
+
+    def _handle(self, shard: int):
+        if shard not in self._handles:
+            path = self.directory / self.manifest["shards"][shard]["file"]
+            self._handles[shard] = safe_open(str(path), framework="pt")
+        return self._handles[shard]
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """-> {"input_ids" [b, T], "loss_mask" [b, T], "tap_{l}" [b, T, H], "logits" [b, T, V] or
+        "topk_values"/"topk_indices" [b, T, K]}, rows in the order of `indices`."""
+        rows: dict[str, list[torch.Tensor]] = {}
+        for index in indices:
+            shard, row = self._locate(index)
+            handle = self._handle(shard)
+            for name in handle.keys():
+                rows.setdefault(name, []).append(handle.get_slice(name)[row:row + 1])
+        return {name: torch.cat(parts) for name, parts in rows.items()}
+
+    def iter_batches(self, batch_size: int):
+        """Blocks in order, batch_size at a time (the last batch may be smaller)."""
+        for start in range(0, len(self), batch_size):
+            yield self.batch(list(range(start, min(len(self), start + batch_size))))

@@ -1,0 +1,94 @@
+"""`specheads data ...`: data preparation commands.
+
+    specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
+    specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
+
+`add_parser(subparsers)` registers the "data" command on the top-level parser and
+`run(args)` executes it (the returned int is the exit status). Machinery is imported
+lazily. User errors print one line on stderr and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("data", help="prepare training data: self-distillation, hidden-state cache")
+    sub = parser.add_subparsers(dest="data_command", required=True)
+
+    p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
+    p.add_argument("--target", required=True, help="model dir or hub id")
+    p.add_argument("--input", required=True, help="chat records: .jsonl/.json/.parquet or a datasets name")
+    p.add_argument("--output", required=True, help="output .jsonl (a rerun resumes it)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (rerun continues)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true")
+
+    p = sub.add_parser("cache", help="cache target hidden states + logits over packed blocks (safetensors shards)")
+    p.add_argument("--target", required=True, help="model dir or hub id")
+    p.add_argument("--data", required=True, help="data source, as in a recipe's data.source")
+    p.add_argument("--taps", required=True, help="comma-separated tap layers, e.g. 2,5,8")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--max-records", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=-1, help="logits kept per position; 0 = full, -1 = auto by vocab")
+    p.add_argument("--max-gb", type=float, default=50.0, help="refuse to start above this estimated size")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--blocks-per-shard", type=int, default=256)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true")
+    return parser
+
+
+def _regenerate(args) -> int:
+    from specheads.data.regenerate import regenerate
+
+    progress = regenerate(args.target, args.input, args.output, tokenizer_path=args.tokenizer,
+                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                          device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches)
+    print(f"regenerate: {args.output}: {progress.summary()}")
+    return 0
+
+
+def _cache(args) -> int:
+    from specheads.data.feature_cache import write_cache
+    from specheads.data.text import build_blocks, load_records
+    from specheads.heads.target import TargetAdapter
+
+    try:
+        taps = [int(t) for t in args.taps.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--taps: expected comma-separated layer numbers like 2,5,8, got {args.taps!r}") from None
+    target = TargetAdapter.from_pretrained(args.target, dtype=args.dtype, device=args.device,
+                                           trust_remote_code=args.trust_remote_code)
+    records = load_records(args.data)[:args.max_records]
+    eos = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else None
+    blocks = build_blocks(args.data, records, args.text_field, args.seq_len, args.tokenizer or args.target,
+                          eos_token_id=eos, vocab_size=target.vocab_size, trust_remote_code=args.trust_remote_code)
+    print(f"cache data {blocks.report.summary()}")
+    manifest = write_cache(target, blocks, taps, args.out, top_k=args.top_k, batch_size=args.batch_size,
+                           blocks_per_shard=args.blocks_per_shard, max_gb=args.max_gb)
+    print(f"feature cache: {manifest}")
+    return 0
+
+
+def run(args) -> int:
+    try:
+        if args.data_command == "regenerate":
+            return _regenerate(args)
+        if args.data_command == "cache":
+            return _cache(args)
+    except (ValueError, FileNotFoundError) as err:  # DataError is a ValueError
+        print(f"specheads data {args.data_command}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"specheads data: unknown command {args.data_command!r}", file=sys.stderr)
+    return 2
