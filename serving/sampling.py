@@ -1,0 +1,330 @@
+"""Lossless sampling for tree speculative decoding: the accept step when temperature > 0.
+
+This module owns the request's sampling parameters (`SamplingParams`), the target's
+processed distribution (`target_probs`: temperature, then top-k, then top-p) and the tree
+accept rule (`accept_tree_sampling`). It is pure: token ids, logits and probabilities in,
+accepted node indices and emitted tokens out. It never calls a model or touches a cache.
+
+Per-node conventions (match serving/decode.py): node 0 is the root, a token the target
+already chose. `target_logits[n]` is the target's prediction for the token AFTER node n,
+given the prefix plus the path root..n; its processed distribution `p_n` is what the output
+must follow. `draft_probs[n]` (optional) is the distribution node n's children were drawn
+from. Siblings are tried in node order (for trees built by DraftTree.from_paths that is
+rank order).
+
+Definitions (one verify step emits A accepted draft tokens plus exactly one more token):
+- accepted token: a drafted child token that passed its acceptance test; it is emitted
+  unchanged and the walk continues at that child with the child's FRESH target
+  distribution (residuals never cross depths).
+- recovered token: when every child of the last accepted node was rejected, the token
+  sampled from that node's final residual distribution (see below). It never equals a
+  rejected child token x with p_i(x) < q_i(x) at its test, because the residual has no mass there.
+- bonus token: when the last accepted node is a leaf (no children drafted, including the
+  root of a tree with no draft nodes), the token sampled from its unmodified p_n.
+The final token becomes the next step's root. `TreeSample.final_kind` says which it was.
+
+Recursive rejection sampling at node n with children x_1..x_m (SpecInfer's multi-draft
+rule; "without replacement" is Jeon et al. 2024, recursive speculative decoding):
+    p_1 = p_n; q_1 = q_n
+    for i = 1..m: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), then stop;
+                  else p_{i+1} = normalise(max(p_i - q_i, 0))
+                       q_{i+1} = q_i                             (with replacement)
+                               = normalise(q_i with x_i zeroed)  (without replacement)
+    all rejected: the recovered token ~ p_{m+1}.
+This is exact (the emitted token has distribution p_n, and by induction over depths the
+whole output follows the target) under ONE assumption: given everything already decided,
+x_i is drawn from q_i, independently of this step's uniforms. Three modes:
+1. candidates as given (`draft_probs=None`; what the engine uses: Medusa's static tree and
+   EAGLE's dynamic tree both take the heads' top-k, a function of the context alone).
+   q_i is a point mass at x_i: accept with probability p_i(x_i); on rejection
+   p_{i+1} = p_i with x_i zeroed, renormalised. Equivalently p_i(x_i) =
+   p(x_i) / (1 - sum of p over the distinct tokens rejected before), 0 for a repeat.
+   Conditioned on the candidates this is exact whatever produced them, so it is also
+   lossless for sampled drafts (only their acceptance rate is lower than with q).
+2. sampled drafts without replacement (`draft_probs` given, `replacement=False`, the
+   default): x_1 ~ q_n, x_2 ~ q_n without x_1, ... in node order.
+3. sampled drafts with replacement (`replacement=True`): x_1..x_m i.i.d. from q_n.
+Passing q for children that were NOT drawn from it (top-k candidates with `draft_probs`, or
+draws without replacement processed with `replacement=True`) biases the output;
+tests/test_sampling.py shows the statistical test detects both.
+
+Numerical guard: a rejection has probability zero when the residual mass is zero; if
+rounding produces one anyway the residual is undefined and p_i is kept.
+
+Greedy (temperature 0) is exactly serving/decode.py's rule: a drafted node is correct when
+its token equals the target's logits argmax at its parent; the longest root-to-leaf run of
+correct nodes is accepted (the first leaf wins ties); the argmax at its last node follows.
+No random numbers are drawn.
+
+Typical acceptance (Medusa-2's, `mode="typical"`) is LOSSY and only available by name:
+a node is accepted when p_parent(token) > min(posterior_threshold, posterior_alpha *
+exp(-H(p_parent))); the longest accepted path wins; the last token is sampled from p at its
+last node. Results carry `lossless=False`.
+
+Randomness: `make_generator(params, device)` gives a torch.Generator seeded by the
+request's seed (None when unseeded: the global RNG is used). One uniform per acceptance
+test and one for the final token, drawn in float64 on the generator's device; the final
+token is sampled by inverse CDF. Same seed, same inputs -> same output.
+
+Shape legend: T tree nodes (root included), V vocab, N rows, A accepted nodes (root included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specheads.serving.tree import DraftTree
+
+DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Medusa's defaults for typical acceptance
+DEFAULT_POSTERIOR_ALPHA = 0.3
+MAX_SEED = 2 ** 64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # >= 0; 0 = greedy
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    top_k: int = 0  # >= 0; 0 = off
+    seed: int | None = None  # in [0, 2**64 - 1]; None = unseeded
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1], got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's lossy typical acceptance; used only with mode="typical"."""
+    posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD  # in [0, 1]
+    posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA  # >= 0
+
+    def __post_init__(self):
+        if not 0 <= self.posterior_threshold <= 1:
+            raise ValueError(f"posterior_threshold must be in [0, 1], got {self.posterior_threshold!r}")
+        if not (math.isfinite(self.posterior_alpha) and self.posterior_alpha >= 0):
+            raise ValueError(f"posterior_alpha must be a finite number >= 0, got {self.posterior_alpha!r}")
+
+
+@dataclass
+class TreeSample:
+    nodes: torch.Tensor  # [A] long, accepted node indices, root first
+    emitted: list[int]  # accepted draft tokens + the final (bonus or recovered) token: A tokens
+    final_kind: str  # "bonus" (last accepted node is a leaf) | "recovered" (all its children rejected)
+    lossless: bool  # False only for mode="typical"
+
+    @property
+    def num_accepted(self) -> int:
+        """Accepted draft tokens (root excluded)."""
+        return len(self.emitted) - 1
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded with the request's seed; None (global RNG) when it has none."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+def target_probs(logits_NV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The processed target distribution: temperature, then top-k, then top-p. -> [N, V] float32+.
+
+    Greedy (temperature 0) gives the one-hot of the logits argmax (first index on ties).
+    top-k keeps every token tied with the k-th largest logit. top-p keeps the smallest
+    prefix of tokens, by descending probability, whose mass reaches top_p (the top token
+    always survives).
+    """
+    logits_NV = logits_NV.float() if logits_NV.dtype in (torch.float16, torch.bfloat16) else logits_NV
+    if params.is_greedy:
+        probs = torch.zeros_like(logits_NV)
+        return probs.scatter_(-1, logits_NV.argmax(dim=-1, keepdim=True), 1.0)
+    scaled = logits_NV / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = scaled.softmax(dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _uniforms(count: int, generator: torch.Generator | None, device: torch.device) -> list[float]:
+    if generator is not None:
+        device = generator.device
+    return torch.rand(count, generator=generator, dtype=torch.float64, device=device).tolist()
+
+
+def _sample(probs_V: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of an unnormalised distribution; never returns a zero-mass token."""
+    cdf = probs_V.double().cumsum(dim=0)
+    index = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
+    if index >= cdf.shape[0]:  # u * total rounded up to total
+        index = int(torch.nonzero(probs_V).max())
+    return index
+
+
+def _residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
+    """normalise(max(p - q, 0)); p itself if rounding left no mass (see the module doc)."""
+    residual = (p_V - q_V).clamp_min(0.0)
+    total = float(residual.sum())
+    return residual / total if total > 0 else p_V
+
+
+def _children(tree: DraftTree) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
+    for node, parent in enumerate(tree.parents.tolist()):
+        if parent >= 0:
+            children[parent].append(node)
+    return children
+
+
+def _reject_deterministic(p_V: torch.Tensor, tokens: list[int],
+                          uniforms: list[float]) -> tuple[int | None, torch.Tensor]:
+    """Children fixed in advance (q = point mass). -> (index of the accepted child | None, residual)."""
+    p_child = p_V[tokens].double().tolist()
+    total = float(p_V.double().sum())  # 1 up to rounding
+    rejected: dict[int, float] = {}  # distinct rejected token -> its original p
+    for i, (token, u) in enumerate(zip(tokens, uniforms)):
+        if token in rejected:
+            continue  # p_i(token) = 0 after its first rejection
+        remaining = total - sum(rejected.values())
+        if remaining > 0 and u < p_child[i] / remaining:
+            return i, p_V
+        rejected[token] = p_child[i]
+    residual = p_V.clone()
+    residual[list(rejected)] = 0.0
+    return None, residual if float(residual.sum()) > 0 else p_V
+
+
+def _reject_sampled(p_V: torch.Tensor, q_V: torch.Tensor, tokens: list[int], uniforms: list[float],
+                    replacement: bool, node: int) -> tuple[int | None, torch.Tensor]:
+    """Children drawn from q_V (with or without replacement). -> (accepted child index | None, residual)."""
+    p_V, q_V = p_V.double(), q_V.double()
+    for i, (token, u) in enumerate(zip(tokens, uniforms)):
+        q_x = float(q_V[token])
+        if q_x <= 0:
+            raise ValueError(f"child {i} of node {node} (token {token}) has zero draft probability; draft_probs must "
+                             "be the distribution the children were drawn from (or pass draft_probs=None for "
+                             "deterministic top-k candidates)")
+        if u < float(p_V[token]) / q_x:
+            return i, p_V
+        p_V = _residual(p_V, q_V)
+        if not replacement:
+            q_V = q_V.clone()
+            q_V[token] = 0.0
+            total = float(q_V.sum())
+            q_V = q_V / total if total > 0 else q_V
+    return None, p_V
+
+
+def _accept_greedy(tree: DraftTree, tree_tokens_T: torch.Tensor, target_logits_TV: torch.Tensor) -> TreeSample:
+    """serving/decode.py's accept rule, reproduced exactly."""
+    device = target_logits_TV.device
+    target_tokens_T = target_logits_TV.argmax(dim=-1)
+    parents = tree.parents[1:].to(device)
+    match_T = torch.cat([torch.ones(1, dtype=torch.bool, device=device), tree_tokens_T[1:] == target_tokens_T[parents]])
+    match_ext = torch.cat([match_T, torch.zeros(1, dtype=torch.bool, device=device)])  # index -1 -> False
+    leaf_paths = tree.leaf_paths.to(device)
+    accepted_len_L = match_ext[leaf_paths].cumprod(dim=1).sum(dim=1)
+    best = int(accepted_len_L.argmax())
+    nodes = leaf_paths[best, :int(accepted_len_L[best])]
+    emitted = torch.cat([tree_tokens_T[nodes[1:]], target_tokens_T[nodes[-1:]]]).tolist()
+    is_leaf = int(nodes[-1]) not in set(tree.parents.tolist())
+    return TreeSample(nodes=nodes, emitted=emitted, final_kind="bonus" if is_leaf else "recovered", lossless=True)
+
+
+def _accept_typical(tree: DraftTree, tree_tokens_T: torch.Tensor, probs_TV: torch.Tensor,
+                    typical: TypicalAcceptance, generator: torch.Generator | None) -> TreeSample:
+    device = probs_TV.device
+    entropy_T = -torch.special.xlogy(probs_TV, probs_TV).sum(dim=-1)
+    threshold_T = torch.clamp(typical.posterior_alpha * torch.exp(-entropy_T), max=typical.posterior_threshold)
+    parents = tree.parents[1:].to(device)
+    candidate_prob = probs_TV[parents].gather(-1, tree_tokens_T[1:, None])[:, 0]  # [T-1]
+    ok_T = torch.cat([torch.ones(1, dtype=torch.bool, device=device), candidate_prob > threshold_T[parents]])
+    ok_ext = torch.cat([ok_T, torch.zeros(1, dtype=torch.bool, device=device)])
+    leaf_paths = tree.leaf_paths.to(device)
+    accepted_len_L = ok_ext[leaf_paths].cumprod(dim=1).sum(dim=1)
+    best = int(accepted_len_L.argmax())
+    nodes = leaf_paths[best, :int(accepted_len_L[best])]
+    last = int(nodes[-1])
+    final = _sample(probs_TV[last], _uniforms(1, generator, device)[0])
+    is_leaf = last not in set(tree.parents.tolist())
+    return TreeSample(nodes=nodes, emitted=tree_tokens_T[nodes[1:]].tolist() + [final],
+                      final_kind="bonus" if is_leaf else "recovered", lossless=False)
+
+
+def accept_tree_sampling(tree: DraftTree, tree_tokens_T: torch.Tensor, target_logits_TV: torch.Tensor,
+                         params: SamplingParams, generator: torch.Generator | None = None,
+                         draft_probs_TV: torch.Tensor | None = None, *, replacement: bool = False,
+                         mode: str = "rejection", typical: TypicalAcceptance = TypicalAcceptance()) -> TreeSample:
+    """Accept a prefix of one root-to-leaf path and sample the final token (see the module doc).
+
+    tree_tokens_T [T] long (node 0 = root); target_logits_TV [T, V]; draft_probs_TV [T, V]
+    or None (deterministic candidates). mode: "rejection" (lossless) | "typical" (lossy).
+    """
+    num_nodes = tree.num_nodes
+    if tree_tokens_T.shape != (num_nodes,) or target_logits_TV.dim() != 2 or target_logits_TV.shape[0] != num_nodes:
+        raise ValueError(f"need tree_tokens [T] and target_logits [T, V] with T = {num_nodes}, got "
+                         f"{tuple(tree_tokens_T.shape)} and {tuple(target_logits_TV.shape)}")
+    if draft_probs_TV is not None and draft_probs_TV.shape != target_logits_TV.shape:
+        raise ValueError(f"draft_probs must be [T, V] = {tuple(target_logits_TV.shape)}, "
+                         f"got {tuple(draft_probs_TV.shape)}")
+    if mode not in ("rejection", "typical"):
+        raise ValueError(f"mode must be 'rejection' (lossless) or 'typical' (lossy), got {mode!r}")
+    if params.is_greedy:
+        sample = _accept_greedy(tree, tree_tokens_T, target_logits_TV)
+        sample.lossless = mode == "rejection"
+        return sample
+    probs_TV = target_probs(target_logits_TV, params)
+    if mode == "typical":
+        return _accept_typical(tree, tree_tokens_T, probs_TV, typical, generator)
+    children = _children(tree)
+    tokens = tree_tokens_T.tolist()
+    uniforms = _uniforms(num_nodes, generator, target_logits_TV.device)  # <= T-1 tests + 1 final
+    next_u = 0
+    path = [0]
+    while True:
+        node = path[-1]
+        kids = children[node]
+        if not kids:
+            final_kind, residual = "bonus", probs_TV[node]
+            break
+        kid_tokens = [tokens[k] for k in kids]
+        kid_u = uniforms[next_u:next_u + len(kids)]
+        if draft_probs_TV is None:
+            chosen, residual = _reject_deterministic(probs_TV[node], kid_tokens, kid_u)
+        else:
+            chosen, residual = _reject_sampled(probs_TV[node], draft_probs_TV[node], kid_tokens, kid_u,
+                                               replacement, node)
+        next_u += len(kids) if chosen is None else chosen + 1
+        if chosen is None:
+            final_kind = "recovered"
+            break
+        path.append(kids[chosen])
+    final = _sample(residual, uniforms[-1])
+    nodes = torch.tensor(path, dtype=torch.long, device=tree_tokens_T.device)
+    return TreeSample(nodes=nodes, emitted=[tokens[n] for n in path[1:]] + [final], final_kind=final_kind,
+                      lossless=True)
