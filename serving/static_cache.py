@@ -1,0 +1,270 @@
+"""A preallocated KV cache for tree decoding: write the tree, commit the accepted path in place.
+
+`TreeStaticCache` is a transformers `Cache` subclass (the public extension point; no modeling
+code is copied or patched). Every layer owns two buffers [B, kv_heads, max_cache_len, D],
+allocated once on the first forward (dtype, device, head count and head size come from the
+model's own key states) and never reallocated. `max_cache_len` must cover the longest
+context plus the largest tree a verify step writes.
+
+Lengths. The cache keeps one committed length per sequence, `seq_lens` [B] (a device
+tensor, plus a host copy so that no step needs a device sync). A forward writes its T new
+entries at [seq_lens[b], seq_lens[b] + T) in every layer and leaves them *pending*: they
+are attended to by that forward but not counted as committed. Then exactly one of
+- `commit()` keeps all T pending entries in order (prefill, plain one-token decoding);
+- `commit(accepted_node_indices)` gathers the accepted tree nodes (offsets into the
+  pending entries, path order, root first) to [seq_lens[b], seq_lens[b] + A) with an
+  in-place index_copy on the buffers, then seq_lens[b] += A;
+- nothing: the next forward overwrites the pending entries (they are dropped).
+`crop(n)` shortens the committed length (n >= 0: keep n positions; n < 0: remove -n, the
+transformers 5 convention). Entries past the committed length are dead data, never read
+unmasked.
+
+`get_seq_length()` is the committed length, before, during and after a forward until the
+next commit: it is the position of the forward's first query and the number of keys that
+precede the new ones, which is what transformers derives from it when it builds positions
+(`position_ids = arange(T) + get_seq_length()`) or a causal mask (`q_offset`, and
+`get_mask_sizes`). A tree verify passes its own position_ids and a 4-D mask, so the model
+then reads neither. With B > 1 and unequal lengths it returns the longest; pass explicit
+position_ids and a 4-D mask (`attention_mask()` builds one) in that case.
+
+Two shapes for what attention sees (`static_shape`):
+- False (dynamic): `update` returns views of [0, max(seq_lens) + T). The verify mask is
+  [B, 1, T, max(seq_lens) + T], exactly the [1, 1, T, S + T] mask of `serving.decode`.
+- True (static): `update` returns the whole [0, max_cache_len) buffers, so every tensor
+  shape is fixed whatever the length: the draft and verify forwards can be captured once
+  as CUDA graphs (positions and lengths live in device tensors). The mask is then
+  [B, 1, T, max_cache_len] with every column past the sequence's own keys masked out.
+  Layers report `is_compileable`, so transformers' own causal masks (prefill, chains
+  without a 4-D mask) are sized max_cache_len and never skipped for one-token queries.
+`attention_mask(tree_mask_TT)` builds the right mask for either shape.
+
+Sliding-window and other non-full-attention layers are refused: a tree needs every
+position kept.
+
+Shape legend: B batch, T new (tree) tokens, A accepted nodes, S committed length,
+M max_cache_len, D head size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _Lengths:
+    """Committed lengths shared by all layers of one cache, and the last forward's T."""
+
+    def __init__(self, batch_size: int):
+        self.host = [0] * batch_size  # [B] python ints, no device sync to read
+        self.device_lens = torch.zeros(batch_size, dtype=torch.long)  # [B], moved to the buffers' device
+        self.num_pending = 0  # T written by the last forward, not yet committed
+
+
+class TreeStaticLayer(CacheLayerMixin):
+    """One layer's preallocated keys/values; the lengths live in the shared `_Lengths`."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, max_cache_len: int, lengths: _Lengths, static_shape: bool):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.lengths = lengths
+        self.static_shape = static_shape
+        self.is_compileable = static_shape  # instance attribute: Cache.is_compileable reads it
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch_size, num_heads = key_states.shape[:2]
+        if batch_size != len(self.lengths.host):
+            raise ValueError(f"the cache was built for batch size {len(self.lengths.host)}, "
+                             f"got key states for batch size {batch_size}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.zeros(batch_size, num_heads, self.max_cache_len, key_states.shape[-1],
+                                dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(batch_size, num_heads, self.max_cache_len, value_states.shape[-1],
+                                  dtype=value_states.dtype, device=value_states.device)
+        if self.lengths.device_lens.device != key_states.device:
+            self.lengths.device_lens = self.lengths.device_lens.to(key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write key/value states [B, kv_heads, T, D] at [seq_lens, seq_lens + T) (pending).
+
+        `cache_kwargs["cache_position"]` ([T] or [B, T]), when a model passes one, overrides
+        the slots written; transformers 5 decoders pass none.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        num_new = key_states.shape[-2]
+        needed = max(self.lengths.host) + num_new
+        # Host ints only: no device sync. Skipped while compiling, where reading them would
+        # guard (and recompile) on every length; the caller then checks capacity itself.
+        if needed > self.max_cache_len and not torch.compiler.is_compiling():
+            raise ValueError(f"TreeStaticCache overflow: {needed} positions needed (committed "
+                             f"{max(self.lengths.host)} + {num_new} new) but max_cache_len is "
+                             f"{self.max_cache_len}; build the cache with a larger max_cache_len")
+        cache_kwargs = args[0] if args and isinstance(args[0], dict) else kwargs.get("cache_kwargs") or {}
+        slots_BT = cache_kwargs.get("cache_position")
+        if slots_BT is None:
+            slots_BT = self.lengths.device_lens[:, None] + torch.arange(num_new, device=self.device)
+        slots_BT = slots_BT.to(self.device).expand(key_states.shape[0], num_new)
+        batch_B1 = torch.arange(key_states.shape[0], device=self.device)[:, None]
+        # Advanced indices on dims 0 and 2 put their broadcast [B, T] first: values are [B, T, H, D].
+        self.keys[batch_B1, :, slots_BT] = key_states.transpose(1, 2)
+        self.values[batch_B1, :, slots_BT] = value_states.transpose(1, 2)
+        self.lengths.num_pending = num_new
+        if self.static_shape:
+            return self.keys, self.values
+        return self.keys[:, :, :needed], self.values[:, :, :needed]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.static_shape:
+            return self.max_cache_len, 0
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return max(self.lengths.host)
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def gather_(self, batch_index: int, src_A: torch.Tensor, dst_A: torch.Tensor) -> None:
+        """In place: slots dst_A of sequence batch_index <- slots src_A (read before written)."""
+        if not self.is_initialized:
+            return
+        for buffer in (self.keys, self.values):
+            rows = buffer[batch_index]  # [H, M, D], a view of the buffer
+            rows.index_copy_(1, dst_A, rows.index_select(1, src_A))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Lengths are shared: `TreeStaticCache.crop` changes them once for every layer."""
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("TreeStaticCache does not support beam search")
+
+
+class TreeStaticCache(Cache):
+    """Preallocated per-layer KV buffers with per-sequence committed lengths (see the module doc).
+
+    config: the target's model config. max_cache_len: longest context + largest tree.
+    batch_size: number of sequences B. static_shape: return the whole buffers from `update`
+    (fixed shapes, for CUDA graphs) instead of views of the used prefix.
+    """
+
+    def __init__(self, config, max_cache_len: int, batch_size: int = 1, static_shape: bool = False):
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        num_layers = text_config.num_hidden_layers
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
+        for layer_index, layer_type in enumerate(layer_types):
+            if layer_type != "full_attention":
+                raise NotImplementedError(
+                    f"layer {layer_index} is a {layer_type!r} layer; tree decoding needs full-attention "
+                    "layers whose cache holds every position")
+        if max_cache_len < 1 or batch_size < 1:
+            raise ValueError(f"max_cache_len and batch_size must be >= 1, got {max_cache_len} and {batch_size}")
+        self.max_cache_len = max_cache_len
+        self.static_shape = static_shape
+        self.lengths = _Lengths(batch_size)
+        super().__init__(layers=[TreeStaticLayer(max_cache_len, self.lengths, static_shape)
+                                 for _ in range(len(layer_types))])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """[B] committed lengths (host copy)."""
+        return list(self.lengths.host)
+
+    @property
+    def num_pending(self) -> int:
+        """T entries written by the last forward and not yet committed (0 after a commit)."""
+        return self.lengths.num_pending
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The committed length (the longest one when B > 1); pending entries do not count."""
+        return max(self.lengths.host)
+
+    def commit(self, accepted_node_indices: torch.Tensor | Sequence | None = None) -> None:
+        """Keep the accepted pending entries, in path order, right after the committed ones.
+
+        accepted_node_indices: None keeps all pending entries as they are (no copy); a [A]
+        long tensor or list (offsets into the last forward's T entries, root first) for
+        B = 1 or for the same path in every sequence; a [B, A] tensor; or a length-B list of
+        [A_b] tensors, one path per sequence (lengths may differ).
+        """
+        num_pending = self.lengths.num_pending
+        if accepted_node_indices is None:
+            per_sequence = [None] * len(self.lengths.host)
+        elif isinstance(accepted_node_indices, torch.Tensor) and accepted_node_indices.dim() == 2:
+            per_sequence = list(accepted_node_indices)
+        elif isinstance(accepted_node_indices, (list, tuple)) and accepted_node_indices \
+                and not isinstance(accepted_node_indices[0], int):
+            per_sequence = list(accepted_node_indices)
+        else:
+            per_sequence = [accepted_node_indices] * len(self.lengths.host)
+        if len(per_sequence) != len(self.lengths.host):
+            raise ValueError(f"commit got {len(per_sequence)} accepted paths for batch size {len(self.lengths.host)}")
+        device = self.lengths.device_lens.device
+        for batch_index, accepted in enumerate(per_sequence):
+            start = self.lengths.host[batch_index]
+            if accepted is None:
+                self.lengths.host[batch_index] = start + num_pending
+                continue
+            accepted_A = torch.as_tensor(accepted, dtype=torch.long, device=device)
+            num_accepted = int(accepted_A.shape[0])
+            if num_accepted > num_pending:
+                raise ValueError(f"commit of {num_accepted} nodes for sequence {batch_index}, but the last "
+                                 f"forward wrote only {num_pending} pending entries")
+            dst_A = torch.arange(start, start + num_accepted, device=device)
+            for layer in self.layers:
+                layer.gather_(batch_index, start + accepted_A, dst_A)
+            self.lengths.host[batch_index] = start + num_accepted
+        self._sync_device_lens()
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first max_length committed positions (max_length < 0: remove -max_length)."""
+        for batch_index, length in enumerate(self.lengths.host):
+            keep = length + max_length if max_length < 0 else min(max_length, length)
+            self.lengths.host[batch_index] = max(keep, 0)
+        self._sync_device_lens()
+
+    def reset(self) -> None:
+        """Empty the cache; the buffers stay allocated (and are zeroed)."""
+        self.lengths.host = [0] * len(self.lengths.host)
+        self._sync_device_lens()
+        super().reset()
+
+    def _sync_device_lens(self) -> None:
+        self.lengths.num_pending = 0
+        # In place, so a captured graph that reads device_lens sees the new lengths.
+        self.lengths.device_lens.copy_(torch.tensor(self.lengths.host, dtype=torch.long))
+
+    def attention_mask(self, tree_mask_TT: torch.Tensor | None = None, num_new: int | None = None) -> torch.Tensor:
+        """The bool 4-D mask [B, 1, T, K] (True = attend) for the next forward of T new tokens.
+
+        Row i attends to its sequence's committed keys and to the new tokens tree_mask_TT[i]
+        allows (default: causal). K = max(seq_lens) + T (dynamic) or max_cache_len (static).
+        Every key column outside those is masked, including other sequences' longer prefixes.
+        """
+        if tree_mask_TT is None:
+            tree_mask_TT = torch.ones(num_new, num_new, dtype=torch.bool).tril()
+        num_new = tree_mask_TT.shape[0]
+        device = self.lengths.device_lens.device if self.is_initialized else tree_mask_TT.device
+        num_keys = self.max_cache_len if self.static_shape else max(self.lengths.host) + num_new
+        lens_B11 = self.lengths.device_lens.to(device)[:, None, None]
+        key_K = torch.arange(num_keys, device=device)
+        committed_BTK = (key_K < lens_B11).expand(-1, num_new, -1)
+        offset_BK = key_K - lens_B11[:, 0]  # key's offset among the new tokens
+        in_tree_BK = (offset_BK >= 0) & (offset_BK < num_new)
+        tree_BTK = tree_mask_TT.to(device)[:, offset_BK.clamp(0, num_new - 1)].permute(1, 0, 2)
+        return (committed_BTK | (tree_BTK & in_tree_BK[:, None])).unsqueeze(1)
+
+    def position_ids(self, position_offsets_T: torch.Tensor) -> torch.Tensor:
+        """[B, T] positions of the new tokens: committed length + offset (depth for a tree)."""
+        return self.lengths.device_lens.to(position_offsets_T.device)[:, None] + position_offsets_T[None]
