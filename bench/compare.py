@@ -2,7 +2,8 @@
 engine with speculation off, and the engine with heads. Every method decodes the same
 prompts with the same limits; outputs are checked against HF greedy token for token.
 
-This is the core the demo prints; `specheads bench` builds on it.
+This is the small table the demo prints; `specheads bench` (bench/harness.py) is the full
+harness (per-category metrics, ITL, peers, JSON and plots).
 """
 
 from __future__ import annotations

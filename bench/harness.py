@@ -1,0 +1,326 @@
+"""`specheads bench` core: decode one prompt set with every method in one process and
+measure acceptance, speed and losslessness.
+
+Methods (each a `Method`: a name, a kind and a `generate(prompt) -> PromptRun` callable):
+    hf-greedy         HF `generate(do_sample=False)`: the reference for speedup and identity
+    engine-plain      SpeculativeDecoder without heads (speculation off)
+    engine-heads      SpeculativeDecoder with heads, one method per draft tree
+    hf-prompt-lookup  HF `generate(prompt_lookup_num_tokens=N)`
+    hf-assisted       HF `generate(assistant_model=draft)` (only with a draft model)
+
+Timing. Every method yields "emission events" (time, tokens emitted) per prompt:
+- HF methods: a `BaseStreamer` records the time of each `put` after the prompt's; one put
+  is one target forward (greedy: 1 token; prompt lookup / assisted: accepted + 1).
+- The engine: the decoder's `draft` is wrapped on the instance (not the class) to record
+  the time and committed length at the start of each step; step i emits
+  prefix_len[i+1] - prefix_len[i] tokens, the last step the remainder. Prefill emits 1.
+Methods run interleaved (every method on prompt 1, then on prompt 2, ...) so that load
+from other processes spreads evenly over them. The first event is the time to first
+token (TTFT). Inter-token latency (ITL): every later event of duration d (since the
+previous event) emitting n tokens contributes n samples of d / n; p50/p90 are taken over
+all tokens of a method (or category). tokens/s = new tokens / wall seconds of `generate`
+(prefill included). speedup = tokens/s / hf-greedy tokens/s over the same prompts.
+
+Acceptance (DESIGN.md invariant 8): engine alpha = accepted / drafted draft tokens, tau =
+(accepted + steps) / steps; acceptance_by_depth[d] = share of steps that accepted a
+(d+1)-th draft token. HF peers do not expose drafted counts: alpha is null, tau = new
+tokens / target forwards seen by the streamer, acceptance_by_depth from the event sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specheads.bench.prompts import EncodedPrompt
+
+SCHEMA = "specheads.bench/1"
+REFERENCE = "hf-greedy"
+
+
+@dataclass
+class PromptRun:
+    tokens: list[int]  # new tokens
+    seconds: float  # wall time of generate
+    events: list[tuple[float, int]]  # (seconds since start, tokens emitted), in order
+    steps: int = 0  # verify steps (engine) or target forwards (HF peers)
+    drafted_tokens: int | None = None  # None: not observable (HF peers)
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [D]
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # hf-greedy | engine-plain | engine-heads | hf-prompt-lookup | hf-assisted
+    generate: Callable[[list[int], int], PromptRun]  # (prompt ids, max_new_tokens) -> PromptRun
+    tree: dict | None = None  # engine-heads: {"source", "num_nodes", "num_draft_nodes", "max_depth"}
+
+
+def _streamer_cls():
+    from transformers.generation.streamers import BaseStreamer
+
+    class EventStreamer(BaseStreamer):
+        """Records (time, num tokens) for every put after the prompt's."""
+
+        def __init__(self, start: float):
+            self.start = start
+            self.events: list[tuple[float, int]] = []
+            self.seen_prompt = False
+
+        def put(self, value):
+            if not self.seen_prompt:
+                self.seen_prompt = True
+                return
+            self.events.append((time.perf_counter() - self.start, int(value.numel())))
+
+        def end(self):
+            pass
+
+    return EventStreamer
+
+
+def hf_method(name: str, kind: str, model, eos_token_id: int | None, **generate_kwargs) -> Method:
+    streamer_cls = _streamer_cls()
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> PromptRun:
+        input_ids = torch.tensor([prompt_ids], device=model.device)
+        start = time.perf_counter()
+        streamer = streamer_cls(start)
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                 pad_token_id=eos_token_id if eos_token_id is not None else 0,
+                                 streamer=streamer, **generate_kwargs)
+        seconds = time.perf_counter() - start
+        tokens = out[0, len(prompt_ids):].tolist()
+        sizes = [n for _, n in streamer.events]
+        depth = max(sizes, default=1) - 1
+        per_position = [sum(1 for n in sizes if n - 1 > d) for d in range(depth)]
+        return PromptRun(tokens=tokens, seconds=seconds, events=streamer.events, steps=len(sizes),
+                         accepted_tokens=sum(n - 1 for n in sizes), accepted_per_position=per_position)
+
+    return Method(name, kind, generate)
+
+
+def engine_method(name: str, kind: str, decoder, eos_token_id: int | None, tree: dict | None = None) -> Method:
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> PromptRun:
+        marks: list[tuple[float, int]] = []  # (time, committed length) at the start of each step
+        draft = decoder.draft
+
+        def timed_draft(state):
+            marks.append((time.perf_counter(), state.prefix_len))
+            return draft(state)
+
+        decoder.draft = timed_draft  # instance attribute; removed below, the class is untouched
+        try:
+            start = time.perf_counter()
+            out = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+            end = time.perf_counter()
+        finally:
+            del decoder.draft
+        stats = out.stats
+        prefill_end = marks[0][0] if marks else end
+        events = [(prefill_end - start, 1)]
+        emitted = 1
+        for i, (_, prefix_len) in enumerate(marks):
+            last = i + 1 == len(marks)
+            num = len(out.tokens) - emitted if last else marks[i + 1][1] - prefix_len
+            events.append(((end if last else marks[i + 1][0]) - start, num))
+            emitted += num
+        return PromptRun(tokens=out.tokens, seconds=end - start, events=events, steps=stats.steps,
+                         drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
+                         accepted_per_position=list(stats.accepted_per_position))
+
+    return Method(name, kind, generate, tree)
+
+
+def tree_info(tree, source: str) -> dict:
+    return {"source": source, "num_nodes": tree.num_nodes, "num_draft_nodes": tree.num_nodes - 1,
+            "max_depth": tree.max_depth}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated q-th percentile (0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def itl_samples(events: list[tuple[float, int]]) -> list[float]:
+    samples = []
+    for (prev_t, _), (t, num) in zip(events, events[1:]):
+        if num > 0:
+            samples.extend([(t - prev_t) / num] * num)
+    return samples
+
+
+def summarise(runs: list[PromptRun], identical: list[bool], reference: list[PromptRun] | None) -> dict:
+    num_tokens = sum(len(r.tokens) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    tokens_per_s = num_tokens / seconds if seconds > 0 else 0.0
+    itl = [s for r in runs for s in itl_samples(r.events)]
+    steps = sum(r.steps for r in runs)
+    drafted = None if any(r.drafted_tokens is None for r in runs) else sum(r.drafted_tokens for r in runs)
+    accepted = sum(r.accepted_tokens for r in runs)
+    depth = max((len(r.accepted_per_position) for r in runs), default=0)
+    per_position = [sum(r.accepted_per_position[d] for r in runs if d < len(r.accepted_per_position))
+                    for d in range(depth)]
+    if drafted is None:  # HF peer: every observed forward emitted its tokens
+        tau = num_tokens / steps if steps else None
+    else:
+        tau = (accepted + steps) / steps if steps else None
+    speedup = None
+    if reference is not None:
+        ref_s = sum(r.seconds for r in reference)
+        ref_tps = sum(len(r.tokens) for r in reference) / ref_s if ref_s > 0 else 0.0
+        speedup = tokens_per_s / ref_tps if ref_tps > 0 else None
+    ttft = [r.events[0][0] for r in runs if r.events]
+    return {
+        "num_prompts": len(runs), "num_tokens": num_tokens, "seconds": seconds, "tokens_per_s": tokens_per_s,
+        "speedup": speedup,
+        "itl_p50_ms": None if not itl else 1000 * percentile(itl, 50),
+        "itl_p90_ms": None if not itl else 1000 * percentile(itl, 90),
+        "ttft_mean_ms": 1000 * sum(ttft) / len(ttft) if ttft else None,
+        "steps": steps, "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "alpha": accepted / drafted if drafted else None, "tau": tau,
+        "acceptance_by_depth": [count / steps for count in per_position] if steps else [],
+        "num_identical": sum(identical), "identical": all(identical),
+    }
+
+
+def run_methods(methods: list[Method], prompts: list[EncodedPrompt], max_new_tokens: int, *,
+                warmup: bool = True, log: Callable[[str], None] | None = None) -> dict[str, list[PromptRun]]:
+    """Decode every prompt with every method (methods[0] must be the hf-greedy reference)."""
+    if not methods or methods[0].kind != REFERENCE:
+        raise ValueError("the first method must be the hf-greedy reference")
+    if warmup:
+        for method in methods:
+            method.generate(prompts[0].input_ids, min(8, max_new_tokens))
+    # Interleaved (prompt-major): load from other processes then hits every method alike.
+    runs: dict[str, list[PromptRun]] = {method.name: [] for method in methods}
+    for i, prompt in enumerate(prompts):
+        if log:
+            log(f"bench: prompt {i + 1}/{len(prompts)} ({prompt.category}) x {len(methods)} methods")
+        for method in methods:
+            runs[method.name].append(method.generate(prompt.input_ids, max_new_tokens))
+    return runs
+
+
+def build_report(methods: list[Method], prompts: list[EncodedPrompt], runs: dict[str, list[PromptRun]],
+                 config: dict) -> dict:
+    """The JSON report (schema: the docstring of specheads/bench_cli.py)."""
+    reference = runs[methods[0].name]
+    categories = sorted({p.category for p in prompts}, key=[p.category for p in prompts].index)
+    report = {"schema": SCHEMA, "config": dict(config, num_prompts=len(prompts), max_new_tokens=config.get(
+        "max_new_tokens")), "categories": categories, "reference": methods[0].name, "methods": []}
+    for method in methods:
+        method_runs = runs[method.name]
+        identical = [run.tokens == ref.tokens for run, ref in zip(method_runs, reference)]
+        by_category = {}
+        for category in categories:
+            idx = [i for i, p in enumerate(prompts) if p.category == category]
+            by_category[category] = summarise([method_runs[i] for i in idx], [identical[i] for i in idx],
+                                              [reference[i] for i in idx])
+        per_prompt = [{"question_id": p.question_id, "category": p.category, "num_prompt_tokens": len(p.input_ids),
+                       "num_tokens": len(r.tokens), "seconds": r.seconds, "steps": r.steps,
+                       "accepted_tokens": r.accepted_tokens, "identical": same}
+                      for p, r, same in zip(prompts, method_runs, identical)]
+        report["methods"].append({"name": method.name, "kind": method.kind, "tree": method.tree,
+                                  "overall": summarise(method_runs, identical, reference),
+                                  "by_category": by_category, "prompts": per_prompt})
+    return report
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_report(report: dict) -> str:
+    """Markdown: one overall table, then one row per method x category."""
+    header = ("| method | tokens | tok/s | speedup | ITL p50 ms | ITL p90 ms | alpha | tau | acc. by depth "
+              "| identical |")
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"
+
+    def row(label: str, s: dict) -> str:
+        depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"][:6]) or "-"
+        same = "yes" if s["identical"] else f"NO ({s['num_identical']}/{s['num_prompts']})"
+        return (f"| {label} | {s['num_tokens']} | {s['tokens_per_s']:.1f} | {_fmt(s['speedup'], '.2f')}x | "
+                f"{_fmt(s['itl_p50_ms'], '.2f')} | {_fmt(s['itl_p90_ms'], '.2f')} | {_fmt(s['alpha'], '.3f')} | "
+                f"{_fmt(s['tau'], '.2f')} | {depth} | {same} |")
+
+    lines = [f"### overall ({report['config']['num_prompts']} prompts x {report['config']['max_new_tokens']} "
+             "new tokens, greedy)", "", header, rule]
+    lines += [row(m["name"], m["overall"]) for m in report["methods"]]
+    lines += ["", "### by category", "", header.replace("| method |", "| method | category |", 1),
+              rule.replace("|---|", "|---|---|", 1)]
+    for m in report["methods"]:
+        for category, s in m["by_category"].items():
+            lines.append(row(f"{m['name']} | {category}", s))
+    return "\n".join(lines)
+
+
+def heads_trees(heads_config, tree_nodes: list[int] | None) -> list[tuple[object, dict]]:
+    """(DraftTree, tree info) per tree to bench: the heads directory's own tree, then one
+    calibrated tree per entry of `tree_nodes` (draft nodes, root excluded), expanded from
+    the directory's calibrated accuracy (or the prior guess when it has none)."""
+    from specheads.serving.tree import DraftTree, prior_accuracy
+
+    trees = []
+    stored = DraftTree.from_heads_config(heads_config)
+    source = "heads-dir" if (heads_config.tree or {}).get("paths") else "heads-dir-default"
+    trees.append((stored, tree_info(stored, source)))
+    accuracy = (heads_config.calibration or {}).get("accuracy")
+    calibrated = "calibrated" if accuracy else "prior"
+    accuracy = accuracy[:heads_config.num_heads] if accuracy else prior_accuracy(heads_config.num_heads)
+    for num in tree_nodes or []:
+        if num < 1:
+            raise ValueError(f"--tree-nodes entries must be >= 1, got {num}")
+        tree = DraftTree.from_calibration(accuracy, num)
+        trees.append((tree, tree_info(tree, calibrated)))
+    return trees
+
+
+def make_methods(target, *, heads=None, heads_config=None, tree_nodes: list[int] | None = None,
+                 eos_token_id: int | None = None, prompt_lookup_num_tokens: int = 10,
+                 draft_model=None) -> list[Method]:
+    """Every method the bench runs on `target` (a TargetAdapter), hf-greedy first."""
+    from specheads.serving.decode import SpeculativeDecoder
+
+    methods = [hf_method(REFERENCE, "hf-greedy", target.model, eos_token_id),
+               engine_method("engine-plain", "engine-plain", SpeculativeDecoder(target), eos_token_id)]
+    if heads is not None:
+        tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
+        for tree, info in heads_trees(heads_config, tree_nodes):
+            decoder = SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers)
+            label = "stored" if info["source"].startswith("heads-dir") else info["source"]
+            name = f"engine-heads[{label},{info['num_draft_nodes']}]"
+            if any(m.name == name for m in methods):
+                continue
+            methods.append(engine_method(name, "engine-heads", decoder, eos_token_id, info))
+    if prompt_lookup_num_tokens > 0:
+        methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target.model,
+                                 eos_token_id, prompt_lookup_num_tokens=prompt_lookup_num_tokens))
+    if draft_model is not None:
+        methods.append(hf_method("hf-assisted", "hf-assisted", target.model, eos_token_id,
+                                 assistant_model=draft_model))
+    return methods
+
+
+def run_bench(target, prompts: list[EncodedPrompt], max_new_tokens: int, *, config: dict | None = None,
+              warmup: bool = True, log: Callable[[str], None] | None = None, **method_kwargs) -> dict:
+    """Python entry point: build the methods, decode, return the JSON report."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts:
+        raise ValueError("no prompts to bench")
+    methods = make_methods(target, **method_kwargs)
+    runs = run_methods(methods, prompts, max_new_tokens, warmup=warmup, log=log)
+    return build_report(methods, prompts, runs, dict(config or {}, max_new_tokens=max_new_tokens))

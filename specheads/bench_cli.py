@@ -1,0 +1,131 @@
+"""`specheads bench`: vanilla vs speculative vs peer decoding on one prompt set, one process.
+
+    specheads bench --target T --heads H [--prompts FILE.jsonl] [--max-new-tokens N]
+                    [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N]
+                    [--json OUT.json] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D] [--device D]
+
+Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
+each, through the target tokenizer's chat template when it has one, else raw text.
+Default: the shipped set (bench/prompts/default.jsonl, 6 categories).
+
+Methods: hf-greedy (the reference), engine-plain (speculation off), engine-heads[stored,N]
+(the heads directory's tree), engine-heads[calibrated,N] per --tree-nodes entry (N draft
+nodes from the calibrated accuracy; "prior" when the heads carry no calibration),
+hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
+which must share the target's tokenizer). How each metric is measured: bench/harness.py.
+
+JSON (--json), schema "specheads.bench/1":
+    {"schema": "specheads.bench/1",
+     "config": {"target", "heads", "prompts", "max_new_tokens", "num_prompts", "dtype", "device",
+                "chat_template": bool, "torch", "transformers"},
+     "categories": [str, ...],              # in first-seen order
+     "reference": "hf-greedy",
+     "methods": [{
+        "name": str, "kind": "hf-greedy" | "engine-plain" | "engine-heads" | "hf-prompt-lookup" | "hf-assisted",
+        "tree": null | {"source": "heads-dir" | "heads-dir-default" | "calibrated" | "prior",
+                        "num_nodes": int, "num_draft_nodes": int, "max_depth": int},
+        "overall": SUMMARY, "by_category": {category: SUMMARY},
+        "prompts": [{"question_id", "category", "num_prompt_tokens", "num_tokens", "seconds", "steps",
+                     "accepted_tokens", "identical": bool}]}]}
+    SUMMARY = {"num_prompts", "num_tokens", "seconds", "tokens_per_s",
+               "speedup": float | null,      # tokens/s over hf-greedy's on the same prompts
+               "itl_p50_ms", "itl_p90_ms", "ttft_mean_ms",
+               "steps", "drafted_tokens": int | null, "accepted_tokens",
+               "alpha": float | null,        # null: no drafting, or not observable (HF peers)
+               "tau": float | null, "acceptance_by_depth": [float, ...],
+               "num_identical": int, "identical": bool}   # token-for-token vs hf-greedy
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", ",").split(",") if part]
+    except ValueError as err:
+        raise ValueError(f"--tree-nodes expects comma-separated integers like 8,16,32, got {text!r}") from err
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark plain, speculative and peer decoding on one prompt set")
+    p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
+    p.add_argument("--heads", help="heads directory; omit to bench only plain decoding and the peers")
+    p.add_argument("--prompts", help="Spec-Bench question.jsonl (default: the shipped 6-category set)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="use only the first N prompts of each category (applied before --limit)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tree-nodes", action="append", default=[], metavar="N[,N...]",
+                   help="also bench calibrated trees of N draft nodes (repeatable or comma-separated)")
+    p.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
+                   help="HF prompt-lookup draft length (0: skip prompt lookup)")
+    p.add_argument("--draft-model", help="small draft model for HF assisted generation (same tokenizer)")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
+    p.add_argument("--plot", metavar="OUT.png", help="write PNG plots (acceptance by depth; speedup vs tree size)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up decode per method")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+
+
+def run(args) -> int:
+    from specheads.bench.prompts import encode_prompts, load_prompts
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    tree_nodes = [n for text in args.tree_nodes for n in _int_list(text)]
+    if tree_nodes and not args.heads:
+        raise ValueError("--tree-nodes needs --heads")
+    prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
+    # (read first: a bad prompts file fails before any model loads)
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specheads.bench.harness import format_report, run_bench
+    from specheads.heads.heads_dir import load_heads
+    from specheads.heads.target import TargetAdapter
+    from specheads.runner import resolve_target_name
+
+    path = resolve_target_name(args.target)
+    target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
+                                           trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    heads = heads_config = None
+    if args.heads:
+        heads, heads_config = load_heads(args.heads, target=target.identity, device=args.device, dtype=target.dtype)
+    draft_model = None
+    if args.draft_model:
+        draft_path = resolve_target_name(args.draft_model)
+        draft_model = AutoModelForCausalLM.from_pretrained(draft_path, dtype=target.dtype,
+                                                           trust_remote_code=args.trust_remote_code)
+        draft_model.to(args.device).eval()
+    encoded = encode_prompts(tokenizer, prompts)
+    config = {"target": args.target, "heads": args.heads, "prompts": args.prompts or "default",
+              "dtype": args.dtype, "device": args.device,
+              "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+              "torch": torch.__version__, "transformers": transformers.__version__}
+    report = run_bench(target, encoded, args.max_new_tokens, config=config, warmup=not args.no_warmup,
+                       log=lambda msg: print(msg, file=sys.stderr, flush=True), heads=heads,
+                       heads_config=heads_config, tree_nodes=tree_nodes, eos_token_id=tokenizer.eos_token_id,
+                       prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, draft_model=draft_model)
+    print(format_report(report))
+    if args.json_out:
+        from specheads.heads.heads_dir import atomic_write_text
+
+        atomic_write_text(args.json_out, json.dumps(report, indent=2) + "\n")
+        print(f"\nJSON report: {args.json_out}", file=sys.stderr)
+    if args.plot:
+        from specheads.bench.plot import write_plots
+
+        write_plots(report, args.plot)
+        print(f"plots: {args.plot}", file=sys.stderr)
+    not_identical = [m["name"] for m in report["methods"] if not m["overall"]["identical"]]
+    if not_identical:
+        print(f"warning: output differs from hf-greedy for {not_identical} (fp ties in low precision can do this; "
+              "in float32 it is a bug)", file=sys.stderr)
+    return 0

@@ -1,0 +1,155 @@
+"""bench/: prompt loading, the bench harness on a tiny random target with random Medusa
+heads, the JSON report and the PNG plot. No timing asserts."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from specheads.bench.harness import format_report, run_bench
+from specheads.bench.prompts import EncodedPrompt, encode_prompts, load_prompts
+from specheads.heads.heads_dir import HeadsConfig, load_heads, save_heads
+from specheads.heads.medusa import MedusaHeads
+from specheads.heads.target import TargetAdapter
+
+CATEGORIES = ["chat", "code", "math", "summarisation", "translation", "retrieval"]
+NUM_HEADS = 3
+
+
+def make_tokenizer(directory):
+    """Byte-level BPE over the full byte alphabet (any text encodes), vocab < 512."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(["def f(x):\n    return x + 1\n", "the cat sat on the mat\n"] * 20, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def bench_setup(tmp_path_factory):
+    """A tiny Llama (vocab 512) with a tokenizer, and random Medusa heads saved beside it."""
+    root = tmp_path_factory.mktemp("bench")
+    target_dir = make_tiny_model("llama", root / "target", vocab_size=512)
+    make_tokenizer(target_dir)
+    target = TargetAdapter.from_pretrained(target_dir)
+    torch.manual_seed(0)
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS, 1)
+    config = HeadsConfig(kind="medusa", hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                         num_heads=NUM_HEADS, num_layers=1, tap_layers=[target.num_layers], target=target.identity,
+                         tree={"paths": [[0], [1], [0, 0], [0, 0, 0]]},
+                         calibration={"accuracy": [[0.5, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.05, 0.02]]})
+    heads_dir = save_heads(root / "heads", heads, config)
+    return target_dir, heads_dir, target
+
+
+def write_prompts(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_default_prompts_load_and_cover_categories():
+    prompts = load_prompts()
+    assert 24 <= len(prompts) <= 36
+    assert {p.category for p in prompts} == set(CATEGORIES)
+    assert len({p.question_id for p in prompts}) == len(prompts)
+    assert all(p.text.strip() for p in prompts)
+
+
+def test_loader_names_the_bad_line(tmp_path):
+    good = json.dumps({"question_id": 1, "category": "chat", "turns": ["hi"]})
+    for bad, needle in [("{not json", "not valid JSON"),
+                        (json.dumps({"question_id": 2, "turns": ["x"]}), "category"),
+                        (json.dumps({"question_id": 3, "category": "chat", "turns": []}), "turns")]:
+        path = write_prompts(tmp_path / "p.jsonl", [good, "", bad])
+        with pytest.raises(ValueError, match=rf"p\.jsonl:3: .*{needle}"):
+            load_prompts(path)
+
+
+def test_encode_uses_chat_template_when_present(bench_setup):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bench_setup[0])
+    prompts = load_prompts(limit=1)
+    raw = encode_prompts(tokenizer, prompts)[0].input_ids
+    assert raw == tokenizer(prompts[0].text, add_special_tokens=False)["input_ids"]
+    tokenizer.chat_template = "{% for m in messages %}U: {{ m['content'] }}\n{% endfor %}A:"
+    templated = encode_prompts(tokenizer, prompts)[0].input_ids
+    assert tokenizer.decode(templated) == f"U: {prompts[0].text}\nA:"
+
+
+def test_run_bench_python_api(bench_setup, tmp_path):
+    target_dir, heads_dir, target = bench_setup
+    heads, config = load_heads(heads_dir, target=target.identity)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [EncodedPrompt(i, category, torch.randint(3, 512, (6,), generator=gen).tolist())
+               for i, category in enumerate(["a", "b", "a"])]
+    from transformers import AutoModelForCausalLM
+
+    draft_model = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model("llama", tmp_path / "draft", seed=3, vocab_size=512, num_layers=1))
+    report = run_bench(target, prompts, 10, heads=heads, heads_config=config, tree_nodes=[2, 6],
+                       eos_token_id=None, warmup=False, draft_model=draft_model)
+    kinds = [m["kind"] for m in report["methods"]]
+    assert kinds == ["hf-greedy", "engine-plain", "engine-heads", "engine-heads", "engine-heads", "hf-prompt-lookup",
+                     "hf-assisted"]
+    trees = [m["tree"] for m in report["methods"] if m["kind"] == "engine-heads"]
+    assert [t["num_draft_nodes"] for t in trees] == [4, 2, 6]
+    assert [t["source"] for t in trees] == ["heads-dir", "calibrated", "calibrated"]
+    for m in report["methods"]:
+        assert m["overall"]["identical"], m["name"]
+        assert m["overall"]["num_tokens"] == 30
+        assert set(m["by_category"]) == {"a", "b"}
+        if m["kind"] == "engine-heads":
+            assert 0.0 <= m["overall"]["alpha"] <= 1.0
+            assert m["overall"]["tau"] >= 1.0
+            assert len(m["overall"]["acceptance_by_depth"]) == m["tree"]["max_depth"]
+    assert "engine-heads[stored,4]" in format_report(report)
+    from specheads.bench.plot import write_plots
+
+    png = write_plots(report, tmp_path / "plots.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_bench_cli_json(bench_setup, tmp_path, capsys):
+    from specheads import bench_cli
+
+    target_dir, heads_dir, _ = bench_setup
+    lines = [json.dumps({"question_id": i, "category": c, "turns": [f"Question {i} about {c}: what now?", "more"]})
+             for i, c in enumerate(CATEGORIES)]
+    prompts = write_prompts(tmp_path / "q.jsonl", lines)
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "report.json"
+    args = parser.parse_args(["bench", "--target", str(target_dir), "--heads", str(heads_dir), "--prompts",
+                              str(prompts), "--max-new-tokens", "6", "--tree-nodes", "3", "--json", str(out),
+                              "--plot", str(tmp_path / "p.png"), "--no-warmup"])
+    assert bench_cli.run(args) == 0
+    assert "| hf-greedy |" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["schema"] == "specheads.bench/1"
+    assert report["categories"] == CATEGORIES
+    assert {m["kind"] for m in report["methods"]} == {"hf-greedy", "engine-plain", "engine-heads", "hf-prompt-lookup"}
+    for m in report["methods"]:
+        assert set(m["by_category"]) == set(CATEGORIES)
+        assert m["overall"]["identical"], m["name"]
+        assert len(m["prompts"]) == len(CATEGORIES)
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_cli_rejects_tree_nodes_without_heads(bench_setup):
+    from specheads import bench_cli
+
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--target", str(bench_setup[0]), "--tree-nodes", "4"])
+    with pytest.raises(ValueError, match="--tree-nodes needs --heads"):
+        bench_cli.run(args)
