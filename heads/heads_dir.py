@@ -1,7 +1,11 @@
 """The heads directory: the one artefact that joins training and serving.
 
     <dir>/config.json        HeadsConfig as JSON (kind, sizes, taps, target identity, tree)
-    <dir>/model.safetensors  the head weights
+    <dir>/model.safetensors  the head weights (EAGLE heads: the draft-vocab maps d2t/t2d too)
+
+Head kinds: "medusa" (heads/medusa.py); "eagle3" and its EAGLE-1/2 variant "eagle"
+(heads/eagle3.py). For the EAGLE kinds `num_heads` is the number of draft depths the head
+is trained and calibrated for (the training-time-test steps) and `num_layers` is 1.
 
 Writes are atomic: the whole directory is written under a temporary name beside the
 destination and renamed into place, so a reader never sees a half-written directory.
@@ -27,7 +31,8 @@ FORMAT_NAME = "specheads"
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-HEAD_KINDS = ("medusa",)
+HEAD_KINDS = ("medusa", "eagle3", "eagle")
+EAGLE_KINDS = ("eagle3", "eagle")
 
 
 @dataclass
@@ -41,6 +46,13 @@ class HeadsConfig:
     target: TargetIdentity
     tree: dict | None = None  # {"paths": [[rank, ...], ...], ...}; see serving/tree.py
     calibration: dict | None = None  # per-depth top-k accuracy measured after training
+    # EAGLE kinds only (None for Medusa):
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    draft_vocab_size: int | None = None
+    rope_theta: float | None = None
+    rms_norm_eps: float | None = None
     dtype: str = "float32"
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
@@ -62,6 +74,10 @@ class HeadsConfig:
             raise ValueError(f"{source} has unknown keys {unknown}; known keys are {sorted(names)}")
         if raw.get("kind") not in HEAD_KINDS:
             raise ValueError(f"{source}: kind must be one of {list(HEAD_KINDS)}, got {raw.get('kind')!r}")
+        if raw["kind"] in EAGLE_KINDS:
+            missing = [name for name in EAGLE_FIELDS if raw.get(name) is None]
+            if missing:
+                raise ValueError(f"{source}: a {raw['kind']} head needs {missing}")
         values = dict(raw)
         values["target"] = TargetIdentity(**raw["target"])
         return cls(**values)
@@ -85,11 +101,25 @@ class HeadsConfig:
                              + "; ".join(problems))
 
 
+EAGLE_FIELDS = ("num_attention_heads", "num_kv_heads", "intermediate_size", "draft_vocab_size", "rope_theta",
+                "rms_norm_eps")
+
+
 def build_heads(config: HeadsConfig) -> nn.Module:
     if config.kind == "medusa":
         from specheads.heads.medusa import MedusaHeads
 
         return MedusaHeads(config.hidden_size, config.vocab_size, config.num_heads, config.num_layers)
+    if config.kind in EAGLE_KINDS:
+        from specheads.heads.eagle3 import Eagle3Head
+
+        num_taps = len(config.tap_layers)
+        if (config.kind == "eagle") != (num_taps == 1):
+            raise ValueError(f"a {config.kind} head reads {'one tap' if config.kind == 'eagle' else 'several taps'}, "
+                             f"got tap_layers={config.tap_layers}")
+        return Eagle3Head(config.hidden_size, config.vocab_size, config.draft_vocab_size,
+                          config.num_attention_heads, config.num_kv_heads, config.intermediate_size,
+                          num_taps=num_taps, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps)
     raise ValueError(f"unknown head kind {config.kind!r}; expected one of {list(HEAD_KINDS)}")
 
 

@@ -3,8 +3,11 @@
     prefill -> repeat: draft -> verify -> accept -> commit
 
 State between steps (`DecodeState`): the cache holds the S committed positions; `root` is
-the next token, already chosen by the target but not yet in the cache; `hidden` is the
-target's final (post-norm) hidden state at position S-1, the one that chose `root`.
+the next token, already chosen by the target but not yet in the cache; `hidden` holds the
+drafter's target taps (concatenated) at the A positions committed by the last step (all
+P prompt positions after prefill), `next_tokens` the token after each of them. Medusa
+reads the final (post-norm) hidden state at position S-1, the one that chose `root`;
+EAGLE heads read every new row (their own KV cache, `draft_cache`, covers the rest).
 
 - draft: heads read `hidden` and fill the tree's T nodes (node 0 = root).
 - verify: ONE target forward over the T nodes; node i sits at position S + depth(i) and
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from specheads.heads.target import TargetAdapter
-from specheads.serving.drafting import MedusaDrafter
+from specheads.serving.drafting import Eagle3Drafter, MedusaDrafter
 from specheads.serving.kv_cache import commit_path, new_cache
 from specheads.serving.tree import DraftTree
 
@@ -92,13 +95,15 @@ class DecodeState:
     cache: object  # transformers DynamicCache holding S positions
     prefix_len: int  # S
     root: torch.Tensor  # [1] long, next token, not yet in the cache
-    hidden: torch.Tensor  # [1, H] final hidden state at position S-1
+    hidden: torch.Tensor  # [A, nH] drafter taps at positions S-A..S-1 (Medusa: nH = H, final hidden)
+    next_tokens: torch.Tensor  # [A] long, the token after each of those positions (ends with root)
+    draft_cache: object | None = None  # the EAGLE drafter's head cache over committed positions
 
 
 @dataclass
 class Verification:
     target_tokens: torch.Tensor  # [T] long, target argmax after each node
-    hidden: torch.Tensor  # [T, H] final hidden state at each node
+    hidden: torch.Tensor  # [T, nH] drafter taps at each node
 
 
 @dataclass
@@ -122,24 +127,25 @@ class TreePlan:
         self.false = torch.zeros(1, dtype=torch.bool, device=device)
 
 
-def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor) -> DecodeState:
+def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[int]) -> DecodeState:
     cache = new_cache(target.config)
-    out = target(input_ids_1P, [target.num_layers], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = target(input_ids_1P, tap_layers, past_key_values=cache, use_cache=True, logits_to_keep=1)
     root = out.logits[:, -1].argmax(dim=-1)  # [1]
-    return DecodeState(cache=out.past_key_values, prefix_len=int(input_ids_1P.shape[1]),
-                       root=root, hidden=out.taps[0][:, -1])
+    return DecodeState(cache=out.past_key_values, prefix_len=int(input_ids_1P.shape[1]), root=root,
+                       hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]))
 
 
-def verify(target: TargetAdapter, plan: TreePlan, state: DecodeState, tree_tokens_1T: torch.Tensor) -> Verification:
+def verify(target: TargetAdapter, plan: TreePlan, state: DecodeState, tree_tokens_1T: torch.Tensor,
+           tap_layers: list[int]) -> Verification:
     prefix_len, num_nodes = state.prefix_len, plan.num_nodes
     mask = None
     if not plan.is_chain:
         mask = torch.ones(1, 1, num_nodes, prefix_len + num_nodes, dtype=torch.bool, device=plan.tree_mask.device)
         mask[0, 0, :, prefix_len:] = plan.tree_mask
     position_ids = (plan.position_offsets + prefix_len)[None]  # [1, T]
-    out = target(tree_tokens_1T, [target.num_layers], attention_mask=mask, position_ids=position_ids,
+    out = target(tree_tokens_1T, tap_layers, attention_mask=mask, position_ids=position_ids,
                  past_key_values=state.cache, use_cache=True)
-    return Verification(target_tokens=out.logits[0].argmax(dim=-1), hidden=out.taps[0][0])
+    return Verification(target_tokens=out.logits[0].argmax(dim=-1), hidden=torch.cat(out.taps, dim=-1)[0])
 
 
 def accept(plan: TreePlan, tree_tokens_T: torch.Tensor, verification: Verification) -> Acceptance:
@@ -153,11 +159,15 @@ def accept(plan: TreePlan, tree_tokens_T: torch.Tensor, verification: Verificati
     return Acceptance(nodes=nodes, emitted=emitted)
 
 
-def commit(state: DecodeState, verification: Verification, acceptance: Acceptance) -> DecodeState:
+def commit(state: DecodeState, verification: Verification, acceptance: Acceptance,
+           tree_tokens_T: torch.Tensor) -> DecodeState:
     commit_path(state.cache, state.prefix_len, acceptance.nodes)
     last = acceptance.nodes[-1:]
+    root = verification.target_tokens[last]  # [1] the bonus token
     return DecodeState(cache=state.cache, prefix_len=state.prefix_len + int(acceptance.nodes.shape[0]),
-                       root=verification.target_tokens[last], hidden=verification.hidden[last])
+                       root=root, hidden=verification.hidden[acceptance.nodes],
+                       next_tokens=torch.cat([tree_tokens_T[acceptance.nodes[1:]], root]),
+                       draft_cache=state.draft_cache)
 
 
 def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> str | None:
@@ -180,22 +190,54 @@ def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
     return ids
 
 
+DEFAULT_EAGLE_DEPTH = 4
+
+
+def is_eagle(heads: nn.Module | None) -> bool:
+    return heads is not None and hasattr(heads, "draft_to_target")
+
+
+def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
+    from specheads.heads.eagle3 import default_tap_layers
+
+    return default_tap_layers(target.num_layers) if heads.num_taps > 1 else [target.num_layers]
+
+
 class SpeculativeDecoder:
-    def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree: DraftTree | None = None):
+    """Medusa or EAGLE drafting (picked by the heads' kind), greedy verification.
+
+    tap_layers: the target layers an EAGLE head reads (HeadsConfig.tap_layers); default the
+    trainer's default taps. Medusa always reads the final hidden state.
+    """
+
+    def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree: DraftTree | None = None,
+                 tap_layers: list[int] | None = None):
         if heads is None and tree is not None and tree.max_depth > 0:
             raise ValueError("a tree with draft nodes needs heads; pass heads or leave tree unset")
         if tree is None:
-            tree = DraftTree.default(heads.num_heads) if heads is not None else DraftTree.chain(0)
+            # EAGLE heads have no head count: without a tree they get a small default depth.
+            tree = DraftTree.default(getattr(heads, "num_heads", DEFAULT_EAGLE_DEPTH)) if heads is not None \
+                else DraftTree.chain(0)
         self.target = target
         self.tree = tree
-        self.drafter = MedusaDrafter(heads, tree) if heads is not None and tree.max_depth > 0 else None
+        self.tap_layers = [target.num_layers]
+        self.drafter = None
+        if heads is not None and tree.max_depth > 0:
+            if is_eagle(heads):
+                self.tap_layers = list(tap_layers) if tap_layers else _default_eagle_taps(heads, target)
+                target.check_taps(self.tap_layers)
+                self.drafter = Eagle3Drafter(heads, tree, target.embeddings(), self.tap_layers)
+            else:
+                self.drafter = MedusaDrafter(heads, tree)
         self.plan = TreePlan(tree, target.device)
 
     def draft(self, state: DecodeState) -> torch.Tensor:
         """-> tree tokens [1, T]."""
         if self.drafter is None:
             return state.root[:, None]
-        return self.drafter.draft(state.hidden, state.root)
+        if isinstance(self.drafter, Eagle3Drafter):
+            return self.drafter.draft(state)
+        return self.drafter.draft(state.hidden[-1:], state.root)
 
     @torch.inference_mode()
     def generate(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
@@ -206,14 +248,14 @@ class SpeculativeDecoder:
         prompt_1P = _as_prompt(input_ids, self.target.device)
         stats = DecodeStats(accepted_per_position=[0] * self.plan.max_depth)
         start = time.perf_counter()
-        state = prefill(self.target, prompt_1P)
+        state = prefill(self.target, prompt_1P, self.tap_layers)
         tokens: list[int] = []
         finish_reason = emit(tokens, state.root.tolist(), max_new_tokens, eos_ids)
         decode_start = time.perf_counter()
         stats.prefill_s = decode_start - start
         while finish_reason is None:
             tree_tokens_1T = self.draft(state)
-            verification = verify(self.target, self.plan, state, tree_tokens_1T)
+            verification = verify(self.target, self.plan, state, tree_tokens_1T, self.tap_layers)
             acceptance = accept(self.plan, tree_tokens_1T[0], verification)
             num_accepted = len(acceptance.emitted) - 1
             stats.steps += 1
@@ -223,7 +265,7 @@ class SpeculativeDecoder:
                 stats.accepted_per_position[depth] += 1
             finish_reason = emit(tokens, acceptance.emitted, max_new_tokens, eos_ids)
             if finish_reason is None:
-                state = commit(state, verification, acceptance)
+                state = commit(state, verification, acceptance, tree_tokens_1T[0])
         stats.decode_s = time.perf_counter() - decode_start
         stats.num_new_tokens = len(tokens)
         return GenerationResult(tokens=tokens, finish_reason=finish_reason, stats=stats)

@@ -6,6 +6,10 @@ candidate of head `depth` (at t) equals the target's greedy token for position t
 i.e. argmax of the target's logits at t+depth+1 (teacher-forced on the held-out text, the
 usual Medusa approximation). The tree is heads.tree_paths.expand_paths(accuracy, num_nodes).
 
+EAGLE heads: the head is unrolled num_depths steps on its own features exactly as in
+training (Eagle3Head.forward); step j is depth j+1, and its rank-r candidate (as a target
+id) at position t is scored against the target's greedy token for position t+j+2.
+
 Shape legend: K heads, B batch, T positions, V vocab, R ranks measured.
 """
 
@@ -15,14 +19,19 @@ import torch
 from torch import nn
 
 from specheads.heads.target import TargetAdapter
+from specheads.heads.eagle3 import next_token_embeddings
 from specheads.heads.tree_paths import expand_paths, expected_accept_length
 
 
 @torch.no_grad()
 def measure_accuracy(heads: nn.Module, target: TargetAdapter, input_ids_NT: torch.Tensor,
-                     loss_mask_NT: torch.Tensor, max_rank: int, batch_size: int,
-                     max_batches: int) -> tuple[list[list[float]], list[int]]:
+                     loss_mask_NT: torch.Tensor, max_rank: int, batch_size: int, max_batches: int,
+                     tap_layers: list[int] | None = None, num_depths: int | None = None,
+                     ) -> tuple[list[list[float]], list[int]]:
     """-> accuracy [K][R] and the number of positions each head was scored on [K]."""
+    if hasattr(heads, "draft_to_target"):
+        return measure_eagle_accuracy(heads, target, input_ids_NT, loss_mask_NT, max_rank, batch_size,
+                                      max_batches, tap_layers, num_depths)
     heads.eval()
     dtype = next(heads.parameters()).dtype
     num_heads = heads.num_heads
@@ -52,11 +61,51 @@ def measure_accuracy(heads: nn.Module, target: TargetAdapter, input_ids_NT: torc
     return accuracy_KR.tolist(), [int(c) for c in counts_K.tolist()]
 
 
+def _evenly_spaced(input_ids_NT, loss_mask_NT, batch_size: int, max_batches: int):
+    num_blocks = min(input_ids_NT.shape[0], max_batches * batch_size)
+    chosen = torch.linspace(0, input_ids_NT.shape[0] - 1, num_blocks).round().long()  # [n]
+    return zip(input_ids_NT[chosen].split(batch_size), loss_mask_NT[chosen].split(batch_size))
+
+
+@torch.no_grad()
+def measure_eagle_accuracy(head: nn.Module, target: TargetAdapter, input_ids_NT: torch.Tensor,
+                           loss_mask_NT: torch.Tensor, max_rank: int, batch_size: int, max_batches: int,
+                           tap_layers: list[int], num_depths: int) -> tuple[list[list[float]], list[int]]:
+    """-> accuracy [J][R] (step j = depth j+1) and positions scored per depth [J]."""
+    head.eval()
+    dtype = next(head.parameters()).dtype
+    max_rank = min(max_rank, head.draft_vocab_size)
+    draft_ids = head.draft_to_target()
+    hits_JR = torch.zeros(num_depths, max_rank, dtype=torch.float64)
+    counts_J = torch.zeros(num_depths, dtype=torch.float64)
+    for input_ids_BT, mask_BT in _evenly_spaced(input_ids_NT, loss_mask_NT, batch_size, max_batches):
+        out = target(input_ids_BT, tap_layers)
+        greedy_BT = out.logits.argmax(-1)  # [B, T]
+        taps = torch.cat(out.taps, dim=-1).to(dtype)
+        logits_JBTV, _ = head(taps, next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype), num_depths)
+        candidates_JBTR = draft_ids[logits_JBTV.topk(max_rank, dim=-1).indices]
+        seq_len = input_ids_BT.shape[1]
+        for j in range(num_depths):
+            num_pos = seq_len - j - 1
+            if num_pos <= 0:
+                continue
+            truth_BN = greedy_BT[:, j + 1:]
+            mask_BN = mask_BT[:, :num_pos] & mask_BT[:, j + 1:]
+            hit_BNR = candidates_JBTR[j, :, :num_pos] == truth_BN.unsqueeze(-1)
+            hits_JR[j] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double()
+            counts_J[j] += mask_BN.sum().double()
+    accuracy_JR = hits_JR / counts_J.clamp(min=1).unsqueeze(-1)
+    return accuracy_JR.tolist(), [int(c) for c in counts_J.tolist()]
+
+
 def calibrate(heads: nn.Module, target: TargetAdapter, input_ids_NT: torch.Tensor, loss_mask_NT: torch.Tensor,
               num_nodes: int, max_rank: int, batch_size: int, max_batches: int, source: str = "",
-              ) -> tuple[dict, dict]:
-    """-> (calibration, tree) as stored in HeadsConfig.calibration and HeadsConfig.tree."""
-    accuracy, counts = measure_accuracy(heads, target, input_ids_NT, loss_mask_NT, max_rank, batch_size, max_batches)
+              tap_layers: list[int] | None = None, num_depths: int | None = None) -> tuple[dict, dict]:
+    """-> (calibration, tree) as stored in HeadsConfig.calibration and HeadsConfig.tree.
+
+    EAGLE heads need tap_layers (their config's) and num_depths (steps to unroll)."""
+    accuracy, counts = measure_accuracy(heads, target, input_ids_NT, loss_mask_NT, max_rank, batch_size, max_batches,
+                                        tap_layers, num_depths)
     paths = expand_paths(accuracy, num_nodes)
     calibration = {
         "accuracy": accuracy,  # [depth][rank]

@@ -87,11 +87,28 @@ class TargetConfig:
     trust_remote_code: bool = _field(False, BOOL)
 
 
+OPTIONAL_INT_LIST: Check = ("a non-empty list of ints >= 0, or null",
+                            lambda v: v is None or (isinstance(v, list) and bool(v)
+                                                    and all(_is_int(x) and x >= 0 for x in v)))
+
+
 @dataclass
 class HeadsSpec:
-    kind: str = _field("medusa", one_of("medusa"))
-    num_heads: int = _field(4, POSITIVE_INT)
-    num_layers: int = _field(1, NON_NEGATIVE_INT)
+    """Medusa uses num_heads/num_layers; EAGLE ("eagle3", and the EAGLE-1/2 variant "eagle")
+    uses the rest. Sizes left null are the target's."""
+
+    kind: str = _field("medusa", one_of("medusa", "eagle3", "eagle"))
+    num_heads: int = _field(4, POSITIVE_INT, "Medusa heads")
+    num_layers: int = _field(1, NON_NEGATIVE_INT, "residual blocks per Medusa head")
+    ttt_steps: int = _field(7, POSITIVE_INT, "EAGLE: draft steps unrolled in training (= tree depth)")
+    ttt_step_weight: float = _field(0.8, POSITIVE_NUMBER, "EAGLE: step j's loss is weighted by this ** j")
+    feature_loss_weight: float = _field(1.0, NON_NEGATIVE_NUMBER, "EAGLE-1/2: weight of the feature regression")
+    draft_vocab_size: int = _field(32000, POSITIVE_INT, "EAGLE-3: most frequent tokens kept (clamped to vocab)")
+    tap_layers: list | None = _field(None, OPTIONAL_INT_LIST,
+                                     "EAGLE-3: target layer inputs fused; null = inputs of layers 2, N//2, N-3")
+    num_attention_heads: int | None = _field(None, OPTIONAL_POSITIVE_INT, "EAGLE: null = the target's")
+    num_kv_heads: int | None = _field(None, OPTIONAL_POSITIVE_INT, "EAGLE: null = the target's")
+    intermediate_size: int | None = _field(None, OPTIONAL_POSITIVE_INT, "EAGLE: null = the target's")
 
 
 @dataclass
@@ -106,6 +123,9 @@ class DataConfig:
     eval_source: str | None = _field(None, OPTIONAL_STR)
     eval_fraction: float = _field(0.05, FRACTION)
     max_records: int | None = _field(None, OPTIONAL_POSITIVE_INT)
+    # A conversation longer than seq_len is cut to seq_len (and counted) when true, else
+    # skipped and reported as "longer than seq_len". Never silent either way.
+    truncate: bool = _field(True, BOOL)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Self-distillation losses for Medusa heads.
+"""Self-distillation losses: Medusa heads, and EAGLE heads under the training-time test.
 
 Head k (0-based) at position t predicts token t+k+2. The target's own distribution for
 that token is softmax(target logits at position t+k+1), so head k is trained with
@@ -6,7 +6,14 @@ KL(p_target[t+k+1] || q_head_k[t]) for t in [0, T-k-2], on positions where both 
 t+k+1 are real tokens. KL and soft cross-entropy have the same gradient; KL is reported
 because 0 means "the head is the target".
 
-Shape legend: K heads, B batch, T positions, V vocab, N selected positions.
+EAGLE (eagle_ttt_loss): step j of the unrolled head at position t predicts token t+2+j, so
+it is scored against softmax(target logits at t+1+j) restricted to the draft vocab (the
+target ids of the draft ids, renormalised), on positions where t and t+1+j are real
+tokens. Step j is weighted step_weight**j. The EAGLE-1/2 variant adds a smooth-L1
+regression of the step's output feature to the target's feature at t+1+j.
+
+Shape legend: K heads, B batch, T positions, V vocab, N selected positions, J unrolled
+steps, Vd draft vocab, H hidden.
 """
 
 from __future__ import annotations
@@ -50,6 +57,52 @@ def medusa_distill_loss(head_logits_KBTV: torch.Tensor, target_logits_BTV: torch
     return DistillOutput(
         loss=head_loss.mean(),
         head_loss=head_loss.detach(),
+        head_top1=torch.stack(top1s).detach(),
+        head_count=torch.stack(counts).detach(),
+    )
+
+
+def eagle_ttt_loss(head_logits_JBTV: torch.Tensor, target_logits_BTV: torch.Tensor, loss_mask_BT: torch.Tensor,
+                   draft_ids_V: torch.Tensor, step_weight: float = 0.8, features_JBTH: torch.Tensor | None = None,
+                   target_features_BTH: torch.Tensor | None = None, feature_weight: float = 1.0) -> DistillOutput:
+    """Per-step KL(target restricted to the draft vocab || head), weighted sum over steps.
+
+    draft_ids [Vd]: the target id of every draft id. With features and target_features, each
+    step also regresses its output feature to the target's feature at t+1+j (EAGLE-1/2).
+    head_loss/head_top1/head_count are per step [J]; top-1 compares the head's argmax
+    (as a target id) with the target's argmax over the full vocab.
+    """
+    num_steps, _, seq_len, _ = head_logits_JBTV.shape
+    if seq_len < num_steps + 2:
+        raise ValueError(f"blocks of {seq_len} tokens are too short for {num_steps} draft steps: seq_len must be "
+                         f">= ttt_steps + 2 = {num_steps + 2}")
+    losses, objectives, top1s, counts = [], [], [], []
+    for j in range(num_steps):
+        num_pos = seq_len - j - 1  # positions t in [0, T-j-2]
+        head_BNV = head_logits_JBTV[j, :, :num_pos].float()  # [B, N, Vd] positions t
+        teacher_full_BNV = target_logits_BTV[:, j + 1:].float()  # [B, N, V] positions t+1+j
+        teacher_BNV = teacher_full_BNV.index_select(-1, draft_ids_V)  # [B, N, Vd]
+        mask_BN = (loss_mask_BT[:, :num_pos] & loss_mask_BT[:, j + 1:]).to(torch.float32)
+        log_q = F.log_softmax(head_BNV, dim=-1)
+        log_p = F.log_softmax(teacher_BNV, dim=-1)
+        kl_BN = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, N]
+        count = mask_BN.sum()
+        denom = count.clamp(min=1.0)
+        loss = (kl_BN * mask_BN).sum() / denom
+        objective = loss
+        if features_JBTH is not None and target_features_BTH is not None:
+            regress_BN = F.smooth_l1_loss(features_JBTH[j, :, :num_pos].float(),
+                                          target_features_BTH[:, j + 1:].float(), reduction="none").mean(-1)
+            objective = objective + feature_weight * (regress_BN * mask_BN).sum() / denom
+        agree_BN = (draft_ids_V[head_BNV.argmax(-1)] == teacher_full_BNV.argmax(-1)).to(torch.float32)
+        losses.append(loss)
+        objectives.append(objective * step_weight ** j)
+        top1s.append((agree_BN * mask_BN).sum() / denom)
+        counts.append(count)
+    total_weight = sum(step_weight ** j for j in range(num_steps))
+    return DistillOutput(
+        loss=torch.stack(objectives).sum() / total_weight,
+        head_loss=torch.stack(losses).detach(),
         head_top1=torch.stack(top1s).detach(),
         head_count=torch.stack(counts).detach(),
     )

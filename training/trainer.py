@@ -1,4 +1,5 @@
-"""The Medusa distillation loop on a DeepSpeed engine.
+"""The heads distillation loop (Medusa, and EAGLE with the training-time test) on a
+DeepSpeed engine.
 
 DeepSpeed wraps the heads only; the frozen target runs inside every micro step under
 no_grad (no feature cache), so its hidden states and logits are always those of the
@@ -12,7 +13,12 @@ steps (log, checkpoint) -> final checkpoint -> calibration on held-out data (ran
 `<output_dir>/heads`. Re-running the same command after a crash continues from the last
 complete checkpoint and ends at the same step.
 
-Shape legend: K heads, B micro batch, T seq_len, H hidden, V vocab.
+EAGLE heads: the target returns the tap layers' hidden states and logits; the head is
+unrolled heads.ttt_steps times on its own features (heads/eagle3.py, Eagle3Head.forward)
+and scored per step (training/losses.py, eagle_ttt_loss). The EAGLE-3 draft vocab is the
+most frequent training tokens (data/vocab_counts.py, heads/draft_vocab.py).
+
+Shape legend: K heads, B micro batch, T seq_len, H hidden, V vocab, J draft steps.
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from specheads.data.text import BlockSampler, PackedBlocks, load_text_data
-from specheads.heads.heads_dir import HeadsConfig, build_heads, save_heads
+from specheads.data.vocab_counts import count_tokens
+from specheads.heads.draft_vocab import build_draft_vocab
+from specheads.heads.eagle3 import default_tap_layers, next_token_embeddings
+from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, save_heads
 from specheads.heads.target import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
 from specheads.training.calibrate import calibrate
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.ds_config import build_ds_config
-from specheads.training.losses import medusa_distill_loss
+from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
 from specheads.training.tracking import make_tracker, step_metrics
 
 HEADS_SUBDIR = "heads"
@@ -118,17 +127,37 @@ def _check_resumable(manifest: dict, recipe: Recipe, directory: Path) -> None:
             "values, or use a new train.output_dir")
 
 
+def _medusa_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec):
+    with torch.no_grad():
+        out = target(input_ids_BT, [target.num_layers])  # taps[0]: final post-norm hidden [B, T, H]
+    logits_KBTV = engine(out.taps[0].to(dtype))
+    return medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT)
+
+
+def _eagle_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers):
+    with torch.no_grad():
+        out = target(input_ids_BT, tap_layers)
+        taps_BTnH = torch.cat(out.taps, dim=-1).to(dtype)
+        next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
+    logits_JBTV, features_JBTH = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
+    regress = heads_spec.kind == "eagle"  # EAGLE-1/2: the single tap is also the regression target
+    return eagle_ttt_loss(logits_JBTV, out.logits, loss_mask_BT, engine.module.draft_to_target(),
+                          heads_spec.ttt_step_weight, features_JBTH if regress else None,
+                          taps_BTnH if regress else None, heads_spec.feature_loss_weight)
+
+
 def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: BlockSampler,
-               grad_accum: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One optimizer step (grad_accum micro steps) -> head loss [K], head top-1 [K], tokens."""
+               grad_accum: int, heads_spec=None, tap_layers: list[int] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One optimizer step (grad_accum micro steps) -> loss [K|J], top-1 [K|J], tokens."""
     dtype = next(engine.module.parameters()).dtype
     loss_sum, top1_sum, num_tokens = 0.0, 0.0, 0
     for _ in range(grad_accum):
         input_ids_BT, loss_mask_BT = blocks.batch(sampler.next_indices())
-        with torch.no_grad():
-            out = target(input_ids_BT, [target.num_layers])  # taps[0]: final post-norm hidden [B, T, H]
-        logits_KBTV = engine(out.taps[0].to(dtype))
-        result = medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT)
+        if heads_spec is not None and heads_spec.kind in EAGLE_KINDS:
+            result = _eagle_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers)
+        else:
+            result = _medusa_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec)
         engine.backward(result.loss)
         engine.step()
         loss_sum = loss_sum + result.head_loss
@@ -147,7 +176,11 @@ def _mean_over_ranks(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 def run(recipe: Recipe) -> Path:
     """Train, checkpoint, calibrate; returns the heads directory (written by rank 0)."""
-    if recipe.data.seq_len < recipe.heads.num_heads + 2:
+    if recipe.heads.kind in EAGLE_KINDS:
+        if recipe.data.seq_len < recipe.heads.ttt_steps + 2:
+            raise RecipeError(f"data.seq_len: expected at least heads.ttt_steps + 2 = {recipe.heads.ttt_steps + 2} "
+                              f"(step j scores position t against t+1+j), got {recipe.data.seq_len}")
+    elif recipe.data.seq_len < recipe.heads.num_heads + 2:
         raise RecipeError(f"data.seq_len: expected at least heads.num_heads + 2 = {recipe.heads.num_heads + 2} "
                           f"(head k scores position t against t+k+1), got {recipe.data.seq_len}")
     target_path = _resolve_target(recipe.target.name_or_path)
@@ -165,7 +198,8 @@ def run(recipe: Recipe) -> Path:
     _say(dist, f"train data {train_blocks.report.summary()}")
     _say(dist, f"eval data {eval_blocks.report.summary()}")
 
-    engine = _make_engine(recipe, target, dist)
+    engine = _make_engine(recipe, target, dist, train_blocks)
+    tap_layers = _heads_config(recipe, target).tap_layers
     sampler = BlockSampler(len(train_blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank, dist.world_size)
     start_step = _resume(recipe, engine, sampler, output_dir, dist)
     tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank)
@@ -174,7 +208,8 @@ def run(recipe: Recipe) -> Path:
 
     window_start, window_tokens = time.perf_counter(), 0
     for step in range(start_step + 1, train_cfg.steps + 1):
-        head_loss, head_top1, num_tokens = train_step(engine, target, train_blocks, sampler, train_cfg.grad_accum)
+        head_loss, head_top1, num_tokens = train_step(engine, target, train_blocks, sampler, train_cfg.grad_accum,
+                                                     recipe.heads, tap_layers)
         window_tokens += num_tokens
         if step % train_cfg.log_every == 0 or step == train_cfg.steps:
             head_loss, head_top1 = _mean_over_ranks(head_loss, head_top1)
@@ -191,10 +226,13 @@ def run(recipe: Recipe) -> Path:
     return heads_dir
 
 
-def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist):
+def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks: PackedBlocks):
     import deepspeed
 
     heads = build_heads(_heads_config(recipe, target))
+    if recipe.heads.kind == "eagle3":  # the same maps on every rank: counts over all training blocks
+        counts_V = count_tokens(train_blocks.input_ids, train_blocks.loss_mask, target.vocab_size)
+        heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
     heads.init_lm_heads_from(target.lm_head())
     ds_config = build_ds_config(recipe.train, dist.world_size)
     engine, _, _, _ = deepspeed.initialize(model=heads, model_parameters=list(heads.parameters()), config=ds_config)
@@ -203,9 +241,35 @@ def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist):
 
 def _heads_config(recipe: Recipe, target: TargetAdapter) -> HeadsConfig:
     identity = dataclasses.replace(target.identity, name_or_path=_recorded_name(recipe.target.name_or_path))
-    return HeadsConfig(kind=recipe.heads.kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                       num_heads=recipe.heads.num_heads, num_layers=recipe.heads.num_layers,
-                       tap_layers=[target.num_layers], target=identity)
+    spec = recipe.heads
+    if spec.kind not in EAGLE_KINDS:
+        return HeadsConfig(kind=spec.kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                           num_heads=spec.num_heads, num_layers=spec.num_layers,
+                           tap_layers=[target.num_layers], target=identity)
+    text = target.text_config
+    if spec.kind == "eagle":  # EAGLE-1/2: the final hidden state, the full vocab
+        taps, draft_vocab_size = [target.num_layers], target.vocab_size
+    else:
+        taps = list(spec.tap_layers) if spec.tap_layers else default_tap_layers(target.num_layers)
+        draft_vocab_size = min(spec.draft_vocab_size, target.vocab_size)
+    try:
+        target.check_taps(taps)
+    except ValueError as err:
+        raise RecipeError(f"heads.tap_layers: {err}") from None
+    return HeadsConfig(
+        kind=spec.kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=spec.ttt_steps,
+        num_layers=1, tap_layers=taps, target=identity,
+        num_attention_heads=spec.num_attention_heads or text.num_attention_heads,
+        num_kv_heads=spec.num_kv_heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        intermediate_size=spec.intermediate_size or text.intermediate_size, draft_vocab_size=draft_vocab_size,
+        rope_theta=float(_rope_theta(text)), rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)))
+
+
+def _rope_theta(text_config) -> float:
+    theta = getattr(text_config, "rope_theta", None)
+    if theta is None:  # transformers 5 keeps it in rope_parameters
+        theta = (getattr(text_config, "rope_parameters", None) or {}).get("rope_theta")
+    return theta or 10000.0
 
 
 def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dist: Dist) -> int:
@@ -227,7 +291,9 @@ def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dis
 
 
 def _current_lr(engine) -> float:
-    return float(engine.get_lr()[0]) if engine.lr_scheduler is not None else float(engine.optimizer.param_groups[0]["lr"])
+    if engine.lr_scheduler is not None:
+        return float(engine.get_lr()[0])
+    return float(engine.optimizer.param_groups[0]["lr"])
 
 
 def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBlocks, output_dir: Path,
@@ -238,11 +304,13 @@ def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBl
     if dist.rank == 0:
         config = _heads_config(recipe, target)
         heads = build_heads(config)
-        heads.load_state_dict(weights)
+        saved = heads.state_dict()  # non-persistent buffers (rotary inv_freq) stay as built
+        heads.load_state_dict({k: v for k, v in weights.items() if k in saved})
         cal = recipe.calibrate
         config.calibration, config.tree = calibrate(
             heads, target, eval_blocks.input_ids, eval_blocks.loss_mask, cal.num_nodes, cal.max_rank,
-            recipe.train.micro_batch_size, cal.eval_batches, source=eval_blocks.report.source)
+            recipe.train.micro_batch_size, cal.eval_batches, source=eval_blocks.report.source,
+            tap_layers=config.tap_layers, num_depths=config.num_heads)
         save_heads(heads_dir, heads, config)
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
         _say(dist, f"held-out top-1 per head {top1}; tree of {config.tree['num_nodes']} nodes, expected "
