@@ -1,0 +1,210 @@
+"""`specheads export`: heads directories to the layouts other engines load, and back.
+
+    export_heads(HEADS_DIR, "eagle3" | "medusa" | "vllm-medusa", OUT)
+    import_heads(FOREIGN_DIR, OUT, target=None)
+
+Formats (key names and config fields in heads/export_medusa.py and heads/export_eagle3.py):
+
+| format      | heads kind | for                    | config.json marker                         | weights file               |
+|-------------|------------|------------------------|--------------------------------------------|----------------------------|
+| eagle3      | eagle3     | vLLM, SGLang           | architectures ["LlamaForCausalLMEagle3"]   | model.safetensors          |
+| medusa      | medusa     | TGI, TensorRT-LLM      | medusa_num_heads, medusa_num_layers        | medusa_lm_head.safetensors |
+| vllm-medusa | medusa     | vLLM (method "medusa") | architectures ["MedusaModel"]              | model.safetensors          |
+
+Every export also writes a "specheads" block (our full HeadsConfig) into config.json, which
+the engines ignore. Import reads it back, so specheads -> foreign -> specheads is exact
+(weights bitwise, every config field). Heads trained elsewhere have no such block; then the
+target identity (architecture, sizes, layer count, name) comes from `target`: a TargetIdentity,
+or a model directory / hub id whose config.json is read (no weights are loaded). With both,
+`target` wins and the heads are checked to fit it. Medusa heads tap the target's final
+state (tap = number of target layers); EAGLE-3 taps come from the checkpoint (see
+export_eagle3.py for the layer-id conventions), and EAGLE-3 heads that do not record a
+draft depth get num_heads = IMPORTED_EAGLE_DEPTH (serving's default tree depth). The
+EAGLE-1/2 kind "eagle" (one tap, no fc) has no export format.
+
+All writes are atomic: the output directory is built under a temporary name beside OUT and
+renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specheads.heads import export_eagle3, export_medusa
+from specheads.heads.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
+                                       atomic_write_text, build_heads, read_heads_config, replace_dir)
+from specheads.heads.target import TargetIdentity
+
+FORMATS = {  # format -> (heads kind, weights file name)
+    "eagle3": ("eagle3", WEIGHTS_NAME),
+    "medusa": ("medusa", export_medusa.MEDUSA_WEIGHTS_NAME),
+    "vllm-medusa": ("medusa", WEIGHTS_NAME),
+}
+_TO_FOREIGN = {"eagle3": export_eagle3.to_eagle3, "medusa": export_medusa.to_medusa,
+               "vllm-medusa": export_medusa.to_vllm_medusa}
+IMPORTED_EAGLE_DEPTH = 4  # num_heads (draft depth) of EAGLE-3 heads that do not record one
+EXPECTED_LAYOUTS = (
+    "EAGLE-3 (config.json architectures [\"LlamaForCausalLMEagle3\"] + model.safetensors), "
+    "Medusa (config.json with medusa_num_heads and medusa_num_layers + medusa_lm_head.safetensors), "
+    "vLLM Medusa (config.json architectures [\"MedusaModel\"] + model.safetensors)"
+)
+
+
+def export_heads(heads_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike) -> Path:
+    """Write the heads in `heads_dir` to `out_dir` in foreign format `fmt`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; expected one of {sorted(FORMATS)}")
+    config = read_heads_config(heads_dir)
+    kind = FORMATS[fmt][0]
+    if config.kind != kind:
+        formats = [f for f, (k, _) in FORMATS.items() if k == config.kind]
+        raise ValueError(f"format {fmt!r} holds {kind} heads, but {str(heads_dir)!r} holds {config.kind} heads; "
+                         + (f"formats for {config.kind} heads: {formats}" if formats
+                            else f"{config.kind} heads have no export format"))
+    weights = Path(heads_dir) / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"heads directory {str(heads_dir)!r} has no {WEIGHTS_NAME}")
+    foreign_config, foreign_state = _TO_FOREIGN[fmt](config.to_dict(), load_file(str(weights)))
+    foreign_config.setdefault("specheads", config.to_dict())
+    return _write_dir(out_dir, foreign_config, foreign_state, FORMATS[fmt][1])
+
+
+def detect_format(config: dict, source: str = "config.json") -> str:
+    """Which foreign layout a config.json describes; a ValueError naming the known ones otherwise."""
+    architectures = config.get("architectures") or []
+    if config.get("format") == FORMAT_NAME:
+        raise ValueError(f"{source} is already a specheads heads directory; nothing to import")
+    if any(a in export_eagle3.EAGLE3_ARCHITECTURES for a in architectures):
+        return "eagle3"
+    if export_medusa.VLLM_MEDUSA_ARCHITECTURE in architectures or config.get("model_type") == "medusa":
+        return "vllm-medusa"
+    if "medusa_num_heads" in config:
+        return "medusa"
+    hint = ""
+    if "speculators_model_type" in config:
+        hint = " (this is a `speculators` config; its layout is not supported)"
+    raise ValueError(f"{source} is an unknown heads layout{hint} (architectures={architectures}, "
+                     f"keys {sorted(config)[:12]}); expected one of: {EXPECTED_LAYOUTS}")
+
+
+def import_heads(foreign_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                 target: TargetIdentity | str | os.PathLike | None = None) -> Path:
+    """Read heads in a foreign layout (auto-detected) into a specheads heads directory."""
+    foreign_dir = Path(foreign_dir)
+    foreign = _read_json(foreign_dir / CONFIG_NAME)
+    fmt = detect_format(foreign, str(foreign_dir / CONFIG_NAME))
+    state = _read_weights(foreign_dir, FORMATS[fmt][1])
+    embedded = foreign.get("specheads")
+    identity = resolve_target(target) if target is not None else None
+    if identity is None and embedded is None:
+        raise ValueError(f"{str(foreign_dir)!r} ({fmt}) does not record its target model; pass the target "
+                         "(--target MODEL_DIR_OR_HUB_ID) the heads were trained on")
+    if identity is None:
+        identity = TargetIdentity(**embedded["target"])
+    source = f"{fmt} heads at {str(foreign_dir)!r}"
+    if fmt == "eagle3":
+        fields, state = export_eagle3.from_eagle3(foreign, state, identity.num_layers, source)
+    else:
+        convert = export_medusa.from_medusa if fmt == "medusa" else export_medusa.from_vllm_medusa
+        fields, state = convert(foreign, state, source)
+        fields["tap_layers"] = [identity.num_layers]
+    config = _heads_config(FORMATS[fmt][0], fields, identity, embedded, state)
+    config.check_fits(identity, source=source)
+    _check_loads(config, state, source)
+    return _write_dir(out_dir, config.to_dict(), state, WEIGHTS_NAME)
+
+
+def resolve_target(target: TargetIdentity | str | os.PathLike) -> TargetIdentity:
+    """A TargetIdentity from itself, or from a model directory / hub id's config (no weights)."""
+    if isinstance(target, TargetIdentity):
+        return target
+    from transformers import AutoConfig
+
+    from specheads.heads.target import check_target_exists
+
+    check_target_exists(str(target))
+    return TargetIdentity.from_config(AutoConfig.from_pretrained(str(target)), str(target))
+
+
+def _heads_config(kind: str, fields: dict, identity: TargetIdentity, embedded: dict | None,
+                  state: dict[str, torch.Tensor]) -> HeadsConfig:
+    """Build a HeadsConfig from the format's fields; extras (tree, calibration) from `embedded`."""
+    names = {f.name: f for f in dataclasses.fields(HeadsConfig)}
+    values = {name: value for name, value in (embedded or {}).items() if name in names}
+    values.update({name: value for name, value in fields.items() if name in names})
+    values.update(kind=kind, format=FORMAT_NAME, format_version=FORMAT_VERSION)
+    values["target"] = dataclasses.asdict(identity)
+    if embedded is None:
+        floating = next(t for t in state.values() if t.is_floating_point())
+        values["dtype"] = str(floating.dtype).removeprefix("torch.")
+    # EAGLE heads from elsewhere: one layer, drafted to the serving default depth.
+    values.setdefault("num_heads", IMPORTED_EAGLE_DEPTH)
+    values.setdefault("num_layers", 1)
+    dropped = sorted(set(fields) - set(names) - set(export_eagle3.OPTIONAL_FIELDS))
+    if dropped:
+        raise ValueError(f"this specheads HeadsConfig has no fields {dropped} for {kind} heads")
+    required = [name for name, f in names.items() if name not in values
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise ValueError(f"cannot fill HeadsConfig fields {required} for imported {kind} heads")
+    return HeadsConfig.from_dict(values, source=f"imported {kind} heads")
+
+
+def _check_loads(config: HeadsConfig, state: dict[str, torch.Tensor], source: str) -> None:
+    """The imported state must load strictly into the module the config builds."""
+    expected = {k: tuple(v.shape) for k, v in build_heads(config).state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source} does not convert to a {config.kind} head of its config: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    wrong = {k: (tuple(v.shape), expected[k]) for k, v in state.items() if tuple(v.shape) != expected[k]}
+    if wrong:
+        raise ValueError(f"{source}: tensors (shape, needed) {wrong} do not fit {config.kind} heads of its config")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path.parent)!r} has no {path.name}; expected heads in one of: "
+                                f"{EXPECTED_LAYOUTS}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return raw
+
+
+def _read_weights(directory: Path, name: str) -> dict[str, torch.Tensor]:
+    """The named safetensors file, or its `.pt`/`.bin` twin loaded with weights_only=True."""
+    path = directory / name
+    if path.is_file():
+        return load_file(str(path))
+    for alt in (path.with_suffix(".pt"), path.with_suffix(".bin"), directory / "pytorch_model.bin"):
+        if alt.is_file():
+            state = torch.load(alt, map_location="cpu", weights_only=True)
+            return {k: v for k, v in state.items()}
+    raise FileNotFoundError(f"{str(directory)!r} has no {name} (nor a .pt/.bin twin)")
+
+
+def _write_dir(out_dir: str | os.PathLike, config: dict, state: dict[str, torch.Tensor], weights_name: str) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+        save_file(tensors, str(tmp / weights_name), metadata={"format": "pt"})
+        atomic_write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

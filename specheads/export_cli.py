@@ -1,0 +1,47 @@
+"""`specheads export`: convert heads to the layouts other engines load, or import them back.
+
+    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa --out DIR
+    specheads export --import FOREIGN_DIR --out DIR [--target MODEL_DIR_OR_HUB_ID]
+
+The import auto-detects the layout from FOREIGN_DIR/config.json. Heads exported by specheads
+carry their target identity; heads trained elsewhere need --target (only its config.json is
+read). See heads/export.py for the formats.
+"""
+
+from __future__ import annotations
+
+FORMAT_CHOICES = ("eagle3", "medusa", "vllm-medusa")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("export", help="export heads for vLLM/SGLang/TGI/TensorRT-LLM, or import them back",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("heads_dir", nargs="?", help="specheads heads directory to export")
+    p.add_argument("--format", choices=FORMAT_CHOICES,
+                   help="eagle3 (vLLM, SGLang), medusa (FasterDecoding layout: TGI, TensorRT-LLM), "
+                        "vllm-medusa (vLLM's MedusaModel key names)")
+    p.add_argument("--import", dest="import_dir", metavar="FOREIGN_DIR",
+                   help="read heads in a foreign layout (auto-detected) into a specheads heads directory")
+    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--target", help="with --import: the target model dir or hub id the heads were trained on "
+                                    "(needed when the heads do not record it)")
+
+
+def run(args) -> int:
+    from specheads.heads.export import export_heads, import_heads
+
+    if args.import_dir is not None:
+        if args.heads_dir is not None or args.format is not None:
+            raise ValueError("--import takes no HEADS_DIR or --format; use either "
+                             "`export HEADS_DIR --format F --out DIR` or `export --import FOREIGN_DIR --out DIR`")
+        out = import_heads(args.import_dir, args.out, target=args.target)
+        print(f"imported {args.import_dir} -> {out}")
+        return 0
+    if args.heads_dir is None or args.format is None:
+        raise ValueError("export needs HEADS_DIR and --format (one of "
+                         f"{', '.join(FORMAT_CHOICES)}), or --import FOREIGN_DIR")
+    if args.target is not None:
+        raise ValueError("--target is only used with --import; exported heads carry their own target identity")
+    out = export_heads(args.heads_dir, args.format, args.out)
+    print(f"exported {args.heads_dir} as {args.format} -> {out}")
+    return 0
