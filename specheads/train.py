@@ -2,6 +2,11 @@
 
     python -m specheads.train RECIPE.yaml [--set dotted.key=value ...]
     deepspeed --num_gpus 2 --module specheads.train RECIPE.yaml [--set ...]
+    python -m specheads.train RECIPE.yaml --dry-run [--world-size N]
+
+`--dry-run` builds the target and heads on the meta device from the target's config.json
+and prints parameter counts, a per-GPU memory estimate and the DeepSpeed JSON, without
+loading weights or starting DeepSpeed (training/dry_run.py).
 
 The deepspeed launcher adds `--local_rank=N`; it is accepted and ignored (the rank comes
 from the environment). User errors (bad recipe, missing target, unusable data, a
@@ -21,6 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-medusa.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe value by its dotted key, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print parameter counts, a per-GPU memory estimate and the DeepSpeed config; "
+                             "load no weights, start nothing")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="GPUs for the --dry-run estimate (default: WORLD_SIZE, else the recipe's launch line)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -33,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        if args.dry_run:
+            from specheads.training.dry_run import dry_run
+
+            return dry_run(recipe, args.recipe, args.world_size)
         from specheads.training.trainer import run
 
         run(recipe)

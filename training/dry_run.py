@@ -1,0 +1,227 @@
+"""`specheads train RECIPE --dry-run`: check a recipe against its target without a GPU.
+
+Builds the frozen target and the heads from the target's config.json on the meta device
+(shapes only: no weights are read, nothing is downloaded, no process group is started),
+then prints the parameter counts, a per-GPU memory estimate and the DeepSpeed JSON the
+real run would use, and returns 0.
+
+The target's config comes from, in order: the tiny embedded target's spec (`embedded:*`;
+its cached build when present), a local directory with config.json, a local .json file,
+or the config shipped for a known hub id in `recipes/configs/<name>.json` (`<name>` is the
+hub id's last part, lower-cased: meta-llama/Llama-3.1-8B-Instruct ->
+llama-3.1-8b-instruct.json). Any other hub id is an error: a dry run never goes online.
+
+World size for the estimate: `--world-size N`, else WORLD_SIZE from the environment, else
+the `--num_gpus G [--num_nodes M]` of the recipe's launch line (its first comment, G x M),
+else 8 for a hub or local target and 1 for an embedded one.
+
+Memory per GPU, in bytes (N ranks, ZeRO stage z; P_t target and P_h head parameters):
+
+    target weights  P_t * d_t / (N if z == 3 else 1)     d_t: bytes of target.dtype
+    head weights    P_h * w   / (N if z == 3 else 1)     w: 2 for bf16/fp16 training, 4 for fp32
+    gradients       P_h * w   / (N if z >= 2 else 1)
+    optimizer       P_h * (m + 8) / (N if z >= 1 else 1) m: 4 (fp32 master copy) for bf16/fp16,
+                                                         0 for fp32; 8 = Adam's two fp32 moments
+    activations     B * T * (L + 1) * H * d_t            target hidden states (output_hidden_states,
+                  + B * T * V * d_t                      no grad) and its logits
+                  + J * B * T * (16 * H + 2 * V_h) * w   heads: J steps (Medusa heads, EAGLE
+                                                         ttt_steps), ~16 hidden-wide tensors and
+                                                         logits + their gradient per step
+
+B micro batch, T seq_len, L layers, H hidden, V vocab, V_h the head's output vocab (the draft
+vocab for EAGLE-3). The activation term is rough (attention scores, allocator slack, CUDA
+context and DeepSpeed buffers are not counted); treat the total as a lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from specheads.training.config import Recipe, RecipeError
+from specheads.training.ds_config import build_ds_config
+
+DEFAULT_GPU_WORLD_SIZE = 8
+GIB = 1024 ** 3
+LAUNCH_GPUS = re.compile(r"--num_gpus[ =](\d+)")
+LAUNCH_NODES = re.compile(r"--num_nodes[ =](\d+)")
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def shipped_config_path(hub_id: str) -> Path:
+    """The config.json shipped for a hub id: recipes/configs/<last part, lower-cased>.json."""
+    return _configs_dir() / f"{hub_id.rsplit('/', 1)[-1].lower()}.json"
+
+
+def _configs_dir() -> Path:
+    import specheads.recipes
+
+    return Path(specheads.recipes.__file__).resolve().parent / "configs"
+
+
+def load_target_config(name_or_path: str, trust_remote_code: bool = False):
+    """-> (transformers config, where it came from). Never downloads anything."""
+    from transformers import AutoConfig
+
+    if name_or_path.startswith("embedded:"):
+        return _embedded_config(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target directory {str(path)!r} has no config.json")
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code), str(path / "config.json")
+    if path.is_file() and path.suffix == ".json":
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code), str(path)
+    shipped = shipped_config_path(name_or_path)
+    if shipped.is_file():
+        return AutoConfig.from_pretrained(str(shipped), trust_remote_code=trust_remote_code), str(shipped)
+    known = sorted(p.stem for p in _configs_dir().glob("*.json"))
+    raise FileNotFoundError(f"target {name_or_path!r}: a dry run reads config.json locally and never downloads; "
+                            f"no local directory of that name and no shipped config {shipped.name} "
+                            f"(shipped: {known}). Pass a local model directory or save its config.json there.")
+
+
+def _embedded_config(name: str):
+    from transformers import AutoConfig, LlamaConfig
+
+    from specheads.data.tiny_target import DEFAULT_SPEC, DEFAULT_TARGET_NAME, target_dir
+
+    if name != DEFAULT_TARGET_NAME:
+        raise FileNotFoundError(f"unknown embedded target {name!r}; expected {DEFAULT_TARGET_NAME!r}")
+    built = target_dir() / "config.json"
+    if built.is_file():
+        return AutoConfig.from_pretrained(str(built.parent)), str(built)
+    spec = DEFAULT_SPEC  # not built yet: its spec (the vocab is the tokenizer's target size)
+    config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    return config, "the embedded target's spec (not built yet)"
+
+
+def launch_world_size(recipe_path: str | os.PathLike) -> int | None:
+    """G x M from the recipe's first line `# deepspeed ... --num_gpus G [--num_nodes M] ...`."""
+    with open(recipe_path) as f:
+        first = f.readline()
+    gpus = LAUNCH_GPUS.search(first)
+    if not first.startswith("#") or "deepspeed" not in first or gpus is None:
+        return None
+    nodes = LAUNCH_NODES.search(first)
+    return int(gpus.group(1)) * (int(nodes.group(1)) if nodes else 1)
+
+
+def resolve_world_size(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | None) -> tuple[int, str]:
+    if world_size is not None:
+        return world_size, "--world-size"
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+    launched = launch_world_size(recipe_path)
+    if launched is not None:
+        return launched, "the recipe's launch line"
+    if recipe.target.name_or_path.startswith("embedded:"):
+        return 1, "default for an embedded target"
+    return DEFAULT_GPU_WORLD_SIZE, "default for a GPU recipe"
+
+
+def build_on_meta(recipe: Recipe, config):
+    """-> (target model, heads module, HeadsConfig), all parameters on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from specheads.heads.heads_dir import build_heads
+    from specheads.heads.target import TargetAdapter, freeze, resolve_dtype
+    from specheads.training.trainer import _heads_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(recipe.target.dtype),
+                                                 trust_remote_code=recipe.target.trust_remote_code)
+    target = TargetAdapter(freeze(model), recipe.target.name_or_path)
+    heads_config = _heads_config(recipe, target)  # the trainer's own: same taps, sizes, draft vocab
+    with torch.device("meta"):
+        heads = build_heads(heads_config)
+    return target, heads, heads_config
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU (see the module docstring for the formula)."""
+
+    target_weights: float
+    head_weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.target_weights + self.head_weights + self.gradients + self.optimizer + self.activations
+
+
+def estimate_memory(recipe: Recipe, num_target_params: int, num_head_params: int, num_layers: int,
+                    hidden_size: int, vocab_size: int, head_vocab_size: int, world_size: int) -> MemoryEstimate:
+    zero, n = recipe.train.zero_stage, world_size
+    d_t = BYTES[recipe.target.dtype]
+    w = BYTES[recipe.train.precision]
+    master = 4 if recipe.train.precision != "fp32" else 0
+    steps = recipe.heads.num_heads if recipe.heads.kind == "medusa" else recipe.heads.ttt_steps
+    tokens = recipe.train.micro_batch_size * recipe.data.seq_len
+    activations = (tokens * (num_layers + 1) * hidden_size * d_t + tokens * vocab_size * d_t
+                   + steps * tokens * (16 * hidden_size + 2 * head_vocab_size) * w)
+    return MemoryEstimate(
+        target_weights=num_target_params * d_t / (n if zero == 3 else 1),
+        head_weights=num_head_params * w / (n if zero == 3 else 1),
+        gradients=num_head_params * w / (n if zero >= 2 else 1),
+        optimizer=num_head_params * (master + 8) / (n if zero >= 1 else 1),
+        activations=activations,
+    )
+
+
+def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | None = None,
+            out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    if world_size is not None and world_size < 1:
+        raise RecipeError(f"--world-size: expected a positive int, got {world_size}")
+    world, world_source = resolve_world_size(recipe, recipe_path, world_size)
+    config, config_source = load_target_config(recipe.target.name_or_path, recipe.target.trust_remote_code)
+    target, heads, heads_config = build_on_meta(recipe, config)
+    num_target = sum(p.numel() for p in target.model.parameters())
+    num_heads = sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    head_vocab = heads_config.draft_vocab_size or heads_config.vocab_size
+    memory = estimate_memory(recipe, num_target, num_heads, target.num_layers, target.hidden_size,
+                             target.vocab_size, head_vocab, world)
+
+    def say(line: str = "") -> None:
+        print(line, file=out)
+
+    say(f"dry run of {recipe_path}: shapes only (meta device), no weights loaded, nothing launched")
+    say(f"target  {recipe.target.name_or_path} ({target.identity.architecture}, {target.num_layers} layers, "
+        f"hidden {target.hidden_size}, vocab {target.vocab_size}, {recipe.target.dtype})")
+    say(f"        config: {config_source}")
+    say(f"heads   {_describe_heads(heads_config)}")
+    say("parameters")
+    say(f"  target (frozen)    {num_target:>16,}")
+    say(f"  heads (trainable)  {num_heads:>16,}")
+    say(f"memory per GPU (estimate): world size {world} ({world_source}), ZeRO stage {recipe.train.zero_stage}, "
+        f"{recipe.train.precision}, micro batch {recipe.train.micro_batch_size} x seq_len {recipe.data.seq_len}")
+    for name in ("target_weights", "head_weights", "gradients", "optimizer", "activations"):
+        say(f"  {name.replace('_', ' '):<17}{getattr(memory, name) / GIB:>10.2f} GiB")
+    say(f"  {'total':<17}{memory.total / GIB:>10.2f} GiB  (lower bound: no CUDA context or allocator slack)")
+    say("deepspeed config")
+    say(json.dumps(build_ds_config(recipe.train, world), indent=2))
+    return 0
+
+
+def _describe_heads(config) -> str:
+    if config.kind == "medusa":
+        return (f"medusa: {config.num_heads} heads x {config.num_layers} residual block(s), "
+                f"reading tap {config.tap_layers}")
+    return (f"{config.kind}: taps {config.tap_layers}, {config.num_heads} draft steps, draft vocab "
+            f"{config.draft_vocab_size}, attention {config.num_attention_heads}/{config.num_kv_heads} heads, "
+            f"mlp {config.intermediate_size}")
