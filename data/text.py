@@ -309,7 +309,7 @@ def load_text_data(data, tokenizer_path: str | None, seed: int, eos_token_id: in
         train_records, eval_records = train_records[:data.max_records], eval_records[:data.max_records]
     build = dict(text_field=data.text_field, seq_len=data.seq_len, tokenizer_path=data.tokenizer or tokenizer_path,
                  eos_token_id=eos_token_id, vocab_size=vocab_size, trust_remote_code=trust_remote_code,
-                 truncate=getattr(data, "truncate", True))  # DataConfig.truncate, once the recipe has it
+                 truncate=data.truncate)
     train = build_blocks(data.source, train_records, **build)
     eval_source = data.eval_source or (f"{data.source} (held-out)")
     if not eval_records:

@@ -3,6 +3,11 @@
     specheads train RECIPE.yaml [--set dotted.key=value ...]
     specheads generate --target T [--heads H] --prompt TEXT [--max-new-tokens N] [--json]
     specheads demo [--workdir DIR]
+    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa --out DIR
+    specheads export --import FOREIGN_DIR --out DIR [--target T]
+    specheads bench --target T [--heads H] [--prompts FILE.jsonl] [--json OUT] [--plot OUT.png]
+    specheads data regenerate --target T --input FILE --output FILE
+    specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR
 
 Every subcommand imports its machinery lazily so `specheads --help` is instant. User
 errors (bad paths, mismatched heads, bad recipes) print one clear line and exit 2.
@@ -48,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER)
     _add_generate(sub)
     _add_demo(sub)
+    from specheads import bench_cli, data_cli, export_cli
+
+    bench_cli.add_parser(sub)
+    export_cli.add_parser(sub)
+    data_cli.add_parser(sub)
     return parser
 
 
@@ -89,6 +99,18 @@ def main(argv: list[str] | None = None) -> int:
             return train_main(args.args)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            from specheads import bench_cli
+
+            return bench_cli.run(args)
+        if args.command == "data":
+            from specheads import data_cli
+
+            return data_cli.run(args)
+        if args.command == "export":
+            from specheads import export_cli
+
+            return export_cli.run(args)
         if args.command == "demo":
             from specheads.demo import run_demo
 

@@ -78,7 +78,7 @@ def compare_decoding(target_path: str, heads_dir: Path, max_new_tokens: int) -> 
           f"{tree.num_nodes} nodes, depth {tree.max_depth}")
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in DEMO_PROMPTS]
     methods = {"engine, no heads": SpeculativeDecoder(target),
-               "engine + Medusa heads": SpeculativeDecoder(target, heads, tree)}
+               "engine + Medusa heads": SpeculativeDecoder(target, heads, tree, tap_layers=config.tap_layers)}
     results = compare(methods, target.model, prompts, max_new_tokens, tokenizer.eos_token_id)
     print(format_table(results))
     return results

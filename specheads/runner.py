@@ -26,5 +26,6 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32
     decoder = SpeculativeDecoder(adapter)
     if heads is not None:  # checked against the target before anything else is loaded
         head_module, config = load_heads(heads, target=adapter.identity, device=device, dtype=adapter.dtype)
-        decoder = SpeculativeDecoder(adapter, head_module, DraftTree.from_heads_config(config))
+        decoder = SpeculativeDecoder(adapter, head_module, DraftTree.from_heads_config(config),
+                                     tap_layers=config.tap_layers)
     return decoder, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -192,11 +192,10 @@ def test_a_file_with_bad_records_trains_on_the_good_ones(chat_tok, tmp_path):
     bad = [{"messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "bot", "content": "x"}]}]
     path = write_jsonl(tmp_path / "chat.jsonl", good + bad)
 
-    class Data:  # the DataConfig fields load_text_data reads
-        source, text_field, tokenizer, seq_len = str(path), "text", str(chat_tok), 32
-        eval_source, eval_fraction, max_records = None, 0.1, None
+    from specheads.training.config import DataConfig
 
-    train, held_out = load_text_data(Data, None, seed=0)
+    data = DataConfig(source=str(path), tokenizer=str(chat_tok), seq_len=32, eval_fraction=0.1)
+    train, held_out = load_text_data(data, None, seed=0)
     skipped = {**train.report.skipped}
     for reason, count in held_out.report.skipped.items():
         skipped[reason] = skipped.get(reason, 0) + count

@@ -251,7 +251,8 @@ def load_checkpoint(directory: Path, manifest: dict, engine, precision: str, gra
     if stage < 3:  # ZeRO-3 restores its partitioned weights from the optimizer's fp32 partitions
         dtype = next(engine.module.parameters()).dtype
         weights = load_file(str(directory / WEIGHTS))
-        engine.module.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
+        # Only floating tensors take the module's dtype: int64 d2t / bool t2d must stay exact.
+        engine.module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
     per_rank = [torch.load(directory / rank_file(r), map_location="cpu", weights_only=True)
                 for r in range(world_size)]
     live = engine.optimizer.state_dict()
