@@ -162,11 +162,13 @@ class TargetAdapter:
     def forward(self, input_ids: torch.Tensor, tap_layers: list[int], *,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = False,
-                logits_to_keep: int | torch.Tensor = 0) -> TargetOutput:
+                logits_to_keep: int | torch.Tensor = 0, **attention_kwargs) -> TargetOutput:
         """One target forward pass.
 
         input_ids [B, T]; attention_mask either 2-D [B, S+T] padding mask or a prepared 4-D
-        mask [B, 1, T, S+T] (bool, True = attend); position_ids [B, T].
+        mask [B, 1, T, S+T] (bool, True = attend); position_ids [B, T]. attention_kwargs are
+        passed through to the model, which hands them to its attention function (e.g. the
+        tree attention's tree_mask= / prefix_len=, see serving/tree_attention.py).
         """
         out = self.model(
             input_ids=input_ids,
@@ -177,6 +179,7 @@ class TargetAdapter:
             output_hidden_states=list(tap_layers) if tap_layers else False,
             logits_to_keep=logits_to_keep,
             return_dict=True,
+            **attention_kwargs,
         )
         taps = [out.hidden_states[t] for t in tap_layers] if tap_layers else []
         return TargetOutput(logits=out.logits, taps=taps, past_key_values=out.past_key_values)

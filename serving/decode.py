@@ -18,6 +18,20 @@ EAGLE heads read every new row (their own KV cache, `draft_cache`, covers the re
   at the last accepted node is the bonus token, which becomes the next root.
 - commit: the cache keeps the accepted nodes' KV entries (root first) and drops the rest.
 
+The target's cache is a `TreeStaticCache` (serving/static_cache.py) in dynamic-shape mode,
+allocated once by prefill with max_cache_len = P + max_new_tokens + T: verify writes the T
+nodes after the S committed positions, commit gathers the accepted ones in place. No step
+reallocates a buffer.
+
+Sampling (`generate(..., sampling=SamplingParams(...))`, temperature > 0): verify keeps the
+tree's logits and accept is `serving.sampling.accept_tree_sampling` (recursive rejection
+sampling against the heads' deterministic top-k candidates, draft_probs=None), so the output
+follows the target's processed distribution exactly; the final (bonus or recovered) token is
+the next root. `acceptance="typical"` is Medusa-2's lossy rule, reported as lossless=False.
+
+Controls: `stop_token_sequences` end the output right after the first occurrence of any of
+them (finish_reason "stop"); `stream(...)` yields the new tokens of each step.
+
 Lossless: every emitted token is the target's argmax given exactly the tokens before it,
 so the output equals the target's own greedy decoding (up to fp ties, see the tests).
 
@@ -42,8 +56,13 @@ from torch import nn
 
 from specheads.heads.target import TargetAdapter
 from specheads.serving.drafting import Eagle3Drafter, MedusaDrafter
-from specheads.serving.kv_cache import commit_path, new_cache
+from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
+from specheads.serving.static_cache import TreeStaticCache
 from specheads.serving.tree import DraftTree
+
+# Cache capacity past the prompt when `prefill` is called without one (generate always passes
+# P + max_new_tokens + T, which covers every verify step).
+DEFAULT_CACHE_HEADROOM = 256
 
 
 @dataclass
@@ -54,7 +73,8 @@ class DecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [D] steps that accepted depth d+1
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    num_new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
+    num_new_tokens: int = 0  # tokens returned (after EOS / stop / max_new_tokens truncation)
+    lossless: bool = True  # False when any step used a lossy acceptance rule (acceptance="typical")
 
     @property
     def alpha(self) -> float:
@@ -80,30 +100,34 @@ class DecodeStats:
             steps=self.steps + other.steps, drafted_tokens=self.drafted_tokens + other.drafted_tokens,
             accepted_tokens=self.accepted_tokens + other.accepted_tokens,
             accepted_per_position=per_position, prefill_s=self.prefill_s + other.prefill_s,
-            decode_s=self.decode_s + other.decode_s, num_new_tokens=self.num_new_tokens + other.num_new_tokens)
+            decode_s=self.decode_s + other.decode_s, num_new_tokens=self.num_new_tokens + other.num_new_tokens,
+            lossless=self.lossless and other.lossless)
 
 
 @dataclass
 class GenerationResult:
-    tokens: list[int]  # new tokens only; ends with the EOS token when finish_reason == "stop"
+    tokens: list[int]  # new tokens only; ends with the EOS token or the stop sequence when finish_reason == "stop"
     finish_reason: str  # "stop" | "length"
     stats: DecodeStats
+    lossless: bool = True  # False when the output does not follow the target's distribution (typical acceptance)
 
 
 @dataclass
 class DecodeState:
-    cache: object  # transformers DynamicCache holding S positions
+    cache: object  # TreeStaticCache holding S committed positions
     prefix_len: int  # S
     root: torch.Tensor  # [1] long, next token, not yet in the cache
     hidden: torch.Tensor  # [A, nH] drafter taps at positions S-A..S-1 (Medusa: nH = H, final hidden)
     next_tokens: torch.Tensor  # [A] long, the token after each of those positions (ends with root)
     draft_cache: object | None = None  # the EAGLE drafter's head cache over committed positions
+    root_logits: torch.Tensor | None = None  # [1, V] the target's logits that chose root (after prefill only)
 
 
 @dataclass
 class Verification:
     target_tokens: torch.Tensor  # [T] long, target argmax after each node
     hidden: torch.Tensor  # [T, nH] drafter taps at each node
+    logits: torch.Tensor | None = None  # [T, V] target logits after each node (sampling reads them)
 
 
 @dataclass
@@ -125,27 +149,59 @@ class TreePlan:
         # Padding -1 in leaf_paths indexes the False appended to `match` in accept().
         self.leaf_paths = tree.leaf_paths.to(device)  # [L, D+1]
         self.false = torch.zeros(1, dtype=torch.bool, device=device)
+        self.packed_tree_mask = None  # [T, W] int32, set when the decoder uses tree attention
+        self.tree_attention_impl = None  # "torch" | "triton" | None (the kernel's default)
+
+    def use_tree_attention(self, impl: str | None) -> None:
+        from specheads.serving.tree_attention import pack_tree_mask
+
+        self.packed_tree_mask = pack_tree_mask(self.tree_mask)  # packed once, read by every layer
+        self.tree_attention_impl = impl
 
 
-def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[int]) -> DecodeState:
-    cache = new_cache(target.config)
+def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[int],
+            max_cache_len: int | None = None) -> DecodeState:
+    """Run the prompt into a fresh TreeStaticCache (dynamic-shape mode) sized max_cache_len.
+
+    max_cache_len must cover the longest context plus one tree (generate passes
+    P + max_new_tokens + T); default P + DEFAULT_CACHE_HEADROOM. The buffers are allocated
+    once here and never reallocated; verify writes into them and commit gathers in place.
+    """
+    prompt_len = int(input_ids_1P.shape[1])
+    if max_cache_len is None:
+        max_cache_len = prompt_len + DEFAULT_CACHE_HEADROOM
+    cache = TreeStaticCache(target.config, max_cache_len=max_cache_len)
     out = target(input_ids_1P, tap_layers, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    root = out.logits[:, -1].argmax(dim=-1)  # [1]
-    return DecodeState(cache=out.past_key_values, prefix_len=int(input_ids_1P.shape[1]), root=root,
-                       hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]))
+    cache.commit()
+    logits_1V = out.logits[:, -1]
+    root = logits_1V.argmax(dim=-1)  # [1]
+    return DecodeState(cache=cache, prefix_len=prompt_len, root=root,
+                       hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]),
+                       root_logits=logits_1V)
 
 
 def verify(target: TargetAdapter, plan: TreePlan, state: DecodeState, tree_tokens_1T: torch.Tensor,
            tap_layers: list[int]) -> Verification:
     prefix_len, num_nodes = state.prefix_len, plan.num_nodes
     mask = None
-    if not plan.is_chain:
+    attention_kwargs = {}
+    if plan.packed_tree_mask is not None:
+        # Tree attention kernel: the tree reaches the attention function as kwargs; the model
+        # builds its own (ignored) causal mask.
+        attention_kwargs = {"tree_mask": plan.packed_tree_mask, "prefix_len": prefix_len}
+        if plan.tree_attention_impl is not None:
+            attention_kwargs["tree_attention_impl"] = plan.tree_attention_impl
+    elif not plan.is_chain:
+        # The dynamic-shape TreeStaticCache exposes keys [0, S + T): the same layout as
+        # cache.attention_mask(tree_mask), built here without a device sync on the lengths.
         mask = torch.ones(1, 1, num_nodes, prefix_len + num_nodes, dtype=torch.bool, device=plan.tree_mask.device)
         mask[0, 0, :, prefix_len:] = plan.tree_mask
     position_ids = (plan.position_offsets + prefix_len)[None]  # [1, T]
     out = target(tree_tokens_1T, tap_layers, attention_mask=mask, position_ids=position_ids,
-                 past_key_values=state.cache, use_cache=True)
-    return Verification(target_tokens=out.logits[0].argmax(dim=-1), hidden=torch.cat(out.taps, dim=-1)[0])
+                 past_key_values=state.cache, use_cache=True, **attention_kwargs)
+    logits_TV = out.logits[0]
+    return Verification(target_tokens=logits_TV.argmax(dim=-1), hidden=torch.cat(out.taps, dim=-1)[0],
+                        logits=logits_TV)
 
 
 def accept(plan: TreePlan, tree_tokens_T: torch.Tensor, verification: Verification) -> Acceptance:
@@ -160,21 +216,32 @@ def accept(plan: TreePlan, tree_tokens_T: torch.Tensor, verification: Verificati
 
 
 def commit(state: DecodeState, verification: Verification, acceptance: Acceptance,
-           tree_tokens_T: torch.Tensor) -> DecodeState:
-    commit_path(state.cache, state.prefix_len, acceptance.nodes)
+           tree_tokens_T: torch.Tensor, root: torch.Tensor | None = None) -> DecodeState:
+    """Keep the accepted nodes in the cache; root [1]: the next root (default the target's
+    argmax at the last accepted node, the greedy bonus token)."""
+    state.cache.commit(acceptance.nodes)
     last = acceptance.nodes[-1:]
-    root = verification.target_tokens[last]  # [1] the bonus token
+    if root is None:
+        root = verification.target_tokens[last]  # [1] the bonus token
     return DecodeState(cache=state.cache, prefix_len=state.prefix_len + int(acceptance.nodes.shape[0]),
                        root=root, hidden=verification.hidden[acceptance.nodes],
                        next_tokens=torch.cat([tree_tokens_T[acceptance.nodes[1:]], root]),
                        draft_cache=state.draft_cache)
 
 
-def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> str | None:
-    """Append tokens up to EOS (included) or the length limit; return the finish reason."""
+def _ends_with_stop(tokens: list[int], stop_sequences: list[list[int]]) -> bool:
+    for stop in stop_sequences:
+        if len(tokens) >= len(stop) and tokens[len(tokens) - len(stop):] == stop:
+            return True
+    return False
+
+
+def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int],
+         stop_sequences: list[list[int]] | None = None) -> str | None:
+    """Append tokens up to EOS or a stop sequence (included) or the length limit; return the finish reason."""
     for token in new_tokens:
         out_tokens.append(token)
-        if token in eos_ids:
+        if token in eos_ids or (stop_sequences and _ends_with_stop(out_tokens, stop_sequences)):
             return "stop"
         if len(out_tokens) >= max_new_tokens:
             return "length"
@@ -204,14 +271,25 @@ def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
 
 
 class SpeculativeDecoder:
-    """Medusa or EAGLE drafting (picked by the heads' kind), greedy verification.
+    """Medusa or EAGLE drafting (picked by the heads' kind), greedy or sampled verification.
 
     tap_layers: the target layers an EAGLE head reads (HeadsConfig.tap_layers); default the
     trainer's default taps. Medusa always reads the final hidden state.
+
+    attn_impl: "sdpa" (default) verifies with a 4-D bool mask through the model's own
+    attention; "tree" switches the target model to the registered tree attention
+    (register_tree_attention(); SDPA whenever no tree is passed, so prefill is unchanged) and
+    verify passes tree_mask= (packed) and prefix_len= instead of the mask.
+    tree_attention_impl: "torch" | "triton" | None (triton on CUDA or under TRITON_INTERPRET=1).
     """
 
     def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree: DraftTree | None = None,
-                 tap_layers: list[int] | None = None):
+                 tap_layers: list[int] | None = None, attn_impl: str = "sdpa",
+                 tree_attention_impl: str | None = None):
+        if attn_impl not in ("sdpa", "tree"):
+            raise ValueError(f"attn_impl must be 'sdpa' or 'tree', got {attn_impl!r}")
+        if tree_attention_impl not in (None, "torch", "triton"):
+            raise ValueError(f"tree_attention_impl must be None, 'torch' or 'triton', got {tree_attention_impl!r}")
         if heads is None and tree is not None and tree.max_depth > 0:
             raise ValueError("a tree with draft nodes needs heads; pass heads or leave tree unset")
         if tree is None:
@@ -230,6 +308,14 @@ class SpeculativeDecoder:
             else:
                 self.drafter = MedusaDrafter(heads, tree)
         self.plan = TreePlan(tree, target.device)
+        self.attn_impl = attn_impl
+        if attn_impl == "tree":
+            from specheads.serving.tree_attention import register_tree_attention
+
+            name = register_tree_attention()
+            if getattr(target.model.config, "_attn_implementation", None) != name:
+                target.model.set_attn_implementation(name)
+            self.plan.use_tree_attention(tree_attention_impl)
 
     def draft(self, state: DecodeState) -> torch.Tensor:
         """-> tree tokens [1, T]."""
@@ -239,33 +325,107 @@ class SpeculativeDecoder:
             return self.drafter.draft(state)
         return self.drafter.draft(state.hidden[-1:], state.root)
 
-    @torch.inference_mode()
+    def stream(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
+               eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
+               stop_token_sequences: list[list[int]] | None = None,
+               acceptance: str = "rejection") -> "DecodeStream":
+        """Like generate, but an iterator of token deltas (list[int]: the prefill's first token,
+        then one list per verify step); `.result` holds the GenerationResult once exhausted."""
+        return DecodeStream(self._run(input_ids, max_new_tokens, eos_token_id, sampling,
+                                      stop_token_sequences, acceptance))
+
     def generate(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
-                 eos_token_id: int | list[int] | None = None) -> GenerationResult:
+                 eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
+                 stop_token_sequences: list[list[int]] | None = None,
+                 acceptance: str = "rejection") -> GenerationResult:
+        """Decode up to max_new_tokens new tokens.
+
+        sampling: None or temperature 0 = greedy (the target's own greedy output); otherwise
+        lossless tree rejection sampling (serving.sampling) with the heads' top-k candidates,
+        seeded by sampling.seed. acceptance="typical" (sampling only) is Medusa-2's lossy rule;
+        the result then has lossless=False. stop_token_sequences: the output ends right after
+        the first occurrence of any of them (finish_reason "stop").
+        """
+        stream = self.stream(input_ids, max_new_tokens, eos_token_id, sampling=sampling,
+                             stop_token_sequences=stop_token_sequences, acceptance=acceptance)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _run(self, input_ids, max_new_tokens: int, eos_token_id, sampling: SamplingParams | None,
+             stop_token_sequences: list[list[int]] | None, acceptance: str):
+        """Generator of token deltas; returns the GenerationResult."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if acceptance not in ("rejection", "typical"):
+            raise ValueError(f"acceptance must be 'rejection' (lossless) or 'typical' (lossy), got {acceptance!r}")
+        greedy = sampling is None or sampling.is_greedy
+        if acceptance == "typical" and greedy:
+            raise ValueError("acceptance='typical' needs sampling with temperature > 0")
+        stop_sequences = [list(map(int, s)) for s in stop_token_sequences or []]
+        if any(len(s) == 0 for s in stop_sequences):
+            raise ValueError("stop_token_sequences must not contain an empty sequence")
         eos_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
-        prompt_1P = _as_prompt(input_ids, self.target.device)
-        stats = DecodeStats(accepted_per_position=[0] * self.plan.max_depth)
+        with torch.inference_mode():
+            prompt_1P = _as_prompt(input_ids, self.target.device)
+        generator = None if greedy else make_generator(sampling, self.target.device)
+        stats = DecodeStats(accepted_per_position=[0] * self.plan.max_depth, lossless=acceptance == "rejection")
         start = time.perf_counter()
-        state = prefill(self.target, prompt_1P, self.tap_layers)
+        with torch.inference_mode():
+            max_cache_len = int(prompt_1P.shape[1]) + max_new_tokens + self.plan.num_nodes
+            state = prefill(self.target, prompt_1P, self.tap_layers, max_cache_len)
+            if not greedy:
+                probs_1V = target_probs(state.root_logits, sampling)
+                state.root = torch.multinomial(probs_1V, 1, generator=generator)[0]
+                state.next_tokens[-1:] = state.root
         tokens: list[int] = []
-        finish_reason = emit(tokens, state.root.tolist(), max_new_tokens, eos_ids)
+        finish_reason = emit(tokens, state.root.tolist(), max_new_tokens, eos_ids, stop_sequences)
         decode_start = time.perf_counter()
         stats.prefill_s = decode_start - start
+        yield list(tokens)
         while finish_reason is None:
-            tree_tokens_1T = self.draft(state)
-            verification = verify(self.target, self.plan, state, tree_tokens_1T, self.tap_layers)
-            acceptance = accept(self.plan, tree_tokens_1T[0], verification)
-            num_accepted = len(acceptance.emitted) - 1
+            step_start = time.perf_counter()
+            with torch.inference_mode():
+                tree_tokens_1T = self.draft(state)
+                verification = verify(self.target, self.plan, state, tree_tokens_1T, self.tap_layers)
+                root = None
+                if greedy:
+                    step = accept(self.plan, tree_tokens_1T[0], verification)
+                else:
+                    sample = accept_tree_sampling(self.tree, tree_tokens_1T[0], verification.logits, sampling,
+                                                  generator, mode=acceptance)
+                    step = Acceptance(nodes=sample.nodes, emitted=sample.emitted)
+                    root = torch.tensor(sample.emitted[-1:], dtype=torch.long, device=self.target.device)
+            num_accepted = len(step.emitted) - 1
             stats.steps += 1
             stats.drafted_tokens += self.plan.max_depth
             stats.accepted_tokens += num_accepted
             for depth in range(num_accepted):
                 stats.accepted_per_position[depth] += 1
-            finish_reason = emit(tokens, acceptance.emitted, max_new_tokens, eos_ids)
+            before = len(tokens)
+            finish_reason = emit(tokens, step.emitted, max_new_tokens, eos_ids, stop_sequences)
             if finish_reason is None:
-                state = commit(state, verification, acceptance, tree_tokens_1T[0])
-        stats.decode_s = time.perf_counter() - decode_start
+                with torch.inference_mode():
+                    state = commit(state, verification, step, tree_tokens_1T[0], root)
+            stats.decode_s += time.perf_counter() - step_start
+            yield tokens[before:]
         stats.num_new_tokens = len(tokens)
-        return GenerationResult(tokens=tokens, finish_reason=finish_reason, stats=stats)
+        return GenerationResult(tokens=tokens, finish_reason=finish_reason, stats=stats, lossless=stats.lossless)
+
+
+class DecodeStream:
+    """Iterator of token deltas (list[int]); `result` is the GenerationResult once exhausted."""
+
+    def __init__(self, steps):
+        self._steps = steps
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        try:
+            return next(self._steps)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise

@@ -14,10 +14,14 @@ returns one-hot logits for the greedy tokens at offsets +2..+K+1.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the Triton tree-attention path runs interpreted on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from torch import nn
 from transformers import DynamicCache
 
@@ -239,3 +243,28 @@ def test_eos_from_prefill_and_bad_arguments(arch_setup):
         SpeculativeDecoder(target).generate(case.prompt, 0)
     with pytest.raises(ValueError):
         SpeculativeDecoder(target, None, DraftTree.chain(2))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_tree_attention_kernel_path_is_lossless(arch_setup, impl, tiny_llama_dir, tiny_qwen2_dir):
+    """attn_impl="tree": verify passes tree_mask=/prefix_len= to the registered tree attention
+    instead of a 4-D mask; the output is still the target's greedy decoding."""
+    target, cases = arch_setup
+    directory = tiny_llama_dir if target.identity.model_type == "llama" else tiny_qwen2_dir
+    tree_target = TargetAdapter.from_pretrained(directory)  # its own model: the decoder switches its attention
+    tree = DraftTree.from_paths(TREE_PATHS)
+
+    def corrupt(depth, position):
+        return "rank1" if (depth + position) % 3 == 0 else None
+
+    total = DecodeStats()
+    for case in cases[:3]:
+        decoder = SpeculativeDecoder(tree_target, case.oracle(tree_target, corrupt), tree, attn_impl="tree",
+                                     tree_attention_impl=impl)
+        result = decoder.generate(case.prompt, NUM_NEW)
+        assert result.tokens == case.reference
+        total = total.merge(result.stats)
+    assert tree_target.model.config._attn_implementation == "specheads_tree"
+    assert total.tau > 1.5
+    with pytest.raises(ValueError):
+        SpeculativeDecoder(tree_target, attn_impl="flash")
