@@ -8,6 +8,10 @@ are refused: they truncate the cache themselves, which breaks the 4-D tree mask'
 [S + T] key layout.
 
 Layer tensors (transformers 5): layer.keys / layer.values [B, kv_heads, S, D].
+
+The decode engine (serving/decode.py) now uses the preallocated `TreeStaticCache`
+(serving/static_cache.py); this DynamicCache path stays as the reference the static cache
+is tested against.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ The deepspeed launcher adds `--local_rank=N`; it is accepted and ignored (the ra
 from the environment). User errors (bad recipe, missing target, unusable data, a
 checkpoint that does not fit) print one line to stderr and return 1; bugs keep their
 traceback.
+
+SIGTERM (a scheduler's preemption, `kill PID`) stops training cleanly: the step in flight
+finishes, a whole checkpoint is saved at that step, a message names it, and the process
+exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try again"), not 0, so `train && serve`
+does not go on without heads. Re-running the same command resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+
+EXIT_STOPPED = 75
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,9 +55,13 @@ def main(argv: list[str] | None = None) -> int:
             from specheads.training.dry_run import dry_run
 
             return dry_run(recipe, args.recipe, args.world_size)
-        from specheads.training.trainer import run
+        from specheads.training.trainer import TrainingStopped, run
 
-        run(recipe)
+        try:
+            run(recipe)
+        except TrainingStopped as stopped:
+            print(f"specheads train: {stopped}", file=sys.stderr, flush=True)
+            return EXIT_STOPPED
     except (RecipeError, DataError, CheckpointError, FileNotFoundError) as err:
         rank = os.environ.get("RANK", "0")
         prefix = "" if os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] "

@@ -1,7 +1,8 @@
 """Two CPU ranks through the real `deepspeed --num_gpus 2 --module specheads.train` launcher:
 ZeRO-2 training writes a heads directory, and a run killed with SIGKILL after its first
 checkpoint resumes on re-run, finishes at the configured step and ends with the same
-weights as an uninterrupted run.
+weights as an uninterrupted run; SIGTERM to the process group stops both ranks after the same
+step with a checkpoint; ZeRO-3 partitions the frozen target (each rank holds about half).
 
 The first multi-rank DeepSpeed run on a machine JIT-builds its shm comm op (about a
 minute); later runs reuse the torch extensions cache.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -135,6 +137,52 @@ def test_killed_run_resumes_and_finishes_at_the_configured_step(setup, uninterru
     assert config.tree is not None
 
     # Resuming is exact: the same weights as the run that was never interrupted.
+    straight = load_file(str(uninterrupted[0] / "heads" / "model.safetensors"))
+    resumed = load_file(str(output_dir / "heads" / "model.safetensors"))
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_two_rank_zero3_partitions_the_frozen_target_and_trains(setup, tiny_llama_dir):
+    recipe, output_dir = recipe_for(setup, "zero3")
+    out = finish(launch(recipe, "train.steps=10", "train.save_every=5", "train.zero_stage=3",
+                        "train.micro_batch_size=4", "train.log_every=5", "train.eval_every=5"))
+    assert "2 rank(s), ZeRO stage 3" in out, out[-3000:]
+    # Both ranks print to one pipe, unbuffered: two reports can share a line, so match, don't split.
+    found = re.findall(r"\[rank (\d)\] ZeRO-3 target: (\d+) of (\d+) parameters", out)
+    resident = {int(rank): (int(local), int(total)) for rank, local, total in found}
+    assert set(resident) == {0, 1}, out[-3000:]
+    for local, total in resident.values():
+        assert 0 < local < total and 2 * local >= total  # each rank holds about half of every weight
+    assert out.count("eval step 5/10") == 1 and out.count("eval step 10/10") == 1, out[-3000:]
+    _, config = load_heads(output_dir / "heads")
+    assert config.num_heads == 3 and config.tree["num_nodes"] >= 1
+    manifest = json.loads((output_dir / "checkpoints" / "step-00000010" / "manifest.json").read_text())
+    assert manifest["zero_stage"] == 3 and manifest["world_size"] == 2
+
+
+def test_sigterm_stops_both_ranks_after_the_same_step_with_a_checkpoint(setup, uninterrupted):
+    """SIGTERM to the whole process group (what a scheduler sends): both ranks finish the step,
+    agree to stop, save one whole checkpoint at that step and exit; a re-run finishes exactly."""
+    recipe, output_dir = recipe_for(setup, "sigterm")
+    latest = output_dir / "checkpoints" / "latest"
+    process = launch(recipe, *OVERRIDES)
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before SIGTERM:\n" + process.communicate()[0][-3000:]
+    os.killpg(process.pid, signal.SIGTERM)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode != 0  # the launcher reports an interrupted run as a failure
+    stopped = re.findall(r"stopped by SIGTERM after step (\d+)", out)
+    assert stopped, out[-3000:]
+    stopped_at = int(stopped[0])
+    assert 0 < stopped_at < STEPS and set(stopped) == {stopped[0]}  # every rank that reported agrees
+    assert latest.read_text().strip() == f"step-{stopped_at:08d}"
+    assert not (output_dir / "heads").exists()
+
+    out = finish(launch(recipe, *OVERRIDES))
+    assert f"steps {stopped_at}->{STEPS}" in out, out[-3000:]
     straight = load_file(str(uninterrupted[0] / "heads" / "model.safetensors"))
     resumed = load_file(str(output_dir / "heads" / "model.safetensors"))
     for name in straight:

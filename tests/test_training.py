@@ -336,7 +336,8 @@ def test_wandb_tracking_logs_offline_and_stdout_gets_the_metrics(tiny_llama_dir,
     line = next(line for line in out.splitlines() if line.startswith("step 2/2"))
     assert "head loss" in line and "top1" in line and "lr " in line and "tok/s" in line
     assert len(line.split("top1 ")[1].split(" |")[0].split()) == NUM_HEADS
-    run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / "manifest.json").read_text())
+    run_id = manifest["wandb_run_id"]
     runs = list((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 

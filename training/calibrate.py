@@ -36,6 +36,7 @@ def measure_accuracy(heads: nn.Module, target: TargetAdapter, input_ids_NT: torc
     dtype = next(heads.parameters()).dtype
     num_heads = heads.num_heads
     max_rank = min(max_rank, heads.vocab_size)
+    # Accumulated on the host: batches live on the target's device (a GPU in real runs).
     hits_KR = torch.zeros(num_heads, max_rank, dtype=torch.float64)
     counts_K = torch.zeros(num_heads, dtype=torch.float64)
     # At most max_batches * batch_size blocks, evenly spaced so that every part of the held-out
@@ -55,8 +56,8 @@ def measure_accuracy(heads: nn.Module, target: TargetAdapter, input_ids_NT: torc
             truth_BN = greedy_BT[:, k + 1:]  # [B, T-k-1] target's token for t+k+2
             mask_BN = mask_BT[:, :num_pos] & mask_BT[:, k + 1:]  # [B, T-k-1]
             hit_BNR = candidates_KBTR[k, :, :num_pos] == truth_BN.unsqueeze(-1)  # [B, T-k-1, R]
-            hits_KR[k] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double()
-            counts_K[k] += mask_BN.sum().double()
+            hits_KR[k] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double().cpu()
+            counts_K[k] += mask_BN.sum().double().cpu()
     accuracy_KR = hits_KR / counts_K.clamp(min=1).unsqueeze(-1)
     return accuracy_KR.tolist(), [int(c) for c in counts_K.tolist()]
 
@@ -92,8 +93,8 @@ def measure_eagle_accuracy(head: nn.Module, target: TargetAdapter, input_ids_NT:
             truth_BN = greedy_BT[:, j + 1:]
             mask_BN = mask_BT[:, :num_pos] & mask_BT[:, j + 1:]
             hit_BNR = candidates_JBTR[j, :, :num_pos] == truth_BN.unsqueeze(-1)
-            hits_JR[j] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double()
-            counts_J[j] += mask_BN.sum().double()
+            hits_JR[j] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double().cpu()
+            counts_J[j] += mask_BN.sum().double().cpu()
     accuracy_JR = hits_JR / counts_J.clamp(min=1).unsqueeze(-1)
     return accuracy_JR.tolist(), [int(c) for c in counts_J.tolist()]
 

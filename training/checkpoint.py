@@ -8,7 +8,8 @@ Layout under `<output_dir>/checkpoints/`:
         rank-00000.pt         per rank: its optimizer state (its ZeRO partition), loss-scaler
         rank-00001.pt         state and RNG states; tensors and plain values only
         manifest.json         step, sampler position, scheduler and engine counters, world
-                              size, ZeRO stage, precision, the recipe, and the file list
+                              size, ZeRO stage, precision, the recipe, the file list and
+                              the W&B run id (wandb_run_id) the run logs to
 
 Protocol: every rank writes into `.tmp-step-N/`; after a barrier rank 0 checks that all
 files are there, writes the manifest, renames the directory to `step-N` and only then
@@ -165,8 +166,9 @@ def _save_torch(obj, path: Path) -> None:
 
 
 def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_state: dict,
-                    recipe_dict: dict, precision: str) -> Path:
-    """Collective: all ranks call it at the same step. Returns the checkpoint directory."""
+                    recipe_dict: dict, precision: str, extra: dict | None = None) -> Path:
+    """Collective: all ranks call it at the same step. Returns the checkpoint directory.
+    `extra` (JSON values, rank 0's) is merged into the manifest, e.g. the W&B run id."""
     rank, world_size = _rank_world()
     root = Path(output_dir) / CHECKPOINTS_DIR
     name = checkpoint_name(step)
@@ -194,7 +196,7 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
             "precision": precision, "sampler": sampler_state, "scheduler": scheduler,
             "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                        "skipped_steps": engine.skipped_steps},
-            "files": files, "recipe": recipe_dict,
+            "files": files, "recipe": recipe_dict, **(extra or {}),
         }
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         _fsync(tmp)

@@ -143,6 +143,8 @@ class TrainConfig:
     seed: int = _field(0, NON_NEGATIVE_INT)
     save_every: int = _field(100, POSITIVE_INT, "steps between checkpoints (one is always written at the end)")
     log_every: int = _field(10, POSITIVE_INT)
+    eval_every: int = _field(0, NON_NEGATIVE_INT, "steps between held-out evals (acceptance, tau); 0 = off")
+    eval_batches: int = _field(2, POSITIVE_INT, "held-out batches of micro_batch_size blocks per eval")
     output_dir: str = _field("runs/medusa", NON_EMPTY_STR)
 
 

@@ -1,8 +1,12 @@
 """Training metrics: stdout always, Weights & Biases when the recipe says `tracking: wandb`.
 
 Only rank 0 reports. wandb is imported lazily, so `tracking: none` never loads it. A
-resumed run continues the same W&B run: its id is kept in `<output_dir>/wandb_run_id`.
-Offline use follows wandb's own switch (WANDB_MODE=offline).
+resumed run continues the same W&B run: a fresh run generates an id (new_run_id), every
+checkpoint manifest stores it as `wandb_run_id`, and a run resumed from a checkpoint
+passes the stored id with resume="allow" to wandb.init. (A run killed before its first
+checkpoint starts a new W&B run when re-run: nothing of it was kept either.) Offline use
+follows wandb's own switch (WANDB_MODE=offline); the offline run directory's name ends in
+the id.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from specheads.heads.heads_dir import atomic_write_text
 
-RUN_ID_FILE = "wandb_run_id"
+def new_run_id() -> str:
+    """A W&B run id (8 lowercase alphanumerics, like wandb.util.generate_id) without importing wandb."""
+    return uuid.uuid4().hex[:8]
 
 
 class Tracker:
@@ -41,13 +46,12 @@ class SilentTracker(Tracker):
 
 class WandbTracker(Tracker):
     def __init__(self, total_steps: int, project: str, entity: str | None, run_name: str | None,
-                 config: dict, output_dir: Path):
+                 config: dict, output_dir: Path, run_id: str):
         super().__init__(total_steps)
         import wandb
 
-        id_file = Path(output_dir) / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        atomic_write_text(id_file, run_id + "\n")
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
         self.run = wandb.init(project=project, entity=entity, name=run_name, config=config,
                               dir=str(output_dir), id=run_id, resume="allow")
 
@@ -64,17 +68,24 @@ class WandbTracker(Tracker):
 
 
 def make_tracker(tracking: str, wandb_config, recipe_dict: dict, output_dir: Path, total_steps: int,
-                 rank: int) -> Tracker:
+                 rank: int, run_id: str | None = None) -> Tracker:
+    """run_id: the W&B run to continue (from the checkpoint manifest) or to start."""
     if rank != 0:
         return SilentTracker(total_steps)
     if tracking == "wandb":
         return WandbTracker(total_steps, wandb_config.project, wandb_config.entity, wandb_config.run_name,
-                            recipe_dict, output_dir)
+                            recipe_dict, output_dir, run_id or new_run_id())
     return Tracker(total_steps)
 
 
 def format_metrics(step: int, total_steps: int, metrics: dict[str, float]) -> str:
-    """'step 10/100 loss 2.31 | head loss 1.9 2.3 2.6 | top1 0.41 0.22 0.13 | lr 1.0e-03 | 5120 tok/s'"""
+    """'step 10/100 loss 2.31 | head loss 1.9 2.3 2.6 | top1 0.41 0.22 0.13 | lr 1.0e-03 | 5120 tok/s',
+    or for eval metrics 'eval step 10/100 | top1 0.40 0.21 0.12 | tau 1.52'."""
+    if "eval/tau" in metrics and "train/loss" not in metrics:
+        depths = sorted((key for key in metrics if key.startswith("eval/head")),
+                        key=lambda key: int(key[len("eval/head"):].split("_")[0]))
+        return (f"eval step {step}/{total_steps} | top1 " + " ".join(f"{metrics[key]:.3f}" for key in depths)
+                + f" | tau {metrics['eval/tau']:.3f}")
     heads = sorted({key.split("/")[1].split("_")[0] for key in metrics if key.startswith("train/head")},
                    key=lambda name: int(name[4:]))
     parts = [f"step {step}/{total_steps} loss {metrics.get('train/loss', float('nan')):.4f}"]
@@ -93,4 +104,26 @@ def step_metrics(head_loss: list[float], head_top1: list[float], lr: float, toke
     for k, (loss, top1) in enumerate(zip(head_loss, head_top1)):
         metrics[f"train/head{k}_loss"] = loss
         metrics[f"train/head{k}_top1"] = top1
+    return metrics
+
+
+def estimated_tau(top1: list[float]) -> float:
+    """Expected tokens per target forward for a chain draft of len(top1) tokens:
+
+        tau = 1 + sum_{d=1..D} prod_{i=1..d} p_i
+
+    p_i is depth i's held-out top-1 agreement with the target's greedy token (head i-1 for
+    Medusa, draft step i-1 for EAGLE). The 1 is the target's own token; the draft token at
+    depth d is accepted only when depths 1..d all agree, approximated by the product of the
+    per-depth rates (independence is assumed; p_i is measured given a correct prefix)."""
+    tau, run = 1.0, 1.0
+    for p in top1:
+        run *= p
+        tau += run
+    return tau
+
+
+def eval_metrics(top1: list[float]) -> dict:
+    metrics = {f"eval/head{k}_top1": p for k, p in enumerate(top1)}
+    metrics["eval/tau"] = estimated_tau(top1)
     return metrics

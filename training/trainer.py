@@ -9,9 +9,17 @@ process group uses the backend DeepSpeed's CPU accelerator names (gloo, or ccl w
 oneCCL is installed).
 
 One run: recipe -> target -> data -> heads -> engine -> resume from `latest` if present ->
-steps (log, checkpoint) -> final checkpoint -> calibration on held-out data (rank 0) ->
-`<output_dir>/heads`. Re-running the same command after a crash continues from the last
-complete checkpoint and ends at the same step.
+steps (log, eval every train.eval_every, checkpoint) -> final checkpoint -> calibration on
+held-out data (rank 0) -> `<output_dir>/heads`. Re-running the same command after a crash
+continues from the last complete checkpoint and ends at the same step.
+
+Device: the frozen target and every batch go to DeepSpeed's accelerator device for this
+rank (get_accelerator().current_device_name(): "cuda:N", or "cpu" on CPU ranks).
+SIGTERM during the step loop: the step finishes, a checkpoint is saved at it, and run()
+raises TrainingStopped (specheads.train exits 75); the handler is installed only around
+the loop and the previous one restored. ZeRO-3 (train.zero_stage=3) also partitions the
+frozen target across ranks (_load_target); every rank then takes part in every target
+forward, calibration included.
 
 EAGLE heads: the target returns the tap layers' hidden states and logits; the head is
 unrolled heads.ttt_steps times on its own features (heads/eagle3.py, Eagle3Head.forward)
@@ -27,7 +35,9 @@ import dataclasses
 import logging
 import os
 import random
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,16 +52,56 @@ from specheads.heads.eagle3 import default_tap_layers, next_token_embeddings
 from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, save_heads
 from specheads.heads.target import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
-from specheads.training.calibrate import calibrate
+from specheads.training.calibrate import calibrate, measure_accuracy
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.ds_config import build_ds_config
 from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
-from specheads.training.tracking import make_tracker, step_metrics
+from specheads.training.tracking import eval_metrics, make_tracker, new_run_id, step_metrics
 
 HEADS_SUBDIR = "heads"
 # Recipe keys that must match a checkpoint to resume from it (they shape the state or the data).
 RESUME_KEYS = ("target", "heads", "data", "train.micro_batch_size", "train.grad_accum", "train.seed",
                "train.zero_stage", "train.precision")
+
+
+class TrainingStopped(Exception):
+    """SIGTERM arrived: the step in flight finished, a whole checkpoint was saved, nothing else ran.
+    specheads.train turns it into exit code EXIT_STOPPED; re-running the same command resumes."""
+
+    def __init__(self, step: int, checkpoint_dir: Path):
+        super().__init__(f"stopped by SIGTERM after step {step}; saved {checkpoint_dir}; "
+                         "re-run the same command to continue")
+        self.step, self.checkpoint_dir = step, checkpoint_dir
+
+
+class StopRequest:
+    """SIGTERM -> a flag checked between steps (installed for the training loop only; the previous
+    handler is restored on exit). Under several ranks the flag is OR-ed over ranks every step, so
+    all ranks stop after the same step even when the signal reaches them at different times."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def should_stop(self, device) -> bool:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            return bool(flag.item() > 0)
+        return self.requested
 
 
 @dataclass
@@ -79,6 +129,14 @@ def init_distributed() -> Dist:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                verbose=False)
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+
+
+def train_device() -> str:
+    """This rank's device as DeepSpeed's accelerator names it ("cuda:N" on GPU ranks, "cpu" on CPU
+    ranks). The frozen target and every batch live there; deepspeed.initialize puts the heads there."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
 
 
 def _free_port() -> int:
@@ -154,6 +212,7 @@ def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: Blo
     loss_sum, top1_sum, num_tokens = 0.0, 0.0, 0
     for _ in range(grad_accum):
         input_ids_BT, loss_mask_BT = blocks.batch(sampler.next_indices())
+        input_ids_BT, loss_mask_BT = input_ids_BT.to(target.device), loss_mask_BT.to(target.device)
         if heads_spec is not None and heads_spec.kind in EAGLE_KINDS:
             result = _eagle_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers)
         else:
@@ -164,6 +223,25 @@ def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: Blo
         top1_sum = top1_sum + result.head_top1
         num_tokens += int(loss_mask_BT.sum())
     return loss_sum / grad_accum, top1_sum / grad_accum, num_tokens
+
+
+def held_out_top1(engine, target: TargetAdapter, eval_blocks: PackedBlocks, recipe: Recipe,
+                  tap_layers: list[int]) -> list[float]:
+    """Per-depth top-1 agreement of the heads with the target's greedy tokens on held-out blocks:
+    train.eval_batches batches of micro_batch_size, evenly spaced over the held-out set (the same
+    blocks every time). Every rank runs the same forwards (ZeRO-3 gathers the heads' weights
+    collectively), so every rank gets the same numbers."""
+    heads = engine.module
+    num_depths = recipe.heads.ttt_steps if recipe.heads.kind in EAGLE_KINDS else None
+    try:
+        with torch.no_grad():
+            accuracy, _ = measure_accuracy(heads, target, eval_blocks.input_ids.to(target.device),
+                                           eval_blocks.loss_mask.to(target.device), 1,
+                                           recipe.train.micro_batch_size, recipe.train.eval_batches,
+                                           tap_layers, num_depths)
+    finally:
+        heads.train()  # measure_accuracy switched it to eval mode
+    return [row[0] for row in accuracy]
 
 
 def _mean_over_ranks(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -191,8 +269,7 @@ def run(recipe: Recipe) -> Path:
     torch.manual_seed(train_cfg.seed)
 
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
-    target = TargetAdapter.from_pretrained(target_path, dtype=recipe.target.dtype,
-                                           trust_remote_code=recipe.target.trust_remote_code)
+    target, target_engine = _load_target(recipe, target_path, dist)
     train_blocks, eval_blocks = load_text_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
                                                target.vocab_size, recipe.target.trust_remote_code)
     _say(dist, f"train data {train_blocks.report.summary()}")
@@ -201,29 +278,93 @@ def run(recipe: Recipe) -> Path:
     engine = _make_engine(recipe, target, dist, train_blocks)
     tap_layers = _heads_config(recipe, target).tap_layers
     sampler = BlockSampler(len(train_blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank, dist.world_size)
-    start_step = _resume(recipe, engine, sampler, output_dir, dist)
-    tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank)
+    start_step, manifest = _resume(recipe, engine, sampler, output_dir, dist)
+    # The W&B run this training run logs to: the checkpoint's when resuming, else a new one. Only
+    # rank 0's id is used (it writes the manifest and is the only rank that reports).
+    run_id = (manifest or {}).get("wandb_run_id") or new_run_id()
+    tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank,
+                           run_id)
     _say(dist, f"{dist.world_size} rank(s), ZeRO stage {train_cfg.zero_stage}, {train_cfg.precision}, "
                f"steps {start_step}->{train_cfg.steps}, output {output_dir}")
 
-    window_start, window_tokens = time.perf_counter(), 0
-    for step in range(start_step + 1, train_cfg.steps + 1):
-        head_loss, head_top1, num_tokens = train_step(engine, target, train_blocks, sampler, train_cfg.grad_accum,
-                                                     recipe.heads, tap_layers)
-        window_tokens += num_tokens
-        if step % train_cfg.log_every == 0 or step == train_cfg.steps:
-            head_loss, head_top1 = _mean_over_ranks(head_loss, head_top1)
-            elapsed = time.perf_counter() - window_start
-            tracker.log(step, step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(engine),
-                                           window_tokens * dist.world_size / max(elapsed, 1e-9)))
-            window_start, window_tokens = time.perf_counter(), 0
-        if step % train_cfg.save_every == 0 or step == train_cfg.steps:
-            checkpoint.save_checkpoint(output_dir, engine, step, sampler.state_dict(), recipe.to_dict(),
-                                       train_cfg.precision)
+    def save(step: int) -> Path:
+        return checkpoint.save_checkpoint(output_dir, engine, step, sampler.state_dict(), recipe.to_dict(),
+                                          train_cfg.precision, extra={"wandb_run_id": run_id})
 
-    heads_dir = _finish(recipe, engine, target, eval_blocks, output_dir, dist, tracker)
+    window_start, window_tokens = time.perf_counter(), 0
+    with StopRequest() as stop:
+        for step in range(start_step + 1, train_cfg.steps + 1):
+            head_loss, head_top1, num_tokens = train_step(engine, target, train_blocks, sampler,
+                                                         train_cfg.grad_accum, recipe.heads, tap_layers)
+            window_tokens += num_tokens
+            if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+                head_loss, head_top1 = _mean_over_ranks(head_loss, head_top1)
+                elapsed = time.perf_counter() - window_start
+                tracker.log(step, step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(engine),
+                                               window_tokens * dist.world_size / max(elapsed, 1e-9)))
+                window_start, window_tokens = time.perf_counter(), 0
+            if train_cfg.eval_every and step % train_cfg.eval_every == 0:
+                tracker.log(step, eval_metrics(held_out_top1(engine, target, eval_blocks, recipe, tap_layers)))
+            stopping = stop.should_stop(target.device)  # collective when there are several ranks
+            if step % train_cfg.save_every == 0 or step == train_cfg.steps or stopping:
+                saved = save(step)
+            if stopping and step < train_cfg.steps:
+                _say(dist, f"SIGTERM: stopping after step {step}; saved {saved}")
+                tracker.finish()
+                raise TrainingStopped(step, saved)
+
+    heads_dir = _finish(recipe, engine, target, eval_blocks, output_dir, dist, tracker,
+                        partitioned_target=target_engine is not None)
     tracker.finish()
     return heads_dir
+
+
+def _load_target(recipe: Recipe, target_path: str, dist: Dist):
+    """-> (target, its DeepSpeed engine or None).
+
+    ZeRO stages 0-2: the whole frozen target on this rank's device. ZeRO-3: the target is built
+    and loaded under DeepSpeed's ZeRO-3 context (transformers' HfDeepSpeedConfig, alive during
+    from_pretrained), so each rank holds 1/world of every weight (param.ds_tensor), and it is
+    wrapped by an optimizer-less DeepSpeed engine whose ZeRO-3 hooks gather each module's
+    weights around its forward. Every rank must then run every target forward (training,
+    eval and calibration all do)."""
+    kwargs = {"dtype": recipe.target.dtype, "device": train_device(),
+              "trust_remote_code": recipe.target.trust_remote_code}
+    if recipe.train.zero_stage != 3:
+        return TargetAdapter.from_pretrained(target_path, **kwargs), None
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = _target_ds_config(recipe, dist)
+    hf_config = HfDeepSpeedConfig(config)  # transformers holds a weak reference: keep it alive while loading
+    target = TargetAdapter.from_pretrained(target_path, **kwargs)
+    del hf_config  # later transformers models (none are built) would otherwise be partitioned too
+    engine, _, _, _ = deepspeed.initialize(model=target.model, config=config)
+    local = sum(p.ds_tensor.numel() for p in target.model.parameters() if hasattr(p, "ds_tensor"))
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in target.model.parameters())
+    print(f"specheads train: [rank {dist.rank}] ZeRO-3 target: {local} of {total} parameters resident "
+          "on this rank", flush=True)
+    return target, engine
+
+
+def _target_ds_config(recipe: Recipe, dist: Dist) -> dict:
+    """The heads' DeepSpeed config minus optimizer and scheduler: ZeRO-3 inference for the target."""
+    config = build_ds_config(recipe.train, dist.world_size)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    return config
+
+
+def _gathered(target: TargetAdapter, module):
+    """A context in which `module`'s full weights are present (ZeRO-3 targets; collective)."""
+    import contextlib
+
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks: PackedBlocks):
@@ -233,7 +374,8 @@ def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks
     if recipe.heads.kind == "eagle3":  # the same maps on every rank: counts over all training blocks
         counts_V = count_tokens(train_blocks.input_ids, train_blocks.loss_mask, target.vocab_size)
         heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
-    heads.init_lm_heads_from(target.lm_head())
+    with _gathered(target, target.lm_head()):
+        heads.init_lm_heads_from(target.lm_head())
     ds_config = build_ds_config(recipe.train, dist.world_size)
     engine, _, _, _ = deepspeed.initialize(model=heads, model_parameters=list(heads.parameters()), config=ds_config)
     return engine
@@ -272,14 +414,15 @@ def _rope_theta(text_config) -> float:
     return theta or 10000.0
 
 
-def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dist: Dist) -> int:
-    """Load the checkpoint `latest` names, if any; -> the step it ends at (0 for a fresh run)."""
+def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dist: Dist) -> tuple[int, dict | None]:
+    """Load the checkpoint `latest` names, if any; -> the step it ends at (0 for a fresh run) and
+    its manifest (None for a fresh run)."""
     if dist.rank == 0:
         checkpoint.clean_partial(output_dir)
     checkpoint.barrier()
     found = checkpoint.latest_checkpoint(output_dir)
     if found is None:
-        return 0
+        return 0, None
     directory, manifest = found
     _check_resumable(manifest, recipe, directory)
     checkpoint.load_checkpoint(directory, manifest, engine, recipe.train.precision, recipe.train.grad_accum)
@@ -287,7 +430,7 @@ def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dis
     _say(dist, f"resuming from {directory} (step {manifest['step']})")
     if manifest["step"] > recipe.train.steps:
         _say(dist, f"the checkpoint is past train.steps={recipe.train.steps}; nothing left to train")
-    return manifest["step"]
+    return manifest["step"], manifest
 
 
 def _current_lr(engine) -> float:
@@ -297,20 +440,26 @@ def _current_lr(engine) -> float:
 
 
 def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBlocks, output_dir: Path,
-            dist: Dist, tracker) -> Path:
-    """Gather the weights (all ranks), calibrate on held-out data and write the heads dir (rank 0)."""
+            dist: Dist, tracker, partitioned_target: bool = False) -> Path:
+    """Gather the weights (all ranks), calibrate on held-out data and write the heads dir (rank 0).
+    A ZeRO-3 target needs every rank in its forwards, so then every rank calibrates (the same
+    blocks, the same numbers) and rank 0 writes."""
     weights = checkpoint.full_state_dict(engine)
     heads_dir = output_dir / HEADS_SUBDIR
-    if dist.rank == 0:
+    if dist.rank == 0 or partitioned_target:
         config = _heads_config(recipe, target)
         heads = build_heads(config)
         saved = heads.state_dict()  # non-persistent buffers (rotary inv_freq) stay as built
         heads.load_state_dict({k: v for k, v in weights.items() if k in saved})
+        heads.to(target.device)
         cal = recipe.calibrate
         config.calibration, config.tree = calibrate(
-            heads, target, eval_blocks.input_ids, eval_blocks.loss_mask, cal.num_nodes, cal.max_rank,
-            recipe.train.micro_batch_size, cal.eval_batches, source=eval_blocks.report.source,
+            heads, target, eval_blocks.input_ids.to(target.device), eval_blocks.loss_mask.to(target.device),
+            cal.num_nodes, cal.max_rank, recipe.train.micro_batch_size, cal.eval_batches, source=eval_blocks.report.source,
             tap_layers=config.tap_layers, num_depths=config.num_heads)
+        if dist.rank != 0:
+            checkpoint.barrier()
+            return heads_dir
         save_heads(heads_dir, heads, config)
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
         _say(dist, f"held-out top-1 per head {top1}; tree of {config.tree['num_nodes']} nodes, expected "
