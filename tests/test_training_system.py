@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,7 +101,9 @@ def test_a_resumed_run_continues_the_same_wandb_run(tiny_llama_dir, walks, tmp_p
     assert ids == [(run_id, "allow"), (run_id, "allow")]
     assert json.loads((checkpoints / "step-00000006" / "manifest.json").read_text())["wandb_run_id"] == run_id
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+    # wandb names offline runs offline-run-<time>-<id>, adding -1, -2 ... when two start in
+    # the same second.
+    assert len(runs) == 2 and all(re.search(rf"-{run_id}(-\d+)?$", r.name) for r in runs), runs
     # A fresh output dir gets a new id.
     other = write_recipe(tmp_path, tiny_llama_dir, walks, tmp_path / "other",
                          extra="tracking: wandb\nwandb:\n  project: specheads-tests\n")
