@@ -48,15 +48,23 @@ def _medusa_shapes(config: dict, state: dict[str, torch.Tensor]) -> tuple[int, i
     return num_heads, num_layers
 
 
-def to_medusa(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """specheads Medusa (config dict, state) -> FasterDecoding/Medusa (config, state)."""
-    num_heads, num_layers = _medusa_shapes(config, state)
+def _per_head_tensors(state: dict[str, torch.Tensor], num_heads: int, num_layers: int, block: str,
+                      lm_head: str) -> dict[str, torch.Tensor]:
+    """Split our stacked Medusa tensors into per-head ones named by the key templates
+    (`block` takes {i} head and {j} block; `lm_head` takes {i})."""
     out = {}
     for i in range(num_heads):
         for j in range(num_layers):
-            out[f"{i}.{j}.linear.weight"] = state["block_weight"][i, j].clone()
-            out[f"{i}.{j}.linear.bias"] = state["block_bias"][i, j].clone()
-        out[f"{i}.{num_layers}.weight"] = state["lm_head_weight"][i].clone()
+            out[block.format(i=i, j=j) + ".weight"] = state["block_weight"][i, j].clone()
+            out[block.format(i=i, j=j) + ".bias"] = state["block_bias"][i, j].clone()
+        out[lm_head.format(i=i) + ".weight"] = state["lm_head_weight"][i].clone()
+    return out
+
+
+def to_medusa(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """specheads Medusa (config dict, state) -> FasterDecoding/Medusa (config, state)."""
+    num_heads, num_layers = _medusa_shapes(config, state)
+    out = _per_head_tensors(state, num_heads, num_layers, block="{i}.{j}.linear", lm_head=f"{{i}}.{num_layers}")
     foreign = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
                "base_model_name_or_path": config["target"]["name_or_path"],
                "hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"]}
@@ -66,12 +74,7 @@ def to_medusa(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
 def to_vllm_medusa(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     """specheads Medusa (config dict, state) -> vLLM MedusaModel (config, state)."""
     num_heads, num_layers = _medusa_shapes(config, state)
-    out = {}
-    for i in range(num_heads):
-        for j in range(num_layers):
-            out[f"blocks.{i}.layers.{j}.weight"] = state["block_weight"][i, j].clone()
-            out[f"blocks.{i}.layers.{j}.bias"] = state["block_bias"][i, j].clone()
-        out[f"lm_heads.{i}.weight"] = state["lm_head_weight"][i].clone()
+    out = _per_head_tensors(state, num_heads, num_layers, block="blocks.{i}.layers.{j}", lm_head="lm_heads.{i}")
     foreign = {"architectures": [VLLM_MEDUSA_ARCHITECTURE], "model_type": "medusa",
                "hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"],
                "num_heads": num_heads, "num_hidden_layers": num_layers,
