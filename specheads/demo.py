@@ -62,23 +62,18 @@ def train_heads(args, workdir: Path) -> Path:
 
 
 def compare_decoding(target_path: str, heads_dir: Path, max_new_tokens: int) -> list:
-    from transformers import AutoTokenizer
-
     from specheads.bench.compare import compare, format_table
-    from specheads.heads.heads_dir import load_heads
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.heads_dir import read_heads_config
+    from specheads.runner import load_decoder
     from specheads.serving.decode import SpeculativeDecoder
-    from specheads.serving.tree import DraftTree
 
-    target = TargetAdapter.from_pretrained(target_path)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    heads, config = load_heads(heads_dir, target=target.identity)
-    tree = DraftTree.from_heads_config(config)
+    speculative, tokenizer = load_decoder(target_path, str(heads_dir))
+    target, tree, config = speculative.target, speculative.tree, read_heads_config(heads_dir)
     print(f"heads: {config.num_heads} Medusa heads x {config.num_layers} layer(s); tree of "
           f"{tree.num_nodes} nodes, depth {tree.max_depth}")
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in DEMO_PROMPTS]
     methods = {"engine, no heads": SpeculativeDecoder(target),
-               "engine + Medusa heads": SpeculativeDecoder(target, heads, tree, tap_layers=config.tap_layers)}
+               "engine + Medusa heads": speculative}
     results = compare(methods, target.model, prompts, max_new_tokens, tokenizer.eos_token_id)
     print(format_table(results))
     return results
