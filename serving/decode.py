@@ -308,6 +308,7 @@ class SpeculativeDecoder:
             else:
                 self.drafter = MedusaDrafter(heads, tree)
         self.plan = TreePlan(tree, target.device)
+        self.plain_plan = TreePlan(DraftTree.chain(0), target.device)  # speculate=False
         self.attn_impl = attn_impl
         if attn_impl == "tree":
             from specheads.serving.tree_attention import register_tree_attention
@@ -317,9 +318,9 @@ class SpeculativeDecoder:
                 target.model.set_attn_implementation(name)
             self.plan.use_tree_attention(tree_attention_impl)
 
-    def draft(self, state: DecodeState) -> torch.Tensor:
-        """-> tree tokens [1, T]."""
-        if self.drafter is None:
+    def draft(self, state: DecodeState, speculate: bool = True) -> torch.Tensor:
+        """-> tree tokens [1, T] (the root alone when not speculating)."""
+        if self.drafter is None or not speculate:
             return state.root[:, None]
         if isinstance(self.drafter, Eagle3Drafter):
             return self.drafter.draft(state)
@@ -328,32 +329,34 @@ class SpeculativeDecoder:
     def stream(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
                eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
                stop_token_sequences: list[list[int]] | None = None,
-               acceptance: str = "rejection") -> "DecodeStream":
+               acceptance: str = "rejection", speculate: bool = True) -> "DecodeStream":
         """Like generate, but an iterator of token deltas (list[int]: the prefill's first token,
         then one list per verify step); `.result` holds the GenerationResult once exhausted."""
         return DecodeStream(self._run(input_ids, max_new_tokens, eos_token_id, sampling,
-                                      stop_token_sequences, acceptance))
+                                      stop_token_sequences, acceptance, speculate))
 
     def generate(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
                  stop_token_sequences: list[list[int]] | None = None,
-                 acceptance: str = "rejection") -> GenerationResult:
+                 acceptance: str = "rejection", speculate: bool = True) -> GenerationResult:
         """Decode up to max_new_tokens new tokens.
 
         sampling: None or temperature 0 = greedy (the target's own greedy output); otherwise
         lossless tree rejection sampling (serving.sampling) with the heads' top-k candidates,
         seeded by sampling.seed. acceptance="typical" (sampling only) is Medusa-2's lossy rule;
         the result then has lossless=False. stop_token_sequences: the output ends right after
-        the first occurrence of any of them (finish_reason "stop").
+        the first occurrence of any of them (finish_reason "stop"). speculate=False: plain
+        decoding (one target token per step), the heads unused.
         """
         stream = self.stream(input_ids, max_new_tokens, eos_token_id, sampling=sampling,
-                             stop_token_sequences=stop_token_sequences, acceptance=acceptance)
+                             stop_token_sequences=stop_token_sequences, acceptance=acceptance,
+                             speculate=speculate)
         for _ in stream:
             pass
         return stream.result
 
     def _run(self, input_ids, max_new_tokens: int, eos_token_id, sampling: SamplingParams | None,
-             stop_token_sequences: list[list[int]] | None, acceptance: str):
+             stop_token_sequences: list[list[int]] | None, acceptance: str, speculate: bool = True):
         """Generator of token deltas; returns the GenerationResult."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -369,10 +372,11 @@ class SpeculativeDecoder:
         with torch.inference_mode():
             prompt_1P = _as_prompt(input_ids, self.target.device)
         generator = None if greedy else make_generator(sampling, self.target.device)
-        stats = DecodeStats(accepted_per_position=[0] * self.plan.max_depth, lossless=acceptance == "rejection")
+        plan, tree = (self.plan, self.tree) if speculate else (self.plain_plan, DraftTree.chain(0))
+        stats = DecodeStats(accepted_per_position=[0] * plan.max_depth, lossless=acceptance == "rejection")
         start = time.perf_counter()
         with torch.inference_mode():
-            max_cache_len = int(prompt_1P.shape[1]) + max_new_tokens + self.plan.num_nodes
+            max_cache_len = int(prompt_1P.shape[1]) + max_new_tokens + plan.num_nodes
             state = prefill(self.target, prompt_1P, self.tap_layers, max_cache_len)
             if not greedy:
                 probs_1V = target_probs(state.root_logits, sampling)
@@ -386,19 +390,19 @@ class SpeculativeDecoder:
         while finish_reason is None:
             step_start = time.perf_counter()
             with torch.inference_mode():
-                tree_tokens_1T = self.draft(state)
-                verification = verify(self.target, self.plan, state, tree_tokens_1T, self.tap_layers)
+                tree_tokens_1T = self.draft(state, speculate)
+                verification = verify(self.target, plan, state, tree_tokens_1T, self.tap_layers)
                 root = None
                 if greedy:
-                    step = accept(self.plan, tree_tokens_1T[0], verification)
+                    step = accept(plan, tree_tokens_1T[0], verification)
                 else:
-                    sample = accept_tree_sampling(self.tree, tree_tokens_1T[0], verification.logits, sampling,
+                    sample = accept_tree_sampling(tree, tree_tokens_1T[0], verification.logits, sampling,
                                                   generator, mode=acceptance)
                     step = Acceptance(nodes=sample.nodes, emitted=sample.emitted)
                     root = torch.tensor(sample.emitted[-1:], dtype=torch.long, device=self.target.device)
             num_accepted = len(step.emitted) - 1
             stats.steps += 1
-            stats.drafted_tokens += self.plan.max_depth
+            stats.drafted_tokens += plan.max_depth
             stats.accepted_tokens += num_accepted
             for depth in range(num_accepted):
                 stats.accepted_per_position[depth] += 1
