@@ -67,14 +67,20 @@ DEFAULT_CACHE_HEADROOM = 256
 
 @dataclass
 class DecodeStats:
-    steps: int = 0  # verify steps
-    drafted_tokens: int = 0  # steps * tree.max_depth
+    steps: int = 0  # verify steps (speculative and plain)
+    drafted_tokens: int = 0  # speculative steps * tree.max_depth
     accepted_tokens: int = 0  # accepted draft tokens, counted before any stop truncation
     accepted_per_position: list[int] = field(default_factory=list)  # [D] steps that accepted depth d+1
     prefill_s: float = 0.0
     decode_s: float = 0.0
     num_new_tokens: int = 0  # tokens returned (after EOS / stop / max_new_tokens truncation)
     lossless: bool = True  # False when any step used a lossy acceptance rule (acceptance="typical")
+    plain_steps: int = 0  # steps without a draft (speculation off, probing the plain step cost, fallen back)
+    fallback: bool = False  # the request fell back to plain decoding (serving/engine.py FallbackPolicy)
+    fallback_reason: str | None = None
+    fallback_step: int | None = None  # decode steps before the fallback
+    spec_tokens_per_s: float | None = None  # the measured rates the fallback decision compared
+    plain_tokens_per_s: float | None = None
 
     @property
     def alpha(self) -> float:
@@ -101,7 +107,8 @@ class DecodeStats:
             accepted_tokens=self.accepted_tokens + other.accepted_tokens,
             accepted_per_position=per_position, prefill_s=self.prefill_s + other.prefill_s,
             decode_s=self.decode_s + other.decode_s, num_new_tokens=self.num_new_tokens + other.num_new_tokens,
-            lossless=self.lossless and other.lossless)
+            lossless=self.lossless and other.lossless, plain_steps=self.plain_steps + other.plain_steps,
+            fallback=self.fallback or other.fallback)
 
 
 @dataclass
@@ -149,14 +156,15 @@ class TreePlan:
         # Padding -1 in leaf_paths indexes the False appended to `match` in accept().
         self.leaf_paths = tree.leaf_paths.to(device)  # [L, D+1]
         self.false = torch.zeros(1, dtype=torch.bool, device=device)
-        self.packed_tree_mask = None  # [T, W] int32, set when the decoder uses tree attention
-        self.tree_attention_impl = None  # "torch" | "triton" | None (the kernel's default)
+        self.packed_tree_mask = None  # [T, W] int32, packed on first use by the tree attention path
 
-    def use_tree_attention(self, impl: str | None) -> None:
-        from specheads.serving.tree_attention import pack_tree_mask
+    def packed(self) -> torch.Tensor:
+        """The tree mask packed for the tree-attention kernel, once per plan (every layer reads it)."""
+        if self.packed_tree_mask is None:
+            from specheads.serving.tree_attention import pack_tree_mask
 
-        self.packed_tree_mask = pack_tree_mask(self.tree_mask)  # packed once, read by every layer
-        self.tree_attention_impl = impl
+            self.packed_tree_mask = pack_tree_mask(self.tree_mask)
+        return self.packed_tree_mask
 
 
 def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[int],
@@ -182,23 +190,11 @@ def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[
 
 def verify(target: TargetAdapter, plan: TreePlan, state: DecodeState, tree_tokens_1T: torch.Tensor,
            tap_layers: list[int]) -> Verification:
-    prefix_len, num_nodes = state.prefix_len, plan.num_nodes
-    mask = None
-    attention_kwargs = {}
-    if plan.packed_tree_mask is not None:
-        # Tree attention kernel: the tree reaches the attention function as kwargs; the model
-        # builds its own (ignored) causal mask.
-        attention_kwargs = {"tree_mask": plan.packed_tree_mask, "prefix_len": prefix_len}
-        if plan.tree_attention_impl is not None:
-            attention_kwargs["tree_attention_impl"] = plan.tree_attention_impl
-    elif not plan.is_chain:
-        # The dynamic-shape TreeStaticCache exposes keys [0, S + T): the same layout as
-        # cache.attention_mask(tree_mask), built here without a device sync on the lengths.
-        mask = torch.ones(1, 1, num_nodes, prefix_len + num_nodes, dtype=torch.bool, device=plan.tree_mask.device)
-        mask[0, 0, :, prefix_len:] = plan.tree_mask
-    position_ids = (plan.position_offsets + prefix_len)[None]  # [1, T]
+    """One sequence's verify forward through the model's own attention (a 4-D bool mask)."""
+    mask = None if plan.is_chain else state.cache.attention_mask(plan.tree_mask)
+    position_ids = (plan.position_offsets + state.prefix_len)[None]  # [1, T]
     out = target(tree_tokens_1T, tap_layers, attention_mask=mask, position_ids=position_ids,
-                 past_key_values=state.cache, use_cache=True, **attention_kwargs)
+                 past_key_values=state.cache, use_cache=True)
     logits_TV = out.logits[0]
     return Verification(target_tokens=logits_TV.argmax(dim=-1), hidden=torch.cat(out.taps, dim=-1)[0],
                         logits=logits_TV)
@@ -248,15 +244,6 @@ def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_
     return None
 
 
-def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty list of ints or a [1, P] tensor, got shape {tuple(ids.shape)}")
-    return ids
-
-
 DEFAULT_EAGLE_DEPTH = 4
 
 
@@ -273,6 +260,9 @@ def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
 class SpeculativeDecoder:
     """Medusa or EAGLE drafting (picked by the heads' kind), greedy or sampled verification.
 
+    The decode loop itself is serving/engine.py's BatchEngine; `generate`/`stream` run one
+    request through an engine of one row, serving/batch.py's BatchSession runs many.
+
     tap_layers: the target layers an EAGLE head reads (HeadsConfig.tap_layers); default the
     trainer's default taps. Medusa always reads the final hidden state.
 
@@ -281,11 +271,16 @@ class SpeculativeDecoder:
     (register_tree_attention(); SDPA whenever no tree is passed, so prefill is unchanged) and
     verify passes tree_mask= (packed) and prefix_len= instead of the mask.
     tree_attention_impl: "torch" | "triton" | None (triton on CUDA or under TRITON_INTERPRET=1).
+
+    fallback: when speculation does not pay for a request, it finishes with plain decoding
+    (serving/engine.py FallbackPolicy); None keeps speculating whatever it measures.
     """
 
     def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree: DraftTree | None = None,
                  tap_layers: list[int] | None = None, attn_impl: str = "sdpa",
-                 tree_attention_impl: str | None = None):
+                 tree_attention_impl: str | None = None, fallback="default"):
+        from specheads.serving.engine import FallbackPolicy, StepCosts
+
         if attn_impl not in ("sdpa", "tree"):
             raise ValueError(f"attn_impl must be 'sdpa' or 'tree', got {attn_impl!r}")
         if tree_attention_impl not in (None, "torch", "triton"):
@@ -307,24 +302,48 @@ class SpeculativeDecoder:
                 self.drafter = Eagle3Drafter(heads, tree, target.embeddings(), self.tap_layers)
             else:
                 self.drafter = MedusaDrafter(heads, tree)
+        self.is_medusa = isinstance(self.drafter, MedusaDrafter)
         self.plan = TreePlan(tree, target.device)
-        self.plain_plan = TreePlan(DraftTree.chain(0), target.device)  # speculate=False
+        self.plain_tree = DraftTree.chain(0)
+        self.plain_plan = TreePlan(self.plain_tree, target.device)  # speculation off
+        self.fallback = FallbackPolicy() if fallback == "default" else fallback
+        self.step_costs = StepCosts()  # measured step seconds, shared by this decoder's requests
         self.attn_impl = attn_impl
+        self.tree_attention_impl = tree_attention_impl
         if attn_impl == "tree":
             from specheads.serving.tree_attention import register_tree_attention
 
             name = register_tree_attention()
             if getattr(target.model.config, "_attn_implementation", None) != name:
                 target.model.set_attn_implementation(name)
-            self.plan.use_tree_attention(tree_attention_impl)
+
+    # --- drafting (called by the engine) ----------------------------------------------------
 
     def draft(self, state: DecodeState, speculate: bool = True) -> torch.Tensor:
-        """-> tree tokens [1, T] (the root alone when not speculating)."""
+        """One sequence's tree tokens [1, T] (the root alone when not speculating)."""
         if self.drafter is None or not speculate:
             return state.root[:, None]
         if isinstance(self.drafter, Eagle3Drafter):
             return self.drafter.draft(state)
         return self.drafter.draft(state.hidden[-1:], state.root)
+
+    def draft_one(self, state: DecodeState) -> tuple[torch.Tensor, DraftTree, TreePlan]:
+        """An EAGLE sequence's draft: (tokens [T], tree, plan)."""
+        return self.drafter.draft(state)[0], self.tree, self.plan
+
+    def draft_medusa(self, hidden_BH: torch.Tensor, roots_B: torch.Tensor) -> list[tuple[torch.Tensor, DraftTree, TreePlan]]:
+        """B Medusa sequences drafted in one head call: [(tokens [T], tree, plan)] * B."""
+        tokens_BT = self.drafter.draft(hidden_BH, roots_B)
+        return [(tokens_BT[b], self.tree, self.plan) for b in range(tokens_BT.shape[0])]
+
+    def tree_kwargs(self, packed_mask: torch.Tensor, prefix_len) -> dict:
+        """Forward kwargs that route a verify through the tree-attention function."""
+        kwargs = {"tree_mask": packed_mask, "prefix_len": prefix_len}
+        if self.tree_attention_impl is not None:
+            kwargs["tree_attention_impl"] = self.tree_attention_impl
+        return kwargs
+
+    # --- one request ----------------------------------------------------------------------
 
     def stream(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
                eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
@@ -332,8 +351,11 @@ class SpeculativeDecoder:
                acceptance: str = "rejection", speculate: bool = True) -> "DecodeStream":
         """Like generate, but an iterator of token deltas (list[int]: the prefill's first token,
         then one list per verify step); `.result` holds the GenerationResult once exhausted."""
-        return DecodeStream(self._run(input_ids, max_new_tokens, eos_token_id, sampling,
-                                      stop_token_sequences, acceptance, speculate))
+        from specheads.serving.engine import SequenceRequest
+
+        request = SequenceRequest(input_ids, max_new_tokens, eos_token_id, sampling, stop_token_sequences,
+                                  speculate, acceptance)
+        return DecodeStream(self._run(request))
 
     def generate(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
@@ -355,66 +377,20 @@ class SpeculativeDecoder:
             pass
         return stream.result
 
-    def _run(self, input_ids, max_new_tokens: int, eos_token_id, sampling: SamplingParams | None,
-             stop_token_sequences: list[list[int]] | None, acceptance: str, speculate: bool = True):
+    def _run(self, request):
         """Generator of token deltas; returns the GenerationResult."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if acceptance not in ("rejection", "typical"):
-            raise ValueError(f"acceptance must be 'rejection' (lossless) or 'typical' (lossy), got {acceptance!r}")
-        greedy = sampling is None or sampling.is_greedy
-        if acceptance == "typical" and greedy:
-            raise ValueError("acceptance='typical' needs sampling with temperature > 0")
-        stop_sequences = [list(map(int, s)) for s in stop_token_sequences or []]
-        if any(len(s) == 0 for s in stop_sequences):
-            raise ValueError("stop_token_sequences must not contain an empty sequence")
-        eos_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
-        with torch.inference_mode():
-            prompt_1P = _as_prompt(input_ids, self.target.device)
-        generator = None if greedy else make_generator(sampling, self.target.device)
-        plan, tree = (self.plan, self.tree) if speculate else (self.plain_plan, DraftTree.chain(0))
-        stats = DecodeStats(accepted_per_position=[0] * plan.max_depth, lossless=acceptance == "rejection")
-        start = time.perf_counter()
-        with torch.inference_mode():
-            max_cache_len = int(prompt_1P.shape[1]) + max_new_tokens + plan.num_nodes
-            state = prefill(self.target, prompt_1P, self.tap_layers, max_cache_len)
-            if not greedy:
-                probs_1V = target_probs(state.root_logits, sampling)
-                state.root = torch.multinomial(probs_1V, 1, generator=generator)[0]
-                state.next_tokens[-1:] = state.root
-        tokens: list[int] = []
-        finish_reason = emit(tokens, state.root.tolist(), max_new_tokens, eos_ids, stop_sequences)
-        decode_start = time.perf_counter()
-        stats.prefill_s = decode_start - start
-        yield list(tokens)
-        while finish_reason is None:
-            step_start = time.perf_counter()
-            with torch.inference_mode():
-                tree_tokens_1T = self.draft(state, speculate)
-                verification = verify(self.target, plan, state, tree_tokens_1T, self.tap_layers)
-                root = None
-                if greedy:
-                    step = accept(plan, tree_tokens_1T[0], verification)
-                else:
-                    sample = accept_tree_sampling(tree, tree_tokens_1T[0], verification.logits, sampling,
-                                                  generator, mode=acceptance)
-                    step = Acceptance(nodes=sample.nodes, emitted=sample.emitted)
-                    root = torch.tensor(sample.emitted[-1:], dtype=torch.long, device=self.target.device)
-            num_accepted = len(step.emitted) - 1
-            stats.steps += 1
-            stats.drafted_tokens += plan.max_depth
-            stats.accepted_tokens += num_accepted
-            for depth in range(num_accepted):
-                stats.accepted_per_position[depth] += 1
-            before = len(tokens)
-            finish_reason = emit(tokens, step.emitted, max_new_tokens, eos_ids, stop_sequences)
-            if finish_reason is None:
-                with torch.inference_mode():
-                    state = commit(state, verification, step, tree_tokens_1T[0], root)
-            stats.decode_s += time.perf_counter() - step_start
-            yield tokens[before:]
-        stats.num_new_tokens = len(tokens)
-        return GenerationResult(tokens=tokens, finish_reason=finish_reason, stats=stats, lossless=stats.lossless)
+        from specheads.serving.engine import BatchEngine
+
+        if isinstance(request.max_new_tokens, int) and request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        prompt_len = int(torch.as_tensor(request.input_ids).reshape(-1).shape[0])
+        engine = BatchEngine(self, max_batch_size=1,
+                             max_cache_len=prompt_len + int(request.max_new_tokens) + self.plan.num_nodes)
+        seq = engine.check(request)
+        yield engine.add(seq)
+        while seq.finish_reason is None:
+            yield engine.step()[seq.seq_id]
+        return seq.result()
 
 
 class DecodeStream:

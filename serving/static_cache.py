@@ -60,6 +60,16 @@ class _Lengths:
         self.host = [0] * batch_size  # [B] python ints, no device sync to read
         self.device_lens = torch.zeros(batch_size, dtype=torch.long)  # [B], moved to the buffers' device
         self.num_pending = 0  # T written by the last forward, not yet committed
+        self.start, self.stop = 0, batch_size  # the active rows [start, stop) (see TreeStaticCache.set_rows)
+
+    @property
+    def active(self) -> list[int]:
+        """Committed lengths of the active rows (host)."""
+        return self.host[self.start:self.stop]
+
+    @property
+    def active_device(self) -> torch.Tensor:
+        return self.device_lens[self.start:self.stop]
 
 
 class TreeStaticLayer(CacheLayerMixin):
@@ -76,10 +86,8 @@ class TreeStaticLayer(CacheLayerMixin):
         self.is_compileable = static_shape  # instance attribute: Cache.is_compileable reads it
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch_size, num_heads = key_states.shape[:2]
-        if batch_size != len(self.lengths.host):
-            raise ValueError(f"the cache was built for batch size {len(self.lengths.host)}, "
-                             f"got key states for batch size {batch_size}")
+        num_heads = key_states.shape[1]
+        batch_size = len(self.lengths.host)  # every row, active or not
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = torch.zeros(batch_size, num_heads, self.max_cache_len, key_states.shape[-1],
                                 dtype=key_states.dtype, device=key_states.device)
@@ -98,27 +106,32 @@ class TreeStaticLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        start, stop = self.lengths.start, self.lengths.stop
+        if key_states.shape[0] != stop - start:
+            raise ValueError(f"the cache's active rows are [{start}, {stop}) ({stop - start} sequences), "
+                             f"got key states for batch size {key_states.shape[0]}")
+        keys, values = self.keys[start:stop], self.values[start:stop]  # views
         num_new = key_states.shape[-2]
-        needed = max(self.lengths.host) + num_new
+        needed = max(self.lengths.active) + num_new
         # Host ints only: no device sync. Skipped while compiling, where reading them would
         # guard (and recompile) on every length; the caller then checks capacity itself.
         if needed > self.max_cache_len and not torch.compiler.is_compiling():
             raise ValueError(f"TreeStaticCache overflow: {needed} positions needed (committed "
-                             f"{max(self.lengths.host)} + {num_new} new) but max_cache_len is "
+                             f"{max(self.lengths.active)} + {num_new} new) but max_cache_len is "
                              f"{self.max_cache_len}; build the cache with a larger max_cache_len")
         cache_kwargs = args[0] if args and isinstance(args[0], dict) else kwargs.get("cache_kwargs") or {}
         slots_BT = cache_kwargs.get("cache_position")
         if slots_BT is None:
-            slots_BT = self.lengths.device_lens[:, None] + torch.arange(num_new, device=self.device)
+            slots_BT = self.lengths.active_device[:, None] + torch.arange(num_new, device=self.device)
         slots_BT = slots_BT.to(self.device).expand(key_states.shape[0], num_new)
         batch_B1 = torch.arange(key_states.shape[0], device=self.device)[:, None]
         # Advanced indices on dims 0 and 2 put their broadcast [B, T] first: values are [B, T, H, D].
-        self.keys[batch_B1, :, slots_BT] = key_states.transpose(1, 2)
-        self.values[batch_B1, :, slots_BT] = value_states.transpose(1, 2)
+        keys[batch_B1, :, slots_BT] = key_states.transpose(1, 2)
+        values[batch_B1, :, slots_BT] = value_states.transpose(1, 2)
         self.lengths.num_pending = num_new
         if self.static_shape:
-            return self.keys, self.values
-        return self.keys[:, :, :needed], self.values[:, :, :needed]
+            return keys, values
+        return keys[:, :, :needed], values[:, :, :needed]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.static_shape:
@@ -126,7 +139,7 @@ class TreeStaticLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return max(self.lengths.host)
+        return max(self.lengths.active)
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -146,6 +159,12 @@ class TreeStaticLayer(CacheLayerMixin):
         if self.is_initialized:
             self.keys.zero_()
             self.values.zero_()
+
+    def move_row_(self, src: int, dst: int, length: int) -> None:
+        """Copy row src's first `length` slots into row dst."""
+        if self.is_initialized:
+            self.keys[dst, :, :length] = self.keys[src, :, :length]
+            self.values[dst, :, :length] = self.values[src, :, :length]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("TreeStaticCache does not support beam search")
@@ -178,8 +197,8 @@ class TreeStaticCache(Cache):
 
     @property
     def seq_lens(self) -> list[int]:
-        """[B] committed lengths (host copy)."""
-        return list(self.lengths.host)
+        """[B] committed lengths of the active rows (host copy)."""
+        return list(self.lengths.active)
 
     @property
     def num_pending(self) -> int:
@@ -187,8 +206,39 @@ class TreeStaticCache(Cache):
         return self.lengths.num_pending
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The committed length (the longest one when B > 1); pending entries do not count."""
-        return max(self.lengths.host)
+        """The committed length (the longest active one when B > 1); pending entries do not count."""
+        return max(self.lengths.active)
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated (the largest batch this cache holds)."""
+        return len(self.lengths.host)
+
+    def set_rows(self, start: int, stop: int) -> None:
+        """Make rows [start, stop) the active batch: forwards read and write only those rows,
+        and commit/attention_mask/position_ids/seq_lens refer to them (row start is batch
+        index 0). A scheduler prefills one new sequence alone in its row, then decodes the
+        rows [0, n) together."""
+        if not 0 <= start < stop <= self.capacity:
+            raise ValueError(f"rows [{start}, {stop}) are outside the cache's {self.capacity} rows")
+        if self.lengths.num_pending:
+            raise ValueError("set_rows between a forward and its commit would drop the pending entries")
+        self.lengths.start, self.lengths.stop = start, stop
+
+    def reset_row(self, row: int) -> None:
+        """Empty one row (a new sequence takes it); its buffers are not cleared (dead data is masked)."""
+        self.lengths.host[row] = 0
+        self._sync_device_lens()
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move sequence src into row dst (dst's sequence is dropped): keeps the active rows
+        contiguous when a sequence leaves a batch."""
+        length = self.lengths.host[src]
+        for layer in self.layers:
+            layer.move_row_(src, dst, length)
+        self.lengths.host[dst] = length
+        self.lengths.host[src] = 0
+        self._sync_device_lens()
 
     def commit(self, accepted_node_indices: torch.Tensor | Sequence | None = None) -> None:
         """Keep the accepted pending entries, in path order, right after the committed ones.
@@ -199,19 +249,20 @@ class TreeStaticCache(Cache):
         [A_b] tensors, one path per sequence (lengths may differ).
         """
         num_pending = self.lengths.num_pending
+        start, num_rows = self.lengths.start, self.lengths.stop - self.lengths.start
         if accepted_node_indices is None:
-            per_sequence = [None] * len(self.lengths.host)
+            per_sequence = [None] * num_rows
         elif isinstance(accepted_node_indices, torch.Tensor) and accepted_node_indices.dim() == 2:
             per_sequence = list(accepted_node_indices)
         elif isinstance(accepted_node_indices, (list, tuple)) and accepted_node_indices \
                 and not isinstance(accepted_node_indices[0], int):
             per_sequence = list(accepted_node_indices)
         else:
-            per_sequence = [accepted_node_indices] * len(self.lengths.host)
-        if len(per_sequence) != len(self.lengths.host):
-            raise ValueError(f"commit got {len(per_sequence)} accepted paths for batch size {len(self.lengths.host)}")
+            per_sequence = [accepted_node_indices] * num_rows
+        if len(per_sequence) != num_rows:
+            raise ValueError(f"commit got {len(per_sequence)} accepted paths for batch size {num_rows}")
         device = self.lengths.device_lens.device
-        for batch_index, accepted in enumerate(per_sequence):
+        for batch_index, accepted in enumerate(per_sequence, start=start):
             start = self.lengths.host[batch_index]
             if accepted is None:
                 self.lengths.host[batch_index] = start + num_pending
@@ -229,7 +280,8 @@ class TreeStaticCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Keep the first max_length committed positions (max_length < 0: remove -max_length)."""
-        for batch_index, length in enumerate(self.lengths.host):
+        for batch_index, length in enumerate(self.lengths.host[self.lengths.start:self.lengths.stop],
+                                             start=self.lengths.start):
             keep = length + max_length if max_length < 0 else min(max_length, length)
             self.lengths.host[batch_index] = max(keep, 0)
         self._sync_device_lens()
@@ -249,22 +301,27 @@ class TreeStaticCache(Cache):
         """The bool 4-D mask [B, 1, T, K] (True = attend) for the next forward of T new tokens.
 
         Row i attends to its sequence's committed keys and to the new tokens tree_mask_TT[i]
-        allows (default: causal). K = max(seq_lens) + T (dynamic) or max_cache_len (static).
+        allows (default: causal); tree_mask_TT is [T, T] (one tree for every sequence) or
+        [B, T, T] (one per sequence). K = max(seq_lens) + T (dynamic) or max_cache_len (static).
         Every key column outside those is masked, including other sequences' longer prefixes.
         """
         if tree_mask_TT is None:
             tree_mask_TT = torch.ones(num_new, num_new, dtype=torch.bool).tril()
-        num_new = tree_mask_TT.shape[0]
+        num_new = tree_mask_TT.shape[-1]
         device = self.lengths.device_lens.device if self.is_initialized else tree_mask_TT.device
-        num_keys = self.max_cache_len if self.static_shape else max(self.lengths.host) + num_new
-        lens_B11 = self.lengths.device_lens.to(device)[:, None, None]
+        num_keys = self.max_cache_len if self.static_shape else max(self.lengths.active) + num_new
+        lens_B11 = self.lengths.active_device.to(device)[:, None, None]
         key_K = torch.arange(num_keys, device=device)
         committed_BTK = (key_K < lens_B11).expand(-1, num_new, -1)
         offset_BK = key_K - lens_B11[:, 0]  # key's offset among the new tokens
         in_tree_BK = (offset_BK >= 0) & (offset_BK < num_new)
-        tree_BTK = tree_mask_TT.to(device)[:, offset_BK.clamp(0, num_new - 1)].permute(1, 0, 2)
+        index_BTK = offset_BK.clamp(0, num_new - 1)[:, None].expand(-1, num_new, -1)
+        tree_BTT = tree_mask_TT.to(device).expand(index_BTK.shape[0], num_new, num_new)
+        tree_BTK = tree_BTT.gather(-1, index_BTK)
         return (committed_BTK | (tree_BTK & in_tree_BK[:, None])).unsqueeze(1)
 
     def position_ids(self, position_offsets_T: torch.Tensor) -> torch.Tensor:
-        """[B, T] positions of the new tokens: committed length + offset (depth for a tree)."""
-        return self.lengths.device_lens.to(position_offsets_T.device)[:, None] + position_offsets_T[None]
+        """[B, T] positions of the new tokens: committed length + offset (depth for a tree);
+        offsets [T] (shared) or [B, T]."""
+        offsets = position_offsets_T if position_offsets_T.dim() == 2 else position_offsets_T[None]
+        return self.lengths.active_device.to(position_offsets_T.device)[:, None] + offsets

@@ -1,0 +1,389 @@
+"""The batched decode loop: several sequences, one target forward per step.
+
+Every sequence owns a row of one `TreeStaticCache` (serving/static_cache.py); the active
+sequences are rows [0, n), kept contiguous (a leaving sequence's row is refilled by moving
+the last row into it). A sequence joins with its own prefill forward (its row alone,
+`cache.set_rows(r, r + 1)`), which yields its first token; from the next step on it takes
+part in the batched decode step:
+
+    draft (per sequence) -> verify (ONE forward over [n, T]) -> accept (per sequence) -> commit
+
+- draft: each sequence drafts its own tree: the decoder's static tree, a dynamic tree, or
+  the root alone (speculation off, or fallen back). Medusa sequences are drafted in one
+  batched head call; EAGLE heads keep one head cache per sequence.
+- verify: trees are padded to the largest T in the batch. A padding node sees only itself
+  and is never accepted. Node i of sequence b sits at position S_b + depth(i) and attends
+  to b's S_b committed keys plus its own ancestors (a [n, 1, T, max S + T] bool mask, or
+  the tree-attention kernel with per-sequence prefix lengths and packed masks).
+- accept/commit: per sequence, as in serving/decode.py; the cache gathers every
+  sequence's accepted path in its own row.
+
+Each sequence's greedy output is the target's greedy output for it alone (the rows never
+see each other: padding keys and other rows are masked), up to fp ties between batch
+shapes.
+
+Fallback (`FallbackPolicy`). The engine measures the wall time of every decode step,
+keyed by (batch size, padded tree size), as an EMA in `StepCosts` (kept by the decoder,
+so later requests reuse it). After `warmup_steps` speculative steps a request falls back
+to plain decoding when no draft token was accepted at all, or when its measured tau over
+the step cost is below plain decoding's tokens per step cost (1 / cost of a T = 1 step,
+measured by `probe_steps` plain steps when no such step was timed yet). Its stats say
+so (`DecodeStats.fallback`, `fallback_reason`). Seeded sampling never falls back: its
+random stream, hence its output, must not depend on timing.
+
+Shape legend: n active sequences, T tree nodes (padded), V vocab, nH drafter tap width,
+A accepted nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specheads.serving.decode import (Acceptance, DecodeState, DecodeStats, GenerationResult, TreePlan,
+                                      Verification, accept, emit)
+from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
+from specheads.serving.static_cache import TreeStaticCache
+
+
+@dataclass(frozen=True)
+class FallbackPolicy:
+    warmup_steps: int = 8  # speculative steps before the first decision
+    probe_steps: int = 2  # plain steps that time a T = 1 step when none was timed yet
+
+    def __post_init__(self):
+        if self.warmup_steps < 1 or self.probe_steps < 1:
+            raise ValueError(f"warmup_steps and probe_steps must be >= 1, got {self.warmup_steps} "
+                             f"and {self.probe_steps}")
+
+
+class StepCosts:
+    """EMA of measured decode-step seconds per (batch size, padded tree size)."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def record(self, batch_size: int, num_nodes: int, seconds: float) -> None:
+        key = (batch_size, num_nodes)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def get(self, batch_size: int, num_nodes: int) -> float | None:
+        return self.seconds.get((batch_size, num_nodes))
+
+
+@dataclass
+class SequenceRequest:
+    input_ids: list[int] | torch.Tensor
+    max_new_tokens: int
+    eos_token_id: int | list[int] | None = None
+    sampling: SamplingParams | None = None  # None or temperature 0: greedy
+    stop_token_sequences: list[list[int]] | None = None  # the output ends right after the first one
+    speculate: bool = True  # False: plain decoding for this sequence (the heads are not used)
+    acceptance: str = "rejection"  # "typical": Medusa-2's lossy rule (sampling only), reported lossy
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    prompt_1P: torch.Tensor
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    stop_sequences: list[list[int]]
+    sampling: SamplingParams | None
+    greedy: bool
+    acceptance: str
+    speculating: bool
+    may_fall_back: bool
+    generator: torch.Generator | None
+    stats: DecodeStats
+    state: DecodeState | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    joined: bool = False  # takes part in decode steps (set at the latest by the first step after add)
+    probing: int = 0  # plain steps left that time a T = 1 step for the fallback decision
+    spec_steps: int = 0
+    spec_accepted: int = 0
+
+    def result(self) -> GenerationResult:
+        self.stats.num_new_tokens = len(self.tokens)
+        return GenerationResult(tokens=self.tokens, finish_reason=self.finish_reason or "length",
+                                stats=self.stats, lossless=self.stats.lossless)
+
+
+@dataclass
+class _Draft:
+    tokens: torch.Tensor  # [T_b] long, node 0 = root
+    plan: TreePlan
+    tree: object  # DraftTree
+
+
+def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty list of ints or a [1, P] tensor, got shape {tuple(ids.shape)}")
+    return ids
+
+
+class BatchEngine:
+    """Up to max_batch_size sequences of at most max_cache_len positions (prompt + new
+    tokens + one tree) each; see the module docstring."""
+
+    def __init__(self, decoder, max_batch_size: int, max_cache_len: int):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.decoder = decoder
+        self.target = decoder.target
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.cache = TreeStaticCache(self.target.config, max_cache_len=max_cache_len, batch_size=max_batch_size)
+        self.rows: list[_Sequence] = []  # row i holds rows[i]
+        self._pad_cache: dict[int, torch.Tensor] = {}
+
+    # --- admission -------------------------------------------------------------------------
+
+    def check(self, request: SequenceRequest, seq_id: int = 0) -> _Sequence:
+        """Validate a request (ValueError naming the problem) -> a sequence ready to prefill."""
+        if isinstance(request.max_new_tokens, bool) or not isinstance(request.max_new_tokens, int) \
+                or request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+        if request.acceptance not in ("rejection", "typical"):
+            raise ValueError(f"acceptance must be 'rejection' (lossless) or 'typical' (lossy), "
+                             f"got {request.acceptance!r}")
+        greedy = request.sampling is None or request.sampling.is_greedy
+        if request.acceptance == "typical" and greedy:
+            raise ValueError("acceptance='typical' needs sampling with temperature > 0")
+        stop_sequences = [list(map(int, s)) for s in request.stop_token_sequences or []]
+        if any(len(s) == 0 for s in stop_sequences):
+            raise ValueError("stop_token_sequences must not contain an empty sequence")
+        eos = request.eos_token_id
+        eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
+        prompt_1P = _as_prompt(request.input_ids, self.target.device)
+        needed = int(prompt_1P.shape[1]) + request.max_new_tokens + self.decoder.plan.num_nodes
+        if needed > self.max_cache_len:
+            raise ValueError(f"prompt ({prompt_1P.shape[1]} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                             f"+ one tree ({self.decoder.plan.num_nodes}) = {needed} positions, more than this "
+                             f"engine's max_cache_len {self.max_cache_len}")
+        speculating = request.speculate and self.decoder.drafter is not None
+        policy = self.decoder.fallback
+        seeded = not greedy and request.sampling.seed is not None
+        return _Sequence(
+            seq_id=seq_id, prompt_1P=prompt_1P, max_new_tokens=request.max_new_tokens, eos_ids=eos_ids,
+            stop_sequences=stop_sequences, sampling=request.sampling, greedy=greedy,
+            acceptance=request.acceptance, speculating=speculating,
+            may_fall_back=speculating and policy is not None and not seeded,
+            generator=None if greedy else make_generator(request.sampling, self.target.device),
+            stats=DecodeStats(accepted_per_position=[0] * (self.decoder.plan.max_depth if speculating else 0),
+                              lossless=request.acceptance == "rejection"))
+
+    def add(self, seq: _Sequence, join: bool = True) -> list[int]:
+        """Prefill a checked sequence into the next free row; -> its first token.
+        join=False: it sits out the next step (a scheduler reports its first token first)."""
+        if len(self.rows) >= self.max_batch_size:
+            raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences)")
+        row = len(self.rows)
+        start = time.perf_counter()
+        self.cache.reset_row(row)
+        self.cache.set_rows(row, row + 1)
+        with torch.inference_mode():
+            out = self.target(seq.prompt_1P, self.decoder.tap_layers, past_key_values=self.cache,
+                              use_cache=True, logits_to_keep=1)
+            self.cache.commit()
+            logits_1V = out.logits[:, -1]
+            if seq.greedy:
+                root = logits_1V.argmax(dim=-1)
+            else:
+                root = torch.multinomial(target_probs(logits_1V, seq.sampling), 1, generator=seq.generator)[0]
+            prompt_len = int(seq.prompt_1P.shape[1])
+            seq.state = DecodeState(cache=self.cache, prefix_len=prompt_len, root=root,
+                                    hidden=torch.cat(out.taps, dim=-1)[0],
+                                    next_tokens=torch.cat([seq.prompt_1P[0, 1:], root]))
+        seq.joined = join
+        self.rows.append(seq)
+        seq.finish_reason = emit(seq.tokens, root.tolist(), seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
+        seq.stats.prefill_s = time.perf_counter() - start
+        return list(seq.tokens)
+
+    # --- leaving ---------------------------------------------------------------------------
+
+    def remove(self, seq: _Sequence) -> None:
+        """Drop a sequence; the last row moves into its row."""
+        row = self.rows.index(seq)
+        last = len(self.rows) - 1
+        if row != last:
+            self.cache.move_row(last, row)
+            self.rows[row] = self.rows[last]
+        self.rows.pop()
+        self.cache.reset_row(last)
+
+    # --- one decode step -------------------------------------------------------------------
+
+    def step(self) -> dict[int, list[int]]:
+        """One decode step over every joined, unfinished sequence -> {seq_id: new tokens}.
+        Sequences added since the last step join (they already emitted their first token)."""
+        batch = [seq for seq in self.rows if seq.joined and seq.finish_reason is None]
+        for seq in self.rows:
+            seq.joined = True
+        if not batch:
+            return {}
+        # Joined sequences are always rows [0, n): new ones are appended after them, finished
+        # ones are removed by the caller before the next step.
+        if self.rows[:len(batch)] != batch:
+            raise RuntimeError("finished sequences must be removed before the next step")
+        start = time.perf_counter()
+        self.cache.set_rows(0, len(batch))
+        with torch.inference_mode():
+            drafts = self._draft(batch)
+            logits_nTV, hidden_nTH = self._verify(batch, drafts)
+            paths, roots, emitted = self._accept(batch, drafts, logits_nTV)
+            self.cache.commit(paths)
+            for index, (seq, draft) in enumerate(zip(batch, drafts)):
+                nodes = paths[index]
+                seq.state = DecodeState(cache=self.cache, prefix_len=seq.state.prefix_len + int(nodes.shape[0]),
+                                        root=roots[index], hidden=hidden_nTH[index, nodes],
+                                        next_tokens=torch.cat([draft.tokens[nodes[1:]], roots[index]]),
+                                        draft_cache=seq.state.draft_cache)
+        seconds = time.perf_counter() - start
+        num_nodes = max(int(d.tokens.shape[0]) for d in drafts)
+        self.decoder.step_costs.record(len(batch), num_nodes, seconds)
+        deltas = {}
+        for seq, draft, tokens in zip(batch, drafts, emitted):
+            before = len(seq.tokens)
+            self._count(seq, draft, tokens, seconds)
+            seq.finish_reason = emit(seq.tokens, tokens, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
+            deltas[seq.seq_id] = seq.tokens[before:]
+            self._maybe_fall_back(seq, len(batch), num_nodes)
+        return deltas
+
+    def _draft(self, batch: list[_Sequence]) -> list[_Draft]:
+        decoder = self.decoder
+        drafts: list[_Draft | None] = [None] * len(batch)
+        medusa = []
+        for index, seq in enumerate(batch):
+            if not seq.speculating or seq.probing:
+                drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree)
+            elif decoder.is_medusa:
+                medusa.append(index)
+            else:
+                tokens, tree, plan = decoder.draft_one(seq.state)
+                drafts[index] = _Draft(tokens, plan, tree)
+        if medusa:
+            hidden_BH = torch.stack([batch[i].state.hidden[-1] for i in medusa])
+            roots_B = torch.cat([batch[i].state.root for i in medusa])
+            for index, (tokens, tree, plan) in zip(medusa, decoder.draft_medusa(hidden_BH, roots_B)):
+                drafts[index] = _Draft(tokens, plan, tree)
+        return drafts
+
+    def _pad_mask(self, num_nodes: int) -> torch.Tensor:
+        """[T, T] bool: padding nodes see only themselves."""
+        if num_nodes not in self._pad_cache:
+            self._pad_cache[num_nodes] = torch.eye(num_nodes, dtype=torch.bool, device=self.target.device)
+        return self._pad_cache[num_nodes]
+
+    def _verify(self, batch: list[_Sequence], drafts: list[_Draft]) -> tuple[torch.Tensor, torch.Tensor]:
+        decoder = self.decoder
+        plan0 = drafts[0].plan
+        attention_kwargs, mask = {}, None
+        if len(batch) == 1:
+            # One sequence: its own tree, no padding (the single-request fast path).
+            tokens_nT = drafts[0].tokens[None]
+            positions = (plan0.position_offsets + batch[0].state.prefix_len)[None]
+            if decoder.attn_impl == "tree" and plan0.num_nodes > 1:
+                attention_kwargs = decoder.tree_kwargs(plan0.packed(), batch[0].state.prefix_len)
+            elif not plan0.is_chain:
+                mask = self.cache.attention_mask(plan0.tree_mask)
+        else:
+            num_nodes = max(d.plan.num_nodes for d in drafts)
+            pad = self._pad_mask(num_nodes)
+            tokens_nT = torch.zeros(len(batch), num_nodes, dtype=torch.long, device=self.target.device)
+            offsets_nT = torch.zeros(len(batch), num_nodes, dtype=torch.long, device=self.target.device)
+            masks_nTT = pad.expand(len(batch), num_nodes, num_nodes).clone()
+            for index, draft in enumerate(drafts):
+                size = draft.plan.num_nodes
+                tokens_nT[index, :size] = draft.tokens
+                offsets_nT[index, :size] = draft.plan.position_offsets
+                masks_nTT[index, :size, :size] = draft.plan.tree_mask
+            positions = self.cache.position_ids(offsets_nT)
+            if decoder.attn_impl == "tree" and num_nodes > 1:
+                from specheads.serving.tree_attention import pack_tree_mask
+
+                attention_kwargs = decoder.tree_kwargs(pack_tree_mask(masks_nTT), self.cache.seq_lens)
+            else:
+                mask = self.cache.attention_mask(masks_nTT)
+        out = self.target(tokens_nT, decoder.tap_layers, attention_mask=mask, position_ids=positions,
+                          past_key_values=self.cache, use_cache=True, **attention_kwargs)
+        return out.logits, torch.cat(out.taps, dim=-1)
+
+    def _accept(self, batch, drafts, logits_nTV):
+        paths, roots, emitted = [], [], []
+        for index, (seq, draft) in enumerate(zip(batch, drafts)):
+            size = draft.plan.num_nodes
+            logits_TV = logits_nTV[index, :size]
+            if seq.greedy:
+                target_tokens = logits_TV.argmax(dim=-1)
+                step = accept(draft.plan, draft.tokens, Verification(target_tokens=target_tokens, hidden=None))
+                root = target_tokens[step.nodes[-1:]]
+            else:
+                sample = accept_tree_sampling(draft.tree, draft.tokens, logits_TV, seq.sampling, seq.generator,
+                                              mode=seq.acceptance)
+                step = Acceptance(nodes=sample.nodes, emitted=sample.emitted)
+                root = torch.tensor(sample.emitted[-1:], dtype=torch.long, device=self.target.device)
+            paths.append(step.nodes)
+            roots.append(root)
+            emitted.append(step.emitted)
+        return paths, roots, emitted
+
+    # --- bookkeeping -----------------------------------------------------------------------
+
+    def _count(self, seq: _Sequence, draft: _Draft, tokens: list[int], seconds: float) -> None:
+        stats = seq.stats
+        stats.decode_s += seconds
+        stats.steps += 1
+        num_accepted = len(tokens) - 1
+        if draft.plan.max_depth == 0:  # a plain step (speculation off, probing or fallen back)
+            stats.plain_steps += 1
+            if seq.probing:
+                seq.probing -= 1
+            return
+        stats.drafted_tokens += draft.plan.max_depth
+        stats.accepted_tokens += num_accepted
+        if len(stats.accepted_per_position) < draft.plan.max_depth:
+            stats.accepted_per_position += [0] * (draft.plan.max_depth - len(stats.accepted_per_position))
+        for depth in range(num_accepted):
+            stats.accepted_per_position[depth] += 1
+        seq.spec_steps += 1
+        seq.spec_accepted += num_accepted
+
+    def _maybe_fall_back(self, seq: _Sequence, batch_size: int, num_nodes: int) -> None:
+        policy = self.decoder.fallback
+        if not seq.may_fall_back or seq.probing or seq.spec_steps < policy.warmup_steps \
+                or seq.finish_reason is not None:
+            return
+        costs = self.decoder.step_costs
+        if seq.spec_accepted == 0:
+            self._fall_back(seq, f"no draft token accepted in {seq.spec_steps} speculative steps")
+            return
+        spec_cost = costs.get(batch_size, self.decoder.plan.num_nodes) or costs.get(batch_size, num_nodes)
+        plain_cost = costs.get(batch_size, 1)
+        if plain_cost is None:
+            if batch_size == 1:
+                seq.probing = policy.probe_steps  # time plain steps, then decide
+            return
+        seq.may_fall_back = False  # one decision per request
+        tau = (seq.spec_accepted + seq.spec_steps) / seq.spec_steps
+        spec_rate, plain_rate = tau / spec_cost, 1.0 / plain_cost
+        seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
+        if spec_rate < plain_rate:
+            self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
+                                 f"decoding's {plain_rate:.1f} tokens/s")
+
+    def _fall_back(self, seq: _Sequence, reason: str) -> None:
+        seq.speculating = seq.may_fall_back = False
+        seq.stats.fallback = True
+        seq.stats.fallback_reason = reason
+        seq.stats.fallback_step = seq.stats.steps
