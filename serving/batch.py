@@ -8,26 +8,19 @@ one's new tokens, `cancel()` drops one at once. A session is used from one threa
 Each `SequenceUpdate` carries the tokens a step produced for one sequence; the first
 update of a sequence holds the prefill's token. When `finished` is set, `result` holds the
 sequence's `GenerationResult` (tokens, finish_reason, stats) and the sequence has left
-the batch. Greedy output of every sequence equals decoding it alone.
+the batch. Greedy output of every sequence equals decoding it alone. The decode loop is
+serving/engine.py's BatchEngine: one target forward per step for all sequences.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specheads.serving.decode import GenerationResult, SpeculativeDecoder
-from specheads.serving.sampling import SamplingParams
+from specheads.serving.engine import BatchEngine, SequenceRequest
 
-
-@dataclass
-class SequenceRequest:
-    input_ids: list[int]
-    max_new_tokens: int
-    eos_token_id: int | list[int] | None = None
-    sampling: SamplingParams | None = None  # None or temperature 0: greedy
-    stop_token_sequences: list[list[int]] = field(default_factory=list)
-    speculate: bool = True  # False: plain decoding for this sequence (the heads are not used)
+__all__ = ["BatchSession", "SequenceRequest", "SequenceUpdate"]
 
 
 @dataclass
@@ -39,47 +32,65 @@ class SequenceUpdate:
 
 
 class BatchSession:
-    """Up to max_batch_size sequences decoded together (see the module docstring)."""
+    """Up to max_batch_size sequences decoded together (see the module docstring).
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    max_cache_len bounds every sequence's prompt + max_new_tokens + one tree; default the
+    target's max_position_embeddings plus one tree. The KV cache for max_batch_size rows of
+    that length is allocated on the first prefill.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8, max_cache_len: int | None = None):
+        if max_cache_len is None:
+            max_positions = getattr(decoder.target.config, "max_position_embeddings", None)
+            if not max_positions:
+                raise ValueError("the target's config has no max_position_embeddings; pass max_cache_len")
+            max_cache_len = int(max_positions) + decoder.max_tree_nodes
         self.decoder = decoder
         self.max_batch_size = max_batch_size
+        self.engine = BatchEngine(decoder, max_batch_size, max_cache_len)
         self._ids = itertools.count()
-        self._active: dict[int, object] = {}  # seq_id -> the sequence's running decode
+        self._sequences: dict[int, object] = {}  # seq_id -> the engine's sequence
+        self._first: list[tuple[int, list[int]]] = []  # first tokens of sequences added since the last step
 
     @property
     def num_active(self) -> int:
-        return len(self._active)
+        return len(self._sequences)
 
     @property
     def has_capacity(self) -> bool:
-        return len(self._active) < self.max_batch_size
+        return len(self._sequences) < self.max_batch_size
 
     def add(self, request: SequenceRequest) -> int:
-        """Admit a sequence; -> its seq_id. Bad requests raise ValueError before admission."""
+        """Admit a sequence and run its prefill; -> its seq_id. Bad requests raise ValueError
+        before admission; its first token is reported by the next step()."""
         if not self.has_capacity:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences); wait for one to finish")
-        stream = self.decoder.stream(request.input_ids, request.max_new_tokens, request.eos_token_id,
-                                     sampling=request.sampling,
-                                     stop_token_sequences=request.stop_token_sequences or None,
-                                     speculate=request.speculate)
-        seq_id = next(self._ids)
-        self._active[seq_id] = stream
-        return seq_id
+        seq = self.engine.check(request, next(self._ids))
+        self._first.append((seq.seq_id, self.engine.add(seq, join=False)))
+        self._sequences[seq.seq_id] = seq
+        return seq.seq_id
 
     def cancel(self, seq_id: int) -> None:
         """Drop a sequence now (unknown or finished ids are ignored)."""
-        self._active.pop(seq_id, None)
+        seq = self._sequences.pop(seq_id, None)
+        if seq is not None:
+            self.engine.remove(seq)
+            self._first = [(i, t) for i, t in self._first if i != seq_id]
 
     def step(self) -> list[SequenceUpdate]:
-        """One decode step for every active sequence."""
-        updates = []
-        for seq_id, stream in list(self._active.items()):
-            try:
-                updates.append(SequenceUpdate(seq_id, next(stream)))
-            except StopIteration:
-                del self._active[seq_id]
-                updates.append(SequenceUpdate(seq_id, [], finished=True, result=stream.result))
-        return updates
+        """First tokens of the sequences added since the last step, then one decode step for
+        the others; a finished sequence's update carries its result and it leaves the batch."""
+        updates = {seq_id: tokens for seq_id, tokens in self._first}
+        self._first = []
+        for seq_id, tokens in self.engine.step().items():
+            updates[seq_id] = tokens
+        out = []
+        for seq_id, tokens in updates.items():
+            seq = self._sequences[seq_id]
+            update = SequenceUpdate(seq_id, tokens)
+            if seq.finish_reason is not None:
+                update.finished, update.result = True, seq.result()
+                del self._sequences[seq_id]
+                self.engine.remove(seq)
+            out.append(update)
+        return out

@@ -48,7 +48,6 @@ D max depth, H hidden, V vocab, A accepted nodes (root included).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +55,7 @@ from torch import nn
 
 from specheads.heads.target import TargetAdapter
 from specheads.serving.drafting import Eagle3Drafter, MedusaDrafter
-from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
+from specheads.serving.sampling import SamplingParams
 from specheads.serving.static_cache import TreeStaticCache
 from specheads.serving.tree import DraftTree
 
@@ -272,14 +271,27 @@ class SpeculativeDecoder:
     verify passes tree_mask= (packed) and prefix_len= instead of the mask.
     tree_attention_impl: "torch" | "triton" | None (triton on CUDA or under TRITON_INTERPRET=1).
 
+    tree: a static DraftTree, or (EAGLE heads) a serving.dynamic_tree.DynamicTreeConfig: an
+    EAGLE-2 tree drafted anew every step (with AdaEDL early stopping when it sets
+    entropy_threshold). entropy_threshold (Medusa, static tree): per step, drop the depths
+    from the first head whose AdaEDL acceptance bound falls below it.
+
     fallback: when speculation does not pay for a request, it finishes with plain decoding
     (serving/engine.py FallbackPolicy); None keeps speculating whatever it measures.
     """
 
-    def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree: DraftTree | None = None,
+    def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree=None,
                  tap_layers: list[int] | None = None, attn_impl: str = "sdpa",
-                 tree_attention_impl: str | None = None, fallback="default"):
+                 tree_attention_impl: str | None = None, fallback="default", entropy_threshold: float | None = None):
+        from specheads.serving.dynamic_tree import DepthTruncatedTrees, DynamicEagleDrafter, DynamicTreeConfig
         from specheads.serving.engine import FallbackPolicy, StepCosts
+
+        dynamic = tree if isinstance(tree, DynamicTreeConfig) else None
+        if dynamic is not None:
+            if not is_eagle(heads):
+                raise ValueError("a dynamic tree (DynamicTreeConfig) needs EAGLE heads; Medusa heads use a "
+                                 "static DraftTree (optionally with entropy_threshold)")
+            tree = DraftTree.chain(dynamic.depth)  # the static stand-in: its depth, for stats and checks
 
         if attn_impl not in ("sdpa", "tree"):
             raise ValueError(f"attn_impl must be 'sdpa' or 'tree', got {attn_impl!r}")
@@ -299,11 +311,25 @@ class SpeculativeDecoder:
             if is_eagle(heads):
                 self.tap_layers = list(tap_layers) if tap_layers else _default_eagle_taps(heads, target)
                 target.check_taps(self.tap_layers)
-                self.drafter = Eagle3Drafter(heads, tree, target.embeddings(), self.tap_layers)
+                self.drafter = DynamicEagleDrafter(heads, target.embeddings(), self.tap_layers, dynamic) \
+                    if dynamic is not None else Eagle3Drafter(heads, tree, target.embeddings(), self.tap_layers)
             else:
                 self.drafter = MedusaDrafter(heads, tree)
         self.is_medusa = isinstance(self.drafter, MedusaDrafter)
+        self.dynamic = dynamic
         self.plan = TreePlan(tree, target.device)
+        # The largest tree a step verifies (sizes the cache) and the deepest one (sizes the stats).
+        self.max_tree_nodes = dynamic.num_nodes + 1 if dynamic is not None else tree.num_nodes
+        self.max_depth = tree.max_depth
+        if entropy_threshold is not None and not (self.is_medusa and 0 <= entropy_threshold <= 1):
+            raise ValueError(f"entropy_threshold must be in [0, 1] and needs Medusa heads with a static tree "
+                             f"(EAGLE heads set it in their DynamicTreeConfig), got {entropy_threshold!r}")
+        self.entropy_threshold = entropy_threshold
+        self.cut_trees = None
+        if entropy_threshold is not None:
+            self.cut_trees = DepthTruncatedTrees(tree)
+            self.cut_plans = {cut: TreePlan(self.cut_trees.tree(cut), target.device)
+                              for cut in range(1, tree.max_depth + 2)}
         self.plain_tree = DraftTree.chain(0)
         self.plain_plan = TreePlan(self.plain_tree, target.device)  # speculation off
         self.fallback = FallbackPolicy() if fallback == "default" else fallback
@@ -328,13 +354,26 @@ class SpeculativeDecoder:
         return self.drafter.draft(state.hidden[-1:], state.root)
 
     def draft_one(self, state: DecodeState) -> tuple[torch.Tensor, DraftTree, TreePlan]:
-        """An EAGLE sequence's draft: (tokens [T], tree, plan)."""
+        """An EAGLE sequence's draft: (tokens [T], tree, plan); a dynamic tree is new every step."""
+        if self.dynamic is not None:
+            tokens_T, tree = self.drafter.draft(state)
+            return tokens_T, tree, TreePlan(tree, self.target.device)
         return self.drafter.draft(state)[0], self.tree, self.plan
 
     def draft_medusa(self, hidden_BH: torch.Tensor, roots_B: torch.Tensor) -> list[tuple[torch.Tensor, DraftTree, TreePlan]]:
-        """B Medusa sequences drafted in one head call: [(tokens [T], tree, plan)] * B."""
-        tokens_BT = self.drafter.draft(hidden_BH, roots_B)
-        return [(tokens_BT[b], self.tree, self.plan) for b in range(tokens_BT.shape[0])]
+        """B Medusa sequences drafted in one head call: [(tokens [T_b], tree, plan)] * B. With
+        entropy_threshold each sequence's tree is cut at its first uncertain head's depth."""
+        from specheads.serving.dynamic_tree import entropy_cut_depth
+
+        tokens_BT, logits_DBV = self.drafter.draft_with_logits(hidden_BH, roots_B)
+        if self.cut_trees is None:
+            return [(tokens_BT[b], self.tree, self.plan) for b in range(tokens_BT.shape[0])]
+        drafts = []
+        for b in range(tokens_BT.shape[0]):
+            cut = entropy_cut_depth(logits_DBV[:, b], self.entropy_threshold)
+            cut = min(cut, self.tree.max_depth + 1)
+            drafts.append((tokens_BT[b, :self.cut_trees.num_nodes(cut)], self.cut_trees.tree(cut), self.cut_plans[cut]))
+        return drafts
 
     def tree_kwargs(self, packed_mask: torch.Tensor, prefix_len) -> dict:
         """Forward kwargs that route a verify through the tree-attention function."""
@@ -351,11 +390,16 @@ class SpeculativeDecoder:
                acceptance: str = "rejection", speculate: bool = True) -> "DecodeStream":
         """Like generate, but an iterator of token deltas (list[int]: the prefill's first token,
         then one list per verify step); `.result` holds the GenerationResult once exhausted."""
-        from specheads.serving.engine import SequenceRequest
+        from specheads.serving.engine import BatchEngine, SequenceRequest
 
         request = SequenceRequest(input_ids, max_new_tokens, eos_token_id, sampling, stop_token_sequences,
                                   speculate, acceptance)
-        return DecodeStream(self._run(request))
+        if isinstance(max_new_tokens, int) and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_len = int(torch.as_tensor(input_ids).reshape(-1).shape[0])
+        engine = BatchEngine(self, max_batch_size=1,
+                             max_cache_len=prompt_len + int(max_new_tokens) + self.max_tree_nodes)
+        return DecodeStream(engine, engine.check(request))
 
     def generate(self, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
@@ -377,35 +421,37 @@ class SpeculativeDecoder:
             pass
         return stream.result
 
-    def _run(self, request):
-        """Generator of token deltas; returns the GenerationResult."""
-        from specheads.serving.engine import BatchEngine
-
-        if isinstance(request.max_new_tokens, int) and request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        prompt_len = int(torch.as_tensor(request.input_ids).reshape(-1).shape[0])
-        engine = BatchEngine(self, max_batch_size=1,
-                             max_cache_len=prompt_len + int(request.max_new_tokens) + self.plan.num_nodes)
-        seq = engine.check(request)
-        yield engine.add(seq)
-        while seq.finish_reason is None:
-            yield engine.step()[seq.seq_id]
-        return seq.result()
-
 
 class DecodeStream:
-    """Iterator of token deltas (list[int]); `result` is the GenerationResult once exhausted."""
+    """Iterator of token deltas (list[int]): the prefill's first token, then one list per
+    verify step. `result` is the GenerationResult once exhausted (or closed)."""
 
-    def __init__(self, steps):
-        self._steps = steps
+    def __init__(self, engine, seq):
+        self._engine, self._seq = engine, seq
+        self._started = False
         self.result: GenerationResult | None = None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> list[int]:
-        try:
-            return next(self._steps)
-        except StopIteration as stop:
-            self.result = stop.value
-            raise
+        if self.result is not None:
+            raise StopIteration
+        seq = self._seq
+        if not self._started:
+            self._started = True
+            return self._engine.add(seq)
+        if seq.finish_reason is not None:
+            self.result = seq.result()
+            raise StopIteration
+        return self._engine.step()[seq.seq_id]
+
+    def close(self) -> GenerationResult:
+        """Stop decoding now; -> the result so far (finish_reason "stop" unless it had already
+        finished), with the decoder's own stats. A caller that cut the output (a stop string
+        in the text) replaces the tokens."""
+        if self.result is None:
+            if self._seq.finish_reason is None:
+                self._seq.finish_reason = "stop"
+            self.result = self._seq.result()
+        return self.result

@@ -41,13 +41,18 @@ class MedusaDrafter:
     @torch.no_grad()
     def draft(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] at the last committed position, root [B] -> tree tokens [B, T]."""
+        return self.draft_with_logits(hidden_BH, root_B)[0]
+
+    @torch.no_grad()
+    def draft_with_logits(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (tree tokens [B, T], the heads' logits [D, B, V] the tokens came from)."""
         if self.tree.max_depth == 0:
-            return root_B[:, None]
+            return root_B[:, None], None
         logits_KBTV = self.heads(hidden_BH[:, None, :])
         logits_KBV = logits_KBTV[:self.tree.max_depth, :, 0, :]
         candidates_KBR = logits_KBV.topk(self.num_ranks, dim=-1).indices
         drafted_NB = candidates_KBR[self.head_index, :, self.rank_index]  # [T-1, B]
-        return torch.cat([root_B[:, None], drafted_NB.T], dim=1)
+        return torch.cat([root_B[:, None], drafted_NB.T], dim=1), logits_KBV
 
 
 @dataclass
@@ -56,6 +61,26 @@ class HeadCache:
 
     keys: torch.Tensor  # [1, Hkv, S, D]
     values: torch.Tensor  # [1, Hkv, S, D]
+
+
+def commit_head_rows(head: nn.Module, embeddings: nn.Module, state) -> tuple[torch.Tensor, HeadCache]:
+    """Run an EAGLE head over state's rows committed since the last step (row p reads the
+    target's taps at p and the token at p+1), appending them to the head's own cache.
+    -> (the last row's output feature [1, 1, H], the new cache)."""
+    cache = state.draft_cache
+    num_new = state.hidden.shape[0]
+    past_len = 0 if cache is None else cache.keys.shape[2]
+    device = state.hidden.device
+    feature = head.fuse(state.hidden[None].to(head.lm_head.weight.dtype))  # [1, A, H]
+    embeds = embeddings(state.next_tokens[None]).to(feature.dtype)  # [1, A, H]
+    positions = torch.arange(past_len, past_len + num_new, device=device)[None]
+    mask = torch.ones(num_new, past_len + num_new, dtype=torch.bool, device=device)
+    mask[:, past_len:] = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
+    past = None if cache is None else (cache.keys, cache.values)
+    out, (k, v) = head.step(embeds, feature, positions, past, mask[None, None])
+    if cache is not None:
+        k, v = torch.cat([cache.keys, k], 2), torch.cat([cache.values, v], 2)
+    return out[:, -1:], HeadCache(k, v)
 
 
 class Eagle3Drafter:
@@ -90,21 +115,7 @@ class Eagle3Drafter:
             self.levels.append((parent_local, tree.ranks[nodes].to(device), mask))
 
     def _commit_rows(self, state) -> tuple[torch.Tensor, HeadCache]:
-        """Run the head over state's new rows; -> last row's output feature [1, 1, H], new cache."""
-        head, cache = self.head, state.draft_cache
-        num_new = state.hidden.shape[0]
-        past_len = 0 if cache is None else cache.keys.shape[2]
-        device = state.hidden.device
-        feature = head.fuse(state.hidden[None].to(head.lm_head.weight.dtype))  # [1, A, H]
-        embeds = self.embeddings(state.next_tokens[None]).to(feature.dtype)  # [1, A, H]
-        positions = torch.arange(past_len, past_len + num_new, device=device)[None]
-        mask = torch.ones(num_new, past_len + num_new, dtype=torch.bool, device=device)
-        mask[:, past_len:] = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
-        past = None if cache is None else (cache.keys, cache.values)
-        out, (k, v) = head.step(embeds, feature, positions, past, mask[None, None])
-        if cache is not None:
-            k, v = torch.cat([cache.keys, k], 2), torch.cat([cache.values, v], 2)
-        return out[:, -1:], HeadCache(k, v)
+        return commit_head_rows(self.head, self.embeddings, state)
 
     @torch.no_grad()
     def draft(self, state) -> torch.Tensor:

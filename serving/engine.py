@@ -25,9 +25,10 @@ shapes.
 Fallback (`FallbackPolicy`). The engine measures the wall time of every decode step,
 keyed by (batch size, padded tree size), as an EMA in `StepCosts` (kept by the decoder,
 so later requests reuse it). After `warmup_steps` speculative steps a request falls back
-to plain decoding when no draft token was accepted at all, or when its measured tau over
-the step cost is below plain decoding's tokens per step cost (1 / cost of a T = 1 step,
-measured by `probe_steps` plain steps when no such step was timed yet). Its stats say
+to plain decoding when no draft token was accepted at all, or when its measured tokens per
+second over its speculative steps are below plain decoding's (1 / the cost of a T = 1 step
+at this batch size, measured by `probe_steps` plain steps when no such step was timed yet;
+in a batch only all-plain steps time it, so until then only the first rule applies). Its stats say
 so (`DecodeStats.fallback`, `fallback_reason`). Seeded sampling never falls back: its
 random stream, hence its output, must not depend on timing.
 
@@ -107,6 +108,7 @@ class _Sequence:
     probing: int = 0  # plain steps left that time a T = 1 step for the fallback decision
     spec_steps: int = 0
     spec_accepted: int = 0
+    spec_seconds: float = 0.0  # wall time of this sequence's speculative steps
 
     def result(self) -> GenerationResult:
         self.stats.num_new_tokens = len(self.tokens)
@@ -164,10 +166,10 @@ class BatchEngine:
         eos = request.eos_token_id
         eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
         prompt_1P = _as_prompt(request.input_ids, self.target.device)
-        needed = int(prompt_1P.shape[1]) + request.max_new_tokens + self.decoder.plan.num_nodes
+        needed = int(prompt_1P.shape[1]) + request.max_new_tokens + self.decoder.max_tree_nodes
         if needed > self.max_cache_len:
             raise ValueError(f"prompt ({prompt_1P.shape[1]} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                             f"+ one tree ({self.decoder.plan.num_nodes}) = {needed} positions, more than this "
+                             f"+ one tree ({self.decoder.max_tree_nodes}) = {needed} positions, more than this "
                              f"engine's max_cache_len {self.max_cache_len}")
         speculating = request.speculate and self.decoder.drafter is not None
         policy = self.decoder.fallback
@@ -178,7 +180,7 @@ class BatchEngine:
             acceptance=request.acceptance, speculating=speculating,
             may_fall_back=speculating and policy is not None and not seeded,
             generator=None if greedy else make_generator(request.sampling, self.target.device),
-            stats=DecodeStats(accepted_per_position=[0] * (self.decoder.plan.max_depth if speculating else 0),
+            stats=DecodeStats(accepted_per_position=[0] * (self.decoder.max_depth if speculating else 0),
                               lossless=request.acceptance == "rejection"))
 
     def add(self, seq: _Sequence, join: bool = True) -> list[int]:
@@ -215,11 +217,12 @@ class BatchEngine:
         """Drop a sequence; the last row moves into its row."""
         row = self.rows.index(seq)
         last = len(self.rows) - 1
-        if row != last:
-            self.cache.move_row(last, row)
-            self.rows[row] = self.rows[last]
-        self.rows.pop()
-        self.cache.reset_row(last)
+        with torch.inference_mode():  # the buffers are inference tensors
+            if row != last:
+                self.cache.move_row(last, row)
+                self.rows[row] = self.rows[last]
+            self.rows.pop()
+            self.cache.reset_row(last)
 
     # --- one decode step -------------------------------------------------------------------
 
@@ -257,7 +260,7 @@ class BatchEngine:
             self._count(seq, draft, tokens, seconds)
             seq.finish_reason = emit(seq.tokens, tokens, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
             deltas[seq.seq_id] = seq.tokens[before:]
-            self._maybe_fall_back(seq, len(batch), num_nodes)
+            self._maybe_fall_back(seq, len(batch))
         return deltas
 
     def _draft(self, batch: list[_Sequence]) -> list[_Draft]:
@@ -358,8 +361,9 @@ class BatchEngine:
             stats.accepted_per_position[depth] += 1
         seq.spec_steps += 1
         seq.spec_accepted += num_accepted
+        seq.spec_seconds += seconds
 
-    def _maybe_fall_back(self, seq: _Sequence, batch_size: int, num_nodes: int) -> None:
+    def _maybe_fall_back(self, seq: _Sequence, batch_size: int) -> None:
         policy = self.decoder.fallback
         if not seq.may_fall_back or seq.probing or seq.spec_steps < policy.warmup_steps \
                 or seq.finish_reason is not None:
@@ -368,7 +372,6 @@ class BatchEngine:
         if seq.spec_accepted == 0:
             self._fall_back(seq, f"no draft token accepted in {seq.spec_steps} speculative steps")
             return
-        spec_cost = costs.get(batch_size, self.decoder.plan.num_nodes) or costs.get(batch_size, num_nodes)
         plain_cost = costs.get(batch_size, 1)
         if plain_cost is None:
             if batch_size == 1:
@@ -376,7 +379,7 @@ class BatchEngine:
             return
         seq.may_fall_back = False  # one decision per request
         tau = (seq.spec_accepted + seq.spec_steps) / seq.spec_steps
-        spec_rate, plain_rate = tau / spec_cost, 1.0 / plain_cost
+        spec_rate, plain_rate = (seq.spec_accepted + seq.spec_steps) / seq.spec_seconds, 1.0 / plain_cost
         seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
         if spec_rate < plain_rate:
             self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "

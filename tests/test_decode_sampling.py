@@ -6,7 +6,8 @@ enough to enumerate exactly: p(t1) p(t2 | t1) under the same temperature / top-k
 processing (serving.sampling.target_probs). Many seeded runs of the engine with random
 Medusa heads on a branching tree must match it by a chi-square test at a conservative
 level; the first two tokens come from the prefill's sample and the first verify step,
-which exercises acceptance, sibling rejection and the recovered / bonus token. A negative
+which exercises acceptance, sibling rejection and the recovered / bonus token. The same
+holds for an EAGLE head drafting a dynamic (EAGLE-2) tree anew each step. A negative
 control (Medusa-2's lossy typical acceptance) must fail the same test, and is reported as
 lossy.
 """
@@ -21,10 +22,12 @@ from torch import nn
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode import SpeculativeDecoder
+from specheads.serving.dynamic_tree import DynamicTreeConfig
 from specheads.serving.sampling import SamplingParams, target_probs
 from specheads.serving.tree import DraftTree
 
 from conftest import make_tiny_model
+from test_eagle3 import random_head
 
 VOCAB = 8
 PROMPT = [3, 5, 1, 6]
@@ -93,11 +96,23 @@ def chi_square_p_value(counts: torch.Tensor, joint: torch.Tensor) -> float:
     return float(scipy_stats.chi2.sf(statistic, df=int(keep.sum()) - 1))
 
 
+@pytest.fixture(scope="module")
+def dynamic_decoder(setup):
+    """A random EAGLE-1/2-style head (last-layer tap, full vocabulary) drafting dynamic trees."""
+    target, _ = setup
+    head, config = random_head(target, seed=4, kind="eagle")
+    tree = DynamicTreeConfig(depth=2, top_k=3, num_nodes=5)
+    return SpeculativeDecoder(target, head, tree, tap_layers=config.tap_layers)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=1.0, top_p=0.9)],
                          ids=["t0.7", "t1.0", "t1.0-top_p0.9"])
-def test_first_two_tokens_follow_the_target(setup, params):
+@pytest.mark.parametrize("tree_kind", ["static", "dynamic"])
+def test_first_two_tokens_follow_the_target(setup, dynamic_decoder, params, tree_kind):
     target, decoder = setup
+    if tree_kind == "dynamic":
+        decoder = dynamic_decoder
     joint = exact_joint(target, params)
     counts, accepted, lossless = empirical_counts(decoder, params)
     assert lossless

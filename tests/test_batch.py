@@ -1,0 +1,232 @@
+"""Batch > 1: sequences decoded together give each sequence's own greedy output.
+
+A BatchSession decodes prompts of different lengths with different max_new_tokens, stop
+sequences and EOS, admitting new sequences while others run (continuous batching), and
+each output must equal HF greedy `generate` for that prompt alone. Checked for plain
+decoding, Medusa (random heads and an oracle that knows every prompt's continuation, so
+that whole paths of different lengths are accepted per row), Medusa with AdaEDL depth
+cuts, EAGLE static and dynamic trees, and the Triton tree-attention path (interpreted).
+Then the fallback: heads that never match fall back to plain decoding and say so; heads
+that always match keep speculating.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the Triton tree-attention path runs interpreted on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+from torch import nn
+
+from specheads.heads.medusa import MedusaHeads
+from specheads.heads.target import TargetAdapter
+from specheads.serving.batch import BatchSession, SequenceRequest
+from specheads.serving.decode import SpeculativeDecoder
+from specheads.serving.dynamic_tree import DynamicTreeConfig
+from specheads.serving.engine import FallbackPolicy
+from specheads.serving.tree import DraftTree
+
+from test_eagle3 import random_head
+
+NUM_HEADS = 3
+TREE_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+PROMPT_LENGTHS = [3, 17, 8, 1, 25, 11]
+MAX_NEW = [14, 9, 20, 5, 12, 16]
+
+
+def hf_greedy(target: TargetAdapter, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+class MultiOracle(nn.Module):
+    """Stateless Medusa-shaped heads that know the greedy continuation of several prompts:
+    a hidden state is mapped to its (prompt, position) by nearest neighbour and head k
+    returns one-hot logits for the greedy token k+2 positions later. wrong=True ranks the
+    right token last instead (heads that never match)."""
+
+    def __init__(self, target: TargetAdapter, sequences: list[list[int]], prompt_lengths: list[int],
+                 wrong: bool = False):
+        super().__init__()
+        self.num_heads, self.vocab_size, self.wrong = NUM_HEADS, target.vocab_size, wrong
+        hidden, nexts = [], []
+        with torch.no_grad():
+            for tokens, length in zip(sequences, prompt_lengths):
+                states = target(torch.tensor([tokens]), [target.num_layers]).taps[0][0]
+                for position in range(length - 1, len(tokens)):
+                    hidden.append(states[position])
+                    ahead = [tokens[min(position + k + 2, len(tokens) - 1)] for k in range(NUM_HEADS)]
+                    nexts.append(ahead)
+        self.register_buffer("hidden_NH", torch.stack(hidden))
+        self.register_buffer("next_NK", torch.tensor(nexts))
+
+    def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        batch, num_positions, _ = hidden_BTH.shape
+        flat = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+        rows = torch.cdist(flat, self.hidden_NH).argmin(dim=1)
+        value = -10.0 if self.wrong else 10.0
+        logits = torch.zeros(self.num_heads, flat.shape[0], self.vocab_size)
+        for head in range(self.num_heads):
+            logits[head, torch.arange(flat.shape[0]), self.next_NK[rows, head]] = value
+        return logits.reshape(self.num_heads, batch, num_positions, self.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir):
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, target.vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    references = [hf_greedy(target, p, m) for p, m in zip(prompts, MAX_NEW)]
+    long = [p + hf_greedy(target, p, m + NUM_HEADS + 2) for p, m in zip(prompts, MAX_NEW)]
+    return target, prompts, references, long
+
+
+def run_session(decoder: SpeculativeDecoder, requests: list[SequenceRequest], max_batch_size: int = 3):
+    """Continuous batching: admit while there is room; -> (tokens per request, results, steps
+    that ran more than one sequence)."""
+    session = BatchSession(decoder, max_batch_size=max_batch_size, max_cache_len=128)
+    pending = list(enumerate(requests))
+    ids, tokens, results, batched_steps = {}, {}, {}, 0
+    while pending or session.num_active:
+        while pending and session.has_capacity:
+            index, request = pending.pop(0)
+            ids[session.add(request)] = index
+        batched_steps += session.num_active > 1
+        for update in session.step():
+            index = ids[update.seq_id]
+            tokens.setdefault(index, []).extend(update.new_tokens)
+            if update.finished:
+                results[index] = update.result
+    return [tokens[i] for i in range(len(requests))], [results[i] for i in range(len(requests))], batched_steps
+
+
+def greedy_requests(prompts, max_new=MAX_NEW, **kwargs):
+    return [SequenceRequest(p, m, **kwargs) for p, m in zip(prompts, max_new)]
+
+
+def decoders(target, prompts, long):
+    medusa = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS)
+    eagle, config = random_head(target, seed=3)
+    oracle = MultiOracle(target, long, PROMPT_LENGTHS)
+    tree = DraftTree.from_paths(TREE_PATHS)
+    return {
+        "plain": SpeculativeDecoder(target),
+        "medusa-random": SpeculativeDecoder(target, medusa, tree),
+        "medusa-oracle": SpeculativeDecoder(target, oracle, tree),
+        "medusa-oracle-adaedl": SpeculativeDecoder(target, oracle, tree, entropy_threshold=0.5),
+        "eagle3-static": SpeculativeDecoder(target, eagle, tree, tap_layers=config.tap_layers),
+        "eagle3-dynamic": SpeculativeDecoder(target, eagle, DynamicTreeConfig(depth=3, top_k=2, num_nodes=6),
+                                             tap_layers=config.tap_layers),
+    }
+
+
+@pytest.mark.parametrize("kind", ["plain", "medusa-random", "medusa-oracle", "medusa-oracle-adaedl",
+                                  "eagle3-static", "eagle3-dynamic"])
+def test_batched_greedy_equals_each_sequence_alone(setup, kind):
+    target, prompts, references, long = setup
+    decoder = decoders(target, prompts, long)[kind]
+    tokens, results, batched_steps = run_session(decoder, greedy_requests(prompts))
+    assert tokens == references
+    assert [r.tokens for r in results] == references
+    assert all(r.finish_reason == "length" for r in results)
+    assert batched_steps > 5  # sequences really ran together
+    if kind.startswith("medusa-oracle"):
+        # Whole paths accepted per row, in rows of different lengths.
+        assert sum(r.stats.accepted_tokens for r in results) > sum(MAX_NEW) // 2
+
+
+def test_kernel_path_batched(setup, tiny_llama_dir):
+    target, prompts, references, long = setup
+    tree_target = TargetAdapter.from_pretrained(tiny_llama_dir)  # its own model: the decoder switches attention
+    oracle = MultiOracle(tree_target, long, PROMPT_LENGTHS)
+    decoder = SpeculativeDecoder(tree_target, oracle, DraftTree.from_paths(TREE_PATHS), attn_impl="tree",
+                                 tree_attention_impl="triton")
+    tokens, results, _ = run_session(decoder, greedy_requests(prompts[:4], MAX_NEW[:4]))
+    assert tokens == references[:4]
+    assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def test_stop_sequences_eos_and_cancel_in_a_batch(setup):
+    target, prompts, references, long = setup
+    decoder = SpeculativeDecoder(target, MultiOracle(target, long, PROMPT_LENGTHS), DraftTree.from_paths(TREE_PATHS))
+    requests = greedy_requests(prompts)
+    requests[0].stop_token_sequences = [references[0][5:7]]
+    requests[1].eos_token_id = references[1][3]
+    tokens, results, _ = run_session(decoder, requests)
+    stop_at = next(i for i in range(1, len(references[0])) if references[0][i - 1:i + 1] == references[0][5:7])
+    assert tokens[0] == references[0][:stop_at + 1] and results[0].finish_reason == "stop"
+    eos_at = references[1].index(references[1][3])
+    assert tokens[1] == references[1][:eos_at + 1] and results[1].finish_reason == "stop"
+    assert tokens[2:] == references[2:]
+
+    session = BatchSession(decoder, max_batch_size=4, max_cache_len=128)
+    seq_ids = [session.add(r) for r in greedy_requests(prompts[:3])]
+    session.step()
+    session.cancel(seq_ids[1])
+    assert session.num_active == 2
+    got = {seq_ids[0]: [], seq_ids[2]: []}
+    while session.num_active:
+        for update in session.step():
+            got[update.seq_id].extend(update.new_tokens)
+    assert got[seq_ids[2]] == references[2][len(references[2]) - len(got[seq_ids[2]]):]
+
+
+def test_bad_requests_are_refused_before_admission(setup):
+    target, prompts, _, _ = setup
+    session = BatchSession(SpeculativeDecoder(target), max_batch_size=2, max_cache_len=32)
+    with pytest.raises(ValueError, match="max_cache_len 32"):
+        session.add(SequenceRequest(prompts[4], 20))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        session.add(SequenceRequest(prompts[0], 0))
+    assert session.num_active == 0
+    session.add(SequenceRequest(prompts[0], 3))
+    session.add(SequenceRequest(prompts[1], 3))
+    with pytest.raises(RuntimeError, match="full"):
+        session.add(SequenceRequest(prompts[2], 3))
+
+
+def test_fallback_engages_when_heads_never_match(setup):
+    target, prompts, references, long = setup
+    wrong = MultiOracle(target, long, PROMPT_LENGTHS, wrong=True)
+    decoder = SpeculativeDecoder(target, wrong, DraftTree.from_paths(TREE_PATHS),
+                                 fallback=FallbackPolicy(warmup_steps=4))
+    result = decoder.generate(prompts[2], MAX_NEW[2])
+    assert result.tokens == references[2]
+    assert result.stats.fallback and "no draft token accepted" in result.stats.fallback_reason
+    assert result.stats.fallback_step == 4 and result.stats.plain_steps == result.stats.steps - 4
+    assert result.stats.accepted_tokens == 0
+    off = SpeculativeDecoder(target, wrong, DraftTree.from_paths(TREE_PATHS), fallback=None)
+    kept = off.generate(prompts[2], MAX_NEW[2])
+    assert kept.tokens == references[2] and not kept.stats.fallback and kept.stats.plain_steps == 0
+
+
+def test_fallback_stays_off_when_heads_match(setup):
+    target, prompts, references, long = setup
+    oracle = MultiOracle(target, long, PROMPT_LENGTHS)
+    decoder = SpeculativeDecoder(target, oracle, DraftTree.chain(NUM_HEADS),
+                                 fallback=FallbackPolicy(warmup_steps=2, probe_steps=1))
+    for index in (2, 5, 0):  # the first request times plain steps; the later ones reuse the costs
+        result = decoder.generate(prompts[index], MAX_NEW[index])
+        assert result.tokens == references[index]
+        assert not result.stats.fallback
+    assert decoder.step_costs.get(1, 1) is not None
+    assert result.stats.plain_steps == 0 and result.stats.spec_tokens_per_s > result.stats.plain_tokens_per_s
+
+
+def test_seeded_sampling_never_falls_back(setup):
+    """A seed pins the output: it must not depend on measured timings."""
+    from specheads.serving.sampling import SamplingParams
+
+    target, prompts, _, long = setup
+    wrong = MultiOracle(target, long, PROMPT_LENGTHS, wrong=True)
+    decoder = SpeculativeDecoder(target, wrong, DraftTree.from_paths(TREE_PATHS),
+                                 fallback=FallbackPolicy(warmup_steps=2))
+    seeded = decoder.generate(prompts[0], 12, sampling=SamplingParams(temperature=1.0, seed=3))
+    assert not seeded.stats.fallback and seeded.stats.plain_steps == 0
+    unseeded = decoder.generate(prompts[0], 12, sampling=SamplingParams(temperature=1.0))
+    assert unseeded.stats.fallback
