@@ -5,7 +5,9 @@
     specheads demo [--workdir DIR]
     specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa --out DIR
     specheads export --import FOREIGN_DIR --out DIR [--target T]
+    specheads serve --target T [--heads H] [--host H] [--port N] [--api-key KEY] [--max-concurrency N]
     specheads bench --target T [--heads H] [--prompts FILE.jsonl] [--json OUT] [--plot OUT.png]
+    specheads tune --target T --heads H [--prompts FILE.jsonl] [--budget-s S]
     specheads data regenerate --target T --input FILE --output FILE
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR
 
@@ -33,7 +35,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable); the output ends before it")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
+    p.add_argument("--no-speculate", action="store_true", help="plain decoding even with heads")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
 def _add_demo(sub) -> None:
@@ -53,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER)
     _add_generate(sub)
     _add_demo(sub)
-    from specheads import bench_cli, data_cli, export_cli
+    from specheads import bench_cli, data_cli, export_cli, serve_cli
 
     bench_cli.add_parser(sub)
+    from specheads import tune_cli
+
+    tune_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     export_cli.add_parser(sub)
     data_cli.add_parser(sub)
     return parser
@@ -71,18 +84,34 @@ def cmd_generate(args) -> int:
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not prompt_ids:
         raise UserError("--prompt is empty after tokenization; give at least one token of text")
-    result = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens,
-                              eos_token_id=tokenizer.eos_token_id)
-    text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+    from specheads.serving.detokenize import stream_text
+    from specheads.serving.sampling import SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        stream = stream_text(decoder, tokenizer, prompt_ids, args.max_new_tokens, stop=args.stop,
+                             eos_token_id=tokenizer.eos_token_id, sampling=sampling,
+                             speculate=not args.no_speculate)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    if not args.json:
+        print(args.prompt, end="", flush=True)
+    pieces = []
+    for delta in stream:
+        pieces.append(delta.text)
+        if not args.json:
+            print(delta.text, end="", flush=True)
+    text, result = "".join(pieces), stream.result
     stats = result.stats
     report = {"text": text, "num_tokens": len(result.tokens), "finish_reason": result.finish_reason,
-              "speculative": args.heads is not None, "alpha": stats.alpha, "tau": stats.tau,
-              "tokens_per_s": stats.tokens_per_s, "steps": stats.steps,
-              "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens}
+              "speculative": args.heads is not None and not args.no_speculate, "alpha": stats.alpha,
+              "tau": stats.tau, "tokens_per_s": stats.tokens_per_s, "steps": stats.steps,
+              "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+              "fallback": stats.fallback, "fallback_reason": stats.fallback_reason}
     if args.json:
         print(json.dumps(report))
     else:
-        print(args.prompt + text)
+        print()
         print(f"\n[{len(result.tokens)} tokens, finish={result.finish_reason}] alpha={stats.alpha:.3f} "
               f"tau={stats.tau:.2f} tokens/s={stats.tokens_per_s:.1f}", file=sys.stderr)
     return 0
@@ -99,10 +128,18 @@ def main(argv: list[str] | None = None) -> int:
             return train_main(args.args)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "tune":
+            from specheads import tune_cli
+
+            return tune_cli.run(args)
         if args.command == "bench":
             from specheads import bench_cli
 
             return bench_cli.run(args)
+        if args.command == "serve":
+            from specheads import serve_cli
+
+            return serve_cli.run(args)
         if args.command == "data":
             from specheads import data_cli
 
