@@ -17,6 +17,13 @@ The total size is estimated and printed before anything is written, and the cach
 to start when it exceeds `max_gb`. Each shard is written to a temp name and renamed, and
 the manifest is written last, so a directory with a manifest is always whole.
 
+Training reads a cache with `data.feature_cache: DIR` (training/cached.py): the cache's
+blocks are the training data and its taps + logits replace the target's forward. `blocks()`
+gives the cached token ids as PackedBlocks (for the sampler and draft-vocab counts),
+`check_fits` refuses a cache of another target, other taps or another block length, and
+`teacher_logits` turns stored logits (full, or top-k with the rest at TOPK_FILL, which
+softmax maps to exactly zero probability) into the dense [b, T, V] the losses take.
+
 Shape legend: N blocks, T block length, H hidden size, V vocab, K top-k.
 """
 
@@ -37,6 +44,7 @@ FORMAT_VERSION = 1
 FULL_LOGITS_MAX_VOCAB = 4096
 DEFAULT_TOP_K = 64
 MANIFEST = "manifest.json"
+TOPK_FILL = -1e9  # logit of tokens outside the stored top-k: finite, so 0 * log p stays 0
 
 
 def resolve_top_k(top_k: int | None, vocab_size: int) -> int | None:
@@ -157,6 +165,43 @@ class FeatureCache:
             for name in handle.keys():
                 rows.setdefault(name, []).append(handle.get_slice(name)[row:row + 1])
         return {name: torch.cat(parts) for name, parts in rows.items()}
+
+    def blocks(self) -> PackedBlocks:
+        """All cached blocks' token ids and loss masks, in cache order."""
+        from specheads.data.text import DataReport
+
+        parts = [self._handle(i) for i in range(len(self.manifest["shards"]))]
+        input_ids = torch.cat([h.get_tensor("input_ids") for h in parts])
+        loss_mask = torch.cat([h.get_tensor("loss_mask") for h in parts])
+        report = DataReport(source=f"feature cache {self.directory} ({self.manifest.get('source', '?')})",
+                            num_records=len(self), num_documents=len(self),
+                            num_tokens=int(loss_mask.sum()), num_blocks=len(self))
+        return PackedBlocks(input_ids, loss_mask, report)
+
+    def check_fits(self, identity, taps: list[int], seq_len: int) -> None:
+        """Raise a DataError naming what differs when this cache cannot stand in for `identity`'s
+        forward over blocks of `seq_len` tokens reading `taps`."""
+        saved = self.manifest["target"]
+        problems = [f"{name}: cache {saved.get(name)!r}, target {getattr(identity, name)!r}"
+                    for name in ("model_type", "hidden_size", "vocab_size", "num_layers")
+                    if saved.get(name) != getattr(identity, name)]
+        missing = sorted(set(taps) - set(self.taps))
+        if missing:
+            problems.append(f"taps {missing} are not cached (cached taps {self.taps}; write the cache with "
+                            f"--taps {','.join(str(t) for t in sorted(set(taps) | set(self.taps)))})")
+        if self.manifest["seq_len"] != seq_len:
+            problems.append(f"blocks of {self.manifest['seq_len']} tokens, but data.seq_len is {seq_len}")
+        if problems:
+            raise DataError(f"feature cache {self.directory} does not fit this run: " + "; ".join(problems))
+
+    @staticmethod
+    def teacher_logits(batch: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor:
+        """-> [b, T, V] float32 logits: the stored full logits, or the top-k scattered over TOPK_FILL."""
+        if "logits" in batch:
+            return batch["logits"].float()
+        values, indices = batch["topk_values"].float(), batch["topk_indices"].long()
+        dense = torch.full((*values.shape[:-1], vocab_size), TOPK_FILL, dtype=torch.float32)
+        return dense.scatter_(-1, indices, values)
 
     def iter_batches(self, batch_size: int):
         """Blocks in order, batch_size at a time (the last batch may be smaller)."""

@@ -24,6 +24,14 @@ EAGLE-1/2 kind "eagle" (one tap, no fc) has no export format.
 
 All writes are atomic: the output directory is built under a temporary name beside OUT and
 renamed into place.
+
+LoRA runs (training/lora.py) change the target, so their heads only fit the adapted target.
+`export_merged(RUN_DIR, OUT)` (`specheads export RUN_DIR --format merged --out OUT`) loads
+the base target named in RUN_DIR/adapter/specheads_lora.json, applies the PEFT adapter,
+merges it into the weights (merge_and_unload) and writes OUT/target (save_pretrained, with
+the base's tokenizer) and OUT/heads (the run's heads, their target identity now naming
+OUT/target). Serve OUT/target with OUT/heads; the output is lossless w.r.t. the merged
+target, which is not the original target.
 """
 
 from __future__ import annotations
@@ -208,3 +216,56 @@ def _write_dir(out_dir: str | os.PathLike, config: dict, state: dict[str, torch.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+MERGED_TARGET_SUBDIR = "target"
+MERGED_HEADS_SUBDIR = "heads"
+ADAPTER_SUBDIR = "adapter"  # what training/lora.py writes beside the run's heads
+LORA_META = "specheads_lora.json"
+
+
+def export_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """A LoRA run dir (heads/ + adapter/) -> OUT/target (merged model + tokenizer) + OUT/heads."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    adapter_dir, heads_dir = run_dir / ADAPTER_SUBDIR, run_dir / MERGED_HEADS_SUBDIR
+    if not (adapter_dir / LORA_META).is_file():
+        raise FileNotFoundError(f"{str(run_dir)!r} is not a LoRA training run: no {ADAPTER_SUBDIR}/{LORA_META}; "
+                                "--format merged takes a run's train.output_dir from a recipe with a lora section "
+                                "(heads of a frozen-target run need no merge: serve them with their target)")
+    config = read_heads_config(heads_dir)
+    base = json.loads((adapter_dir / LORA_META).read_text())
+    trust = bool(base.get("trust_remote_code", False))
+    model = AutoModelForCausalLM.from_pretrained(base["resolved_path"], dtype=_torch_dtype(base["dtype"]),
+                                                 trust_remote_code=trust)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base["resolved_path"], trust_remote_code=trust)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"the base target {base['resolved_path']!r} has no loadable tokenizer ({err}); "
+                                "the merged target must ship one to be served") from None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        merged.save_pretrained(tmp / MERGED_TARGET_SUBDIR)
+        tokenizer.save_pretrained(tmp / MERGED_TARGET_SUBDIR)
+        identity = TargetIdentity.from_config(merged.config, str((out_dir / MERGED_TARGET_SUBDIR).resolve()),
+                                              type(merged).__name__)
+        config.check_fits(identity, source=f"heads at {str(heads_dir)!r}")
+        config.target = identity
+        shutil.copytree(heads_dir, tmp / MERGED_HEADS_SUBDIR)  # weights and any extras (tuning.json); new config
+        atomic_write_text(tmp / MERGED_HEADS_SUBDIR / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"{LORA_META}: dtype must be one of {sorted(dtypes)}, got {name!r}")
+    return dtypes[name]

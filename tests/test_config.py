@@ -150,3 +150,39 @@ def test_ds_config_is_generated_from_the_recipe(tmp_path):
     assert constant["fp16"]["enabled"] is True and "bf16" not in constant
     no_warmup = build_ds_config(load_recipe(write(tmp_path, MINIMAL), ["train.scheduler=constant"]).train, 1)
     assert "scheduler" not in no_warmup
+
+
+def test_offload_options_map_into_the_deepspeed_config(tmp_path):
+    base = build_ds_config(load_recipe(write(tmp_path, MINIMAL), ["train.zero_stage=2"]).train, 1)
+    assert "offload_optimizer" not in base["zero_optimization"] and base["optimizer"]["params"]["torch_adam"]
+    optimizer_off = build_ds_config(load_recipe(write(tmp_path, MINIMAL), [
+        "train.zero_stage=2", "train.offload_optimizer=cpu"]).train, 1)
+    assert optimizer_off["zero_optimization"] == {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert "torch_adam" not in optimizer_off["optimizer"]["params"]  # DeepSpeedCPUAdam steps the CPU state
+    both = build_ds_config(load_recipe(write(tmp_path, MINIMAL), [
+        "train.zero_stage=3", "train.offload_optimizer=cpu", "train.offload_params=cpu"]).train, 1)
+    assert both["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert both["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.offload_params=cpu", "train.zero_stage=2"], "train.offload_params: 'cpu' needs train.zero_stage 3"),
+    (["train.offload_optimizer=cpu"], "train.offload_optimizer: 'cpu' needs ZeRO, but train.zero_stage is 0"),
+    (["train.offload_optimizer=nvme"], "train.offload_optimizer: expected one of ['none', 'cpu']"),
+    (["train.offload_params=yes"], "train.offload_params: expected one of ['none', 'cpu']"),
+])
+def test_bad_offload_settings_fail_naming_the_key(tmp_path, overrides, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write(tmp_path, MINIMAL), overrides)
+    assert message in str(err.value)
+
+
+def test_optional_lora_section_is_off_when_absent_or_null_and_takes_overrides(tmp_path):
+    assert load_recipe(write(tmp_path, MINIMAL)).lora is None
+    assert load_recipe(write(tmp_path, MINIMAL + "lora: null\n")).lora is None
+    recipe = load_recipe(write(tmp_path, MINIMAL), ["lora.rank=8", "lora.target_modules=all-linear"])
+    assert recipe.lora.rank == 8 and recipe.lora.target_modules == "all-linear"
+    assert recipe.to_dict()["lora"]["alpha"] == 32.0
+    assert load_recipe(write(tmp_path, MINIMAL + "lora: {}\n")).lora.target_modules == [
+        "q_proj", "k_proj", "v_proj", "o_proj"]

@@ -159,3 +159,19 @@ def test_memory_estimate_partitions_by_zero_stage(tmp_path):
     assert (z2.head_weights, z2.gradients, z2.optimizer) == (200, 50, 300)
     assert (z3.target_weights, z3.head_weights, z3.gradients, z3.optimizer) == (500, 50, 50, 300)
     assert z0.activations == z3.activations > 0
+
+
+def test_dry_run_shows_cpu_offload_as_host_memory(capsys):
+    path = RECIPES_DIR / "eagle3-llama-3.3-70b-instruct.yaml"
+    plain, _ = dry_run(capsys, path)
+    head, ds_config = dry_run(capsys, path, "--set", "train.offload_optimizer=cpu", "--set",
+                              "train.offload_params=cpu")
+    assert ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert ds_config["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert re.search(r"optimizer\s+0\.00 GiB", head) and re.search(r"target weights\s+0\.00 GiB", head)
+    assert "offloaded to CPU (optimizer state + parameters)" in head
+    assert gpu_total(head) < gpu_total(plain)
+
+
+def gpu_total(dry_run_text: str) -> float:
+    return float(re.search(r"total\s+([\d.]+) GiB", dry_run_text).group(1))

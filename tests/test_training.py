@@ -376,3 +376,79 @@ def test_missing_target_exits_nonzero(walks_file, tmp_path, capsys):
 def test_launcher_local_rank_argument_is_accepted(tmp_path, capsys):
     assert main([str(tmp_path / "absent.yaml"), "--local_rank=0"]) == 1
     assert "absent.yaml' does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- data.split
+
+def numbered_records(count: int) -> list[dict]:
+    """Record i is the token ids [4 + i % 60] * 10, so a block's first id names its record."""
+    return [{"input_ids": [4 + i % 60] * 10} for i in range(count)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_data_split_and_eval_split_select_records_through_load_dataset(tmp_path, suffix):
+    from specheads.training.config import recipe_from_dict
+    from specheads.training.data_split import load_training_data
+
+    path = tmp_path / f"records{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(path, numbered_records(40))
+    else:
+        import datasets
+
+        datasets.Dataset.from_list(numbered_records(40)).to_parquet(str(path))
+    recipe = recipe_from_dict({"target": {"name_or_path": "x"}, "data": {
+        "source": str(path), "seq_len": 11, "split": "train[:25%]", "eval_split": "train[90%:]"}})
+    train, held_out = load_training_data(recipe.data, None, seed=0, eos_token_id=2)
+    # One record (10 ids + EOS) per 11-token block: the blocks are exactly the split's records.
+    assert sorted(int(block[0]) for block in train.input_ids) == [4 + i for i in range(10)]
+    assert sorted(int(block[0]) for block in held_out.input_ids) == [4 + i for i in range(36, 40)]
+    assert "[train[:25%]]" in train.report.source and "[train[90%:]]" in held_out.report.source
+    # Without eval_split the held-out part is the last eval_fraction of the split's records.
+    recipe.data.eval_split = None
+    recipe.data.eval_fraction = 0.2
+    train, held_out = load_training_data(recipe.data, None, seed=0, eos_token_id=2)
+    assert len(train) == 8 and len(held_out) == 2
+    assert {int(b[0]) for b in train.input_ids} | {int(b[0]) for b in held_out.input_ids} == set(range(4, 14))
+
+
+def test_bad_splits_fail_naming_the_split_and_source(tmp_path):
+    from specheads.training.config import RecipeError, recipe_from_dict
+    from specheads.training.data_split import load_training_data
+
+    path = write_jsonl(tmp_path / "r.jsonl", numbered_records(5))
+    recipe = recipe_from_dict({"target": {"name_or_path": "x"}, "data": {"source": str(path), "split": "validation"}})
+    with pytest.raises(DataError, match=r"cannot load split 'validation' of data source '.*r\.jsonl'"):
+        load_training_data(recipe.data, None, seed=0, eos_token_id=2)
+    recipe = recipe_from_dict({"target": {"name_or_path": "x"}, "data": {"split": "train[:10%]"}})
+    with pytest.raises(DataError, match="embedded:stdlib is not a datasets source"):
+        load_training_data(recipe.data, None, seed=0)
+    with pytest.raises(RecipeError, match="data.split: expected a datasets split"):
+        recipe_from_dict({"target": {"name_or_path": "x"}, "data": {"split": "train[:1%"}})
+
+
+def test_a_recipe_trains_on_a_split(tiny_llama_dir, walks_file, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tiny_llama_dir, walks_file, tmp_path / "run",
+                          extra="")
+    assert main([str(recipe), "--set", "train.steps=2", "--set", "data.split=train[:50%]",
+                 "--set", "data.eval_split=train[95%:]"]) == 0
+    out = capsys.readouterr().out
+    assert f"train data {walks_file} [train[:50%]]: 150/150 records used" in out
+    assert f"eval data {walks_file} [train[95%:]]: 15/15 records used" in out
+
+
+def test_a_checkpoint_from_before_the_new_recipe_keys_still_resumes(tiny_llama_dir, walks_file, tmp_path, capsys):
+    """Manifests written before data.split/eval_split/feature_cache and lora existed hold no such
+    keys; they mean the defaults, so the run resumes instead of reporting a changed recipe."""
+    recipe = write_recipe(tmp_path, tiny_llama_dir, walks_file, tmp_path / "run")
+    assert main([str(recipe), "--set", "train.steps=2", "--set", "train.save_every=2"]) == 0
+    manifest_path = tmp_path / "run" / "checkpoints" / "step-00000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for key in ("split", "eval_split", "feature_cache"):
+        del manifest["recipe"]["data"][key]
+    del manifest["recipe"]["lora"]
+    manifest_path.write_text(json.dumps(manifest))
+    assert main([str(recipe), "--set", "train.steps=3", "--set", "train.save_every=2"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert main([str(recipe), "--set", "train.steps=4", "--set", "data.split=train[:50%]"]) == 1
+    assert "differs in ['data']" in capsys.readouterr().err

@@ -152,3 +152,13 @@ def test_eval_every_zero_logs_no_eval(tiny_llama_dir, walks, tmp_path, capsys):
     recipe = write_recipe(tmp_path, tiny_llama_dir, walks, tmp_path / "run")
     assert main([str(recipe), "--set", "train.steps=3", "--set", "train.log_every=1"]) == 0
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval step")]
+
+
+@pytest.mark.slow  # DeepSpeedCPUAdam is JIT-built with the host compiler on first use (about a minute)
+def test_zero2_with_the_optimizer_offloaded_to_cpu_trains(tiny_llama_dir, walks, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tiny_llama_dir, walks, tmp_path / "run")
+    assert main([str(recipe), "--set", "train.steps=3", "--set", "train.zero_stage=2", "--set",
+                 "train.offload_optimizer=cpu", "--set", "train.log_every=1"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 2" in out and "step 3/3" in out
+    assert (tmp_path / "run" / "heads" / "model.safetensors").is_file()

@@ -5,6 +5,8 @@ Layout under `<output_dir>/checkpoints/`:
     latest                    text: the name of the newest complete checkpoint
     step-00000040/
         heads.safetensors     full fp32 head weights (gathered from the ZeRO partitions)
+        adapter.safetensors   LoRA runs only: the adapter's full fp32 weights (names as in
+                              the target model; the frozen base weights are never saved)
         rank-00000.pt         per rank: its optimizer state (its ZeRO partition), loss-scaler
         rank-00001.pt         state and RNG states; tensors and plain values only
         manifest.json         step, sampler position, scheduler and engine counters, world
@@ -41,6 +43,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 WEIGHTS = "heads.safetensors"
+ADAPTER_WEIGHTS = "adapter.safetensors"
 KEEP_LAST = 2  # complete checkpoints kept on disk
 UNSAVED = "<specheads: restored from the live optimizer>"
 
@@ -125,19 +128,34 @@ def _set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------- weights
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """The heads' full fp32 weights. Collective under ZeRO: every rank must call it."""
+    """The trained module's full fp32 weights. Collective under ZeRO: every rank must call it.
+    A module with `checkpoint_names()` (LoRA's JointModel) keeps only those names, so the
+    frozen base target is never gathered or saved."""
     from deepspeed.utils import safe_get_full_fp32_param
 
+    keep = engine.module.checkpoint_names() if hasattr(engine.module, "checkpoint_names") else None
     masters = _unfused_masters(engine.optimizer)
     state = {}
     for name, param in engine.module.named_parameters():
+        if keep is not None and name not in keep:
+            continue
         full = safe_get_full_fp32_param(param)  # ZeRO 1-3: gathered fp32 master; else None
         if full is None:
             full = masters.get(id(param), param)
         state[name] = full.detach().to("cpu", torch.float32).clone()
     for name, buffer in engine.module.named_buffers():
-        state[name] = buffer.detach().to("cpu").clone()
+        if keep is None or name in keep:
+            state[name] = buffer.detach().to("cpu").clone()
     return state
+
+
+def _split(engine, weights: dict[str, torch.Tensor]) -> tuple[dict, dict | None]:
+    """(heads weights, adapter weights or None for a heads-only run)."""
+    if not hasattr(engine.module, "checkpoint_names"):
+        return weights, None
+    from specheads.training.lora import split_state
+
+    return split_state(weights)
 
 
 def _unfused_masters(optimizer) -> dict[int, torch.Tensor]:
@@ -184,9 +202,14 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
     barrier()
     final = root / name
     if rank == 0:
-        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        heads_weights, adapter_weights = _split(engine, weights)
+        save_file(heads_weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
         _fsync(tmp / WEIGHTS)
         files = [WEIGHTS] + [rank_file(r) for r in range(world_size)]
+        if adapter_weights is not None:
+            save_file(adapter_weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            _fsync(tmp / ADAPTER_WEIGHTS)
+            files.append(ADAPTER_WEIGHTS)
         missing = [f for f in files if not (tmp / f).is_file()]
         if missing:
             raise CheckpointError(f"checkpoint {tmp} is missing {missing} after all ranks wrote; not publishing it")
@@ -250,11 +273,22 @@ def load_checkpoint(directory: Path, manifest: dict, engine, precision: str, gra
             f"checkpoint {directory} was written with world size {saved[0]}, ZeRO stage {saved[1]}, precision "
             f"{saved[2]!r}; this run has {world_size}, {stage}, {precision!r}. Resume with the same settings, "
             "or use a new train.output_dir")
+    joint = hasattr(engine.module, "checkpoint_names")
+    if joint != (ADAPTER_WEIGHTS in manifest["files"]):
+        raise CheckpointError(f"checkpoint {directory} was written by a run {'without' if joint else 'with'} a LoRA "
+                              f"adapter; this run has {'one' if joint else 'none'}. Resume with the same lora "
+                              "section, or use a new train.output_dir")
     if stage < 3:  # ZeRO-3 restores its partitioned weights from the optimizer's fp32 partitions
-        dtype = next(engine.module.parameters()).dtype
+        heads = engine.module.heads if joint else engine.module
+        dtype = next(heads.parameters()).dtype
         weights = load_file(str(directory / WEIGHTS))
         # Only floating tensors take the module's dtype: int64 d2t / bool t2d must stay exact.
-        engine.module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
+        heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
+        if joint:
+            from specheads.training.lora import load_adapter_state
+
+            load_adapter_state(engine.module.target_model, load_file(str(directory / ADAPTER_WEIGHTS)),
+                               str(directory / ADAPTER_WEIGHTS))
     per_rank = [torch.load(directory / rank_file(r), map_location="cpu", weights_only=True)
                 for r in range(world_size)]
     live = engine.optimizer.state_dict()

@@ -7,6 +7,8 @@
     tracking:  "wandb" | "none"
     wandb:     WandbConfig      used when tracking is "wandb"
     calibrate: CalibrateConfig  held-out acceptance measurement and tree size
+    lora:      LoraConfig       optional: Medusa-2 joint training of a LoRA adapter on the
+                                target (absent or null = the target stays frozen)
 
 Loading is strict: an unknown key or a bad value raises RecipeError naming the key's
 dotted path (`train.micro_batch_size: expected a positive int, got 'x'`). Overrides use
@@ -19,6 +21,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +56,13 @@ FRACTION: Check = ("a number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1)
 BOOL: Check = ("true or false", lambda v: isinstance(v, bool))
 NON_EMPTY_STR: Check = ("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
 OPTIONAL_STR: Check = ("a string or null", lambda v: v is None or (isinstance(v, str) and bool(v.strip())))
+SPLIT_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+(\[[^\[\]]*\])?(\+[A-Za-z0-9_.-]+(\[[^\[\]]*\])?)*$")
+SPLIT: Check = ("a datasets split such as 'train', 'train[:1%]' or 'validation[100:200]'",
+                lambda v: isinstance(v, str) and bool(SPLIT_PATTERN.match(v)))
+OPTIONAL_SPLIT: Check = (SPLIT[0] + ", or null", lambda v: v is None or SPLIT[1](v))
+NON_EMPTY_STR_LIST: Check = ("a non-empty list of module names (strings), or 'all-linear'",
+                             lambda v: v == "all-linear" or (isinstance(v, list) and bool(v) and all(
+                                 isinstance(x, str) and bool(x.strip()) for x in v)))
 
 
 def _as_float(value):
@@ -126,6 +136,15 @@ class DataConfig:
     # A conversation longer than seq_len is cut to seq_len (and counted) when true, else
     # skipped and reported as "longer than seq_len". Never silent either way.
     truncate: bool = _field(True, BOOL)
+    # datasets split expressions (`train`, `train[:1%]`, `validation`) for datasets names and
+    # local .jsonl/.json/.parquet files (a local file's one split is called `train`).
+    split: str = _field("train", SPLIT, "datasets split of source, e.g. train or train[:1%]")
+    eval_split: str | None = _field(None, OPTIONAL_SPLIT,
+                                    "datasets split held out for eval/calibration (of eval_source if set, "
+                                    "else of source); null = eval_source / eval_fraction as before")
+    feature_cache: str | None = _field(None, OPTIONAL_STR,
+                                       "directory written by `specheads data cache`: train from the cached "
+                                       "target taps + logits instead of running the target")
 
 
 @dataclass
@@ -146,6 +165,10 @@ class TrainConfig:
     eval_every: int = _field(0, NON_NEGATIVE_INT, "steps between held-out evals (acceptance, tau); 0 = off")
     eval_batches: int = _field(2, POSITIVE_INT, "held-out batches of micro_batch_size blocks per eval")
     output_dir: str = _field("runs/medusa", NON_EMPTY_STR)
+    # ZeRO-Offload: optimizer state (+ its step) on the CPU needs ZeRO 1-3; parameters on the
+    # CPU need ZeRO-3. Trades GPU memory for PCIe traffic (see training/ds_config.py).
+    offload_optimizer: str = _field("none", one_of("none", "cpu"), "ZeRO 1-3: keep optimizer state on the CPU")
+    offload_params: str = _field("none", one_of("none", "cpu"), "ZeRO-3: keep partitioned parameters on the CPU")
 
 
 @dataclass
@@ -163,6 +186,24 @@ class CalibrateConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Medusa-2 joint training: a PEFT LoRA adapter on the target trains with the heads under
+    heads loss + lm_loss_weight * the target's LM loss (training/lora.py says why CE)."""
+
+    rank: int = _field(16, POSITIVE_INT, "LoRA rank r")
+    alpha: float = _field(32.0, POSITIVE_NUMBER, "LoRA scaling numerator (scale = alpha / rank)")
+    dropout: float = _field(0.05, ("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1))
+    target_modules: list | str = _field(("q_proj", "k_proj", "v_proj", "o_proj"), NON_EMPTY_STR_LIST,
+                                        "module names that get an adapter, or 'all-linear'")
+    lm_loss_weight: float = _field(0.2, NON_NEGATIVE_NUMBER, "weight of the target's own next-token CE")
+    heads_warmup_steps: int = _field(0, NON_NEGATIVE_INT, "first steps train the heads only (adapter frozen)")
+
+    def __post_init__(self):
+        if isinstance(self.target_modules, tuple):  # the default; recipes and manifests hold lists
+            self.target_modules = list(self.target_modules)
+
+
+@dataclass
 class Recipe:
     target: TargetConfig
     heads: HeadsSpec = field(default_factory=HeadsSpec)
@@ -171,14 +212,18 @@ class Recipe:
     tracking: str = _field("none", one_of("wandb", "none"))
     wandb: WandbConfig = field(default_factory=WandbConfig)
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    lora: LoraConfig | None = field(default=None, metadata={"optional_section": True})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def _section_type(cls, f: dataclasses.Field):
-    """The dataclass a field of `cls` holds, or None for a scalar field."""
+    """The dataclass a field of `cls` holds (also for an optional `X | None` section), or None
+    for a scalar field."""
     hint = typing.get_type_hints(cls)[f.name]
+    if f.metadata.get("optional_section"):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     return hint if dataclasses.is_dataclass(hint) else None
 
 
@@ -203,6 +248,9 @@ def _build(cls, raw, prefix: str):
         dotted = f"{prefix}{name}"
         section = _section_type(cls, f)
         if section is not None:
+            if f.metadata.get("optional_section") and raw.get(name) is None:
+                values[name] = None  # absent or null: the feature is off
+                continue
             if name not in raw and f.default_factory is dataclasses.MISSING:
                 raise RecipeError(f"{dotted}: required section is missing")
             values[name] = _build(section, raw.get(name), f"{dotted}.")
@@ -223,7 +271,36 @@ def _build(cls, raw, prefix: str):
 
 
 def recipe_from_dict(raw: dict) -> Recipe:
-    return _build(Recipe, raw, "")
+    recipe = _build(Recipe, raw, "")
+    check_combinations(recipe)
+    return recipe
+
+
+def check_combinations(recipe: Recipe) -> None:
+    """Values that are fine alone but not together; the message names both keys."""
+    train = recipe.train
+    if train.offload_optimizer != "none" and train.zero_stage == 0:
+        raise RecipeError(f"train.offload_optimizer: {train.offload_optimizer!r} needs ZeRO, but train.zero_stage "
+                          "is 0; set train.zero_stage to 1, 2 or 3, or train.offload_optimizer: none")
+    if train.offload_params != "none" and train.zero_stage != 3:
+        raise RecipeError(f"train.offload_params: {train.offload_params!r} needs train.zero_stage 3 (only ZeRO-3 "
+                          f"partitions parameters), got {train.zero_stage}; set train.zero_stage: 3 or "
+                          "train.offload_params: none")
+    if recipe.lora is not None:
+        if train.zero_stage == 3:
+            raise RecipeError("lora: LoRA joint training does not support train.zero_stage 3 (the adapter would "
+                              "sit inside the ZeRO-3-partitioned target, which is run as an optimizer-less "
+                              "inference engine); use train.zero_stage 0, 1 or 2")
+        if recipe.data.feature_cache is not None:
+            raise RecipeError("data.feature_cache: a feature cache holds the frozen target's outputs, but lora "
+                              "trains the target; remove data.feature_cache or the lora section")
+        if recipe.train.offload_params != "none":
+            raise RecipeError("train.offload_params: not supported with lora (needs ZeRO-3)")
+        wanted = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[train.precision]
+        if recipe.target.dtype != wanted:
+            raise RecipeError(f"target.dtype: with lora the target trains inside the DeepSpeed engine, which "
+                              f"runs it in train.precision {train.precision!r}; set target.dtype: {wanted} "
+                              f"(got {recipe.target.dtype!r}) or change train.precision")
 
 
 def parse_override(text: str) -> tuple[str, Any]:

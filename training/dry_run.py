@@ -31,6 +31,14 @@ Memory per GPU, in bytes (N ranks, ZeRO stage z; P_t target and P_h head paramet
 B micro batch, T seq_len, L layers, H hidden, V vocab, V_h the head's output vocab (the draft
 vocab for EAGLE-3). The activation term is rough (attention scores, allocator slack, CUDA
 context and DeepSpeed buffers are not counted); treat the total as a lower bound.
+
+LoRA (recipe section `lora`): the adapter is injected into the meta target with PEFT, so its
+parameter count is exact; its P_a parameters add to P_h in the head weight, gradient and
+optimizer terms, and the target's activations are kept for backward, roughly
+B * T * L * 34 * H * d_t / 2 more (the per-layer 34 * s * b * h bytes of 16-bit training
+with fused attention). ZeRO-Offload (train.offload_optimizer / train.offload_params = cpu)
+moves the optimizer term / the partitioned weight terms to host memory: they count 0 on the
+GPU and are printed as host memory.
 """
 
 from __future__ import annotations
@@ -158,6 +166,7 @@ class MemoryEstimate:
     gradients: float
     optimizer: float
     activations: float
+    host: float = 0.0  # offloaded to CPU memory (not in total)
 
     @property
     def total(self) -> float:
@@ -165,7 +174,9 @@ class MemoryEstimate:
 
 
 def estimate_memory(recipe: Recipe, num_target_params: int, num_head_params: int, num_layers: int,
-                    hidden_size: int, vocab_size: int, head_vocab_size: int, world_size: int) -> MemoryEstimate:
+                    hidden_size: int, vocab_size: int, head_vocab_size: int, world_size: int,
+                    num_lora_params: int = 0) -> MemoryEstimate:
+    """num_head_params counts every trainable parameter (heads + LoRA adapter)."""
     zero, n = recipe.train.zero_stage, world_size
     d_t = BYTES[recipe.target.dtype]
     w = BYTES[recipe.train.precision]
@@ -174,13 +185,21 @@ def estimate_memory(recipe: Recipe, num_target_params: int, num_head_params: int
     tokens = recipe.train.micro_batch_size * recipe.data.seq_len
     activations = (tokens * (num_layers + 1) * hidden_size * d_t + tokens * vocab_size * d_t
                    + steps * tokens * (16 * hidden_size + 2 * head_vocab_size) * w)
-    return MemoryEstimate(
+    if num_lora_params:
+        activations += tokens * num_layers * 34 * hidden_size * d_t / 2
+    memory = MemoryEstimate(
         target_weights=num_target_params * d_t / (n if zero == 3 else 1),
         head_weights=num_head_params * w / (n if zero == 3 else 1),
         gradients=num_head_params * w / (n if zero >= 2 else 1),
         optimizer=num_head_params * (master + 8) / (n if zero >= 1 else 1),
         activations=activations,
     )
+    if recipe.train.offload_optimizer == "cpu":
+        memory.host, memory.optimizer = memory.host + memory.optimizer, 0.0
+    if recipe.train.offload_params == "cpu":
+        memory.host += memory.target_weights + memory.head_weights
+        memory.target_weights = memory.head_weights = 0.0
+    return memory
 
 
 def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | None = None,
@@ -191,11 +210,17 @@ def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | No
     world, world_source = resolve_world_size(recipe, recipe_path, world_size)
     config, config_source = load_target_config(recipe.target.name_or_path, recipe.target.trust_remote_code)
     target, heads, heads_config = build_on_meta(recipe, config)
-    num_target = sum(p.numel() for p in target.model.parameters())
+    num_lora = 0
+    if recipe.lora is not None:
+        from specheads.training.lora import apply_lora, count_lora_params
+
+        apply_lora(target, recipe.lora)  # on the meta model: exact shapes, no memory
+        num_lora = count_lora_params(target.model)
+    num_target = sum(p.numel() for n, p in target.model.named_parameters() if "lora_" not in n)
     num_heads = sum(p.numel() for p in heads.parameters() if p.requires_grad)
     head_vocab = heads_config.draft_vocab_size or heads_config.vocab_size
-    memory = estimate_memory(recipe, num_target, num_heads, target.num_layers, target.hidden_size,
-                             target.vocab_size, head_vocab, world)
+    memory = estimate_memory(recipe, num_target, num_heads + num_lora, target.num_layers, target.hidden_size,
+                             target.vocab_size, head_vocab, world, num_lora)
 
     def say(line: str = "") -> None:
         print(line, file=out)
@@ -208,11 +233,20 @@ def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | No
     say("parameters")
     say(f"  target (frozen)    {num_target:>16,}")
     say(f"  heads (trainable)  {num_heads:>16,}")
+    if recipe.lora is not None:
+        say(f"  lora adapter (trainable) {num_lora:>10,}  (rank {recipe.lora.rank}, modules "
+            f"{recipe.lora.target_modules}; this mode changes the target's outputs)")
+        say(f"  trainable total    {num_heads + num_lora:>16,}")
     say(f"memory per GPU (estimate): world size {world} ({world_source}), ZeRO stage {recipe.train.zero_stage}, "
         f"{recipe.train.precision}, micro batch {recipe.train.micro_batch_size} x seq_len {recipe.data.seq_len}")
     for name in ("target_weights", "head_weights", "gradients", "optimizer", "activations"):
         say(f"  {name.replace('_', ' '):<17}{getattr(memory, name) / GIB:>10.2f} GiB")
     say(f"  {'total':<17}{memory.total / GIB:>10.2f} GiB  (lower bound: no CUDA context or allocator slack)")
+    offloaded = ["optimizer state" if recipe.train.offload_optimizer == "cpu" else "",
+                 "parameters" if recipe.train.offload_params == "cpu" else ""]
+    if any(offloaded):
+        say(f"  offloaded to CPU ({' + '.join(o for o in offloaded if o)}): {memory.host / GIB:.2f} GiB of host "
+            "memory per rank")
     say("deepspeed config")
     say(json.dumps(build_ds_config(recipe.train, world), indent=2))
     return 0

@@ -3,6 +3,13 @@
 The optimizer is DeepSpeed's "AdamW" with `torch_adam: true`, i.e. torch.optim.AdamW,
 which runs on CPU ranks (DeepSpeed's fused/CPU Adam ops would need a compiler toolchain
 and, for the fused one, CUDA). The scheduler steps once per optimizer step.
+
+ZeRO-Offload (train.offload_optimizer / train.offload_params = "cpu") maps onto
+zero_optimization.offload_optimizer / offload_param {"device": "cpu", "pin_memory": true}.
+With the optimizer offloaded, `torch_adam` is dropped so DeepSpeed steps the CPU-resident
+fp32 state with its vectorised DeepSpeedCPUAdam (JIT-built with the host C++ compiler on first
+use, cached afterwards); torch's AdamW would be several times slower there. Parameter
+offload needs ZeRO-3 (config.check_combinations refuses it otherwise).
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ def build_ds_config(train: TrainConfig, world_size: int) -> dict:
         },
         "zero_optimization": {"stage": train.zero_stage},
     }
+    if train.offload_optimizer == "cpu":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        del config["optimizer"]["params"]["torch_adam"]  # -> DeepSpeedCPUAdam
+    if train.offload_params == "cpu":
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     scheduler = _scheduler(train)
     if scheduler is not None:
         config["scheduler"] = scheduler

@@ -92,6 +92,8 @@ def format_metrics(step: int, total_steps: int, metrics: dict[str, float]) -> st
     if heads:
         parts.append("head loss " + " ".join(f"{metrics[f'train/{h}_loss']:.3f}" for h in heads))
         parts.append("top1 " + " ".join(f"{metrics[f'train/{h}_top1']:.3f}" for h in heads))
+    if "train/lm_loss" in metrics:
+        parts.append(f"lm loss {metrics['train/lm_loss']:.4f}")
     if "train/lr" in metrics:
         parts.append(f"lr {metrics['train/lr']:.2e}")
     if "train/tokens_per_s" in metrics:

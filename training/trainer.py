@@ -1,12 +1,13 @@
 """The heads distillation loop (Medusa, and EAGLE with the training-time test) on a
 DeepSpeed engine.
 
-DeepSpeed wraps the heads only; the frozen target runs inside every micro step under
-no_grad (no feature cache), so its hidden states and logits are always those of the
-current block. Works in one process without a launcher (rank/world default to 0/1) and
-under `deepspeed --num_gpus N --module specheads.train RECIPE.yaml`; on CPU ranks the
-process group uses the backend DeepSpeed's CPU accelerator names (gloo, or ccl when
-oneCCL is installed).
+By default DeepSpeed wraps the heads only and the frozen target runs inside every micro step
+under no_grad, so its hidden states and logits are always those of the current block (the
+two other modes, LoRA joint and feature cache, are below). Works in one process without a
+launcher (rank/world default to 0/1) and under
+`deepspeed --num_gpus N --module specheads.train RECIPE.yaml`; on CPU ranks the process
+group uses the backend DeepSpeed's CPU accelerator names (gloo, or ccl when oneCCL is
+installed).
 
 One run: recipe -> target -> data -> heads -> engine -> resume from `latest` if present ->
 steps (log, eval every train.eval_every, checkpoint) -> final checkpoint -> calibration on
@@ -25,6 +26,12 @@ EAGLE heads: the target returns the tap layers' hidden states and logits; the he
 unrolled heads.ttt_steps times on its own features (heads/eagle3.py, Eagle3Head.forward)
 and scored per step (training/losses.py, eagle_ttt_loss). The EAGLE-3 draft vocab is the
 most frequent training tokens (data/vocab_counts.py, heads/draft_vocab.py).
+
+LoRA joint mode (recipe section `lora`, training/lora.py): the engine wraps a JointModel of
+the heads and the adapted target; checkpoints add the adapter; the run also writes
+`<output_dir>/adapter`. Feature-cache mode (`data.feature_cache`, training/cached.py): the
+step loop reads cached taps + logits instead of running the target. Data splits
+(`data.split`, `data.eval_split`): training/data_split.py.
 
 Shape legend: K heads, B micro batch, T seq_len, H hidden, V vocab, J draft steps.
 """
@@ -45,23 +52,26 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as transformers_logging
 
-from specheads.data.text import BlockSampler, PackedBlocks, load_text_data
+from specheads.data.text import BlockSampler, PackedBlocks
 from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import build_draft_vocab
-from specheads.heads.eagle3 import default_tap_layers, next_token_embeddings
+from specheads.heads.eagle3 import default_tap_layers
 from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, save_heads
 from specheads.heads.target import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
+from specheads.training import lora as lora_mode
+from specheads.training.cached import open_cache
 from specheads.training.calibrate import calibrate, measure_accuracy
 from specheads.training.config import Recipe, RecipeError
+from specheads.training.data_split import load_training_data
 from specheads.training.ds_config import build_ds_config
-from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
+from specheads.training.steps import StepMode, train_step
 from specheads.training.tracking import eval_metrics, make_tracker, new_run_id, step_metrics
 
 HEADS_SUBDIR = "heads"
 # Recipe keys that must match a checkpoint to resume from it (they shape the state or the data).
 RESUME_KEYS = ("target", "heads", "data", "train.micro_batch_size", "train.grad_accum", "train.seed",
-               "train.zero_stage", "train.precision")
+               "train.zero_stage", "train.precision", "lora")
 
 
 class TrainingStopped(Exception):
@@ -174,9 +184,13 @@ def _check_resumable(manifest: dict, recipe: Recipe, directory: Path) -> None:
     differ = []
     for key in RESUME_KEYS:
         section, _, name = key.partition(".")
-        old, new = saved.get(section, {}), current[section]
+        old, new = saved.get(section, {} if name else None), current[section]
         if name:
             old, new = old.get(name), new[name]
+        elif isinstance(old, dict) and isinstance(new, dict):  # keys added since: their defaults
+            defaults = {f.name: f.default for f in dataclasses.fields(type(getattr(recipe, section)))
+                        if f.default is not dataclasses.MISSING}
+            old = {**{k: v for k, v in defaults.items() if k in new}, **old}
         if old != new:
             differ.append(key)
     if differ:
@@ -185,53 +199,13 @@ def _check_resumable(manifest: dict, recipe: Recipe, directory: Path) -> None:
             "values, or use a new train.output_dir")
 
 
-def _medusa_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec):
-    with torch.no_grad():
-        out = target(input_ids_BT, [target.num_layers])  # taps[0]: final post-norm hidden [B, T, H]
-    logits_KBTV = engine(out.taps[0].to(dtype))
-    return medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT)
-
-
-def _eagle_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers):
-    with torch.no_grad():
-        out = target(input_ids_BT, tap_layers)
-        taps_BTnH = torch.cat(out.taps, dim=-1).to(dtype)
-        next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
-    logits_JBTV, features_JBTH = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
-    regress = heads_spec.kind == "eagle"  # EAGLE-1/2: the single tap is also the regression target
-    return eagle_ttt_loss(logits_JBTV, out.logits, loss_mask_BT, engine.module.draft_to_target(),
-                          heads_spec.ttt_step_weight, features_JBTH if regress else None,
-                          taps_BTnH if regress else None, heads_spec.feature_loss_weight)
-
-
-def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: BlockSampler,
-               grad_accum: int, heads_spec=None, tap_layers: list[int] | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One optimizer step (grad_accum micro steps) -> loss [K|J], top-1 [K|J], tokens."""
-    dtype = next(engine.module.parameters()).dtype
-    loss_sum, top1_sum, num_tokens = 0.0, 0.0, 0
-    for _ in range(grad_accum):
-        input_ids_BT, loss_mask_BT = blocks.batch(sampler.next_indices())
-        input_ids_BT, loss_mask_BT = input_ids_BT.to(target.device), loss_mask_BT.to(target.device)
-        if heads_spec is not None and heads_spec.kind in EAGLE_KINDS:
-            result = _eagle_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers)
-        else:
-            result = _medusa_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec)
-        engine.backward(result.loss)
-        engine.step()
-        loss_sum = loss_sum + result.head_loss
-        top1_sum = top1_sum + result.head_top1
-        num_tokens += int(loss_mask_BT.sum())
-    return loss_sum / grad_accum, top1_sum / grad_accum, num_tokens
-
-
 def held_out_top1(engine, target: TargetAdapter, eval_blocks: PackedBlocks, recipe: Recipe,
                   tap_layers: list[int]) -> list[float]:
     """Per-depth top-1 agreement of the heads with the target's greedy tokens on held-out blocks:
     train.eval_batches batches of micro_batch_size, evenly spaced over the held-out set (the same
     blocks every time). Every rank runs the same forwards (ZeRO-3 gathers the heads' weights
     collectively), so every rank gets the same numbers."""
-    heads = engine.module
+    heads = engine.module.heads if recipe.lora is not None else engine.module
     num_depths = recipe.heads.ttt_steps if recipe.heads.kind in EAGLE_KINDS else None
     try:
         with torch.no_grad():
@@ -270,13 +244,22 @@ def run(recipe: Recipe) -> Path:
 
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
     target, target_engine = _load_target(recipe, target_path, dist)
-    train_blocks, eval_blocks = load_text_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
-                                               target.vocab_size, recipe.target.trust_remote_code)
+    train_blocks, eval_blocks = load_training_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
+                                                   target.vocab_size, recipe.target.trust_remote_code)
+    tap_layers = _heads_config(recipe, target).tap_layers
+    mode = StepMode(lora=recipe.lora)
+    if recipe.data.feature_cache is not None:
+        mode.cache = open_cache(recipe.data.feature_cache, target, tap_layers, recipe.data.seq_len)
+        train_blocks = mode.cache.blocks()  # the cache's blocks are the training data
     _say(dist, f"train data {train_blocks.report.summary()}")
     _say(dist, f"eval data {eval_blocks.report.summary()}")
 
+    peft_model = lora_mode.apply_lora(target, recipe.lora) if recipe.lora is not None else None
+    if peft_model is not None:
+        _say(dist, f"LoRA adapter: {lora_mode.count_lora_params(target.model):,} trainable parameters in the target "
+                   f"(rank {recipe.lora.rank}, modules {recipe.lora.target_modules}); heads-only warmup "
+                   f"{recipe.lora.heads_warmup_steps} steps")
     engine = _make_engine(recipe, target, dist, train_blocks)
-    tap_layers = _heads_config(recipe, target).tap_layers
     sampler = BlockSampler(len(train_blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank, dist.world_size)
     start_step, manifest = _resume(recipe, engine, sampler, output_dir, dist)
     # The W&B run this training run logs to: the checkpoint's when resuming, else a new one. Only
@@ -294,14 +277,19 @@ def run(recipe: Recipe) -> Path:
     window_start, window_tokens = time.perf_counter(), 0
     with StopRequest() as stop:
         for step in range(start_step + 1, train_cfg.steps + 1):
+            mode.adapter_on = recipe.lora is not None and step > recipe.lora.heads_warmup_steps
             head_loss, head_top1, num_tokens = train_step(engine, target, train_blocks, sampler,
-                                                         train_cfg.grad_accum, recipe.heads, tap_layers)
+                                                         train_cfg.grad_accum, recipe.heads, tap_layers, mode)
             window_tokens += num_tokens
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
                 head_loss, head_top1 = _mean_over_ranks(head_loss, head_top1)
                 elapsed = time.perf_counter() - window_start
-                tracker.log(step, step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(engine),
-                                               window_tokens * dist.world_size / max(elapsed, 1e-9)))
+                metrics = step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(engine),
+                                       window_tokens * dist.world_size / max(elapsed, 1e-9))
+                if mode.lm_loss_count:  # LoRA: the adapted target's own LM loss (this rank's)
+                    metrics["train/lm_loss"] = mode.lm_loss_sum / mode.lm_loss_count
+                    mode.lm_loss_sum, mode.lm_loss_count = 0.0, 0
+                tracker.log(step, metrics)
                 window_start, window_tokens = time.perf_counter(), 0
             if train_cfg.eval_every and step % train_cfg.eval_every == 0:
                 tracker.log(step, eval_metrics(held_out_top1(engine, target, eval_blocks, recipe, tap_layers)))
@@ -314,7 +302,8 @@ def run(recipe: Recipe) -> Path:
                 raise TrainingStopped(step, saved)
 
     heads_dir = _finish(recipe, engine, target, eval_blocks, output_dir, dist, tracker,
-                        partitioned_target=target_engine is not None)
+                        partitioned_target=target_engine is not None, peft_model=peft_model,
+                        target_path=target_path)
     tracker.finish()
     return heads_dir
 
@@ -352,6 +341,7 @@ def _target_ds_config(recipe: Recipe, dist: Dist) -> dict:
     config = build_ds_config(recipe.train, dist.world_size)
     config.pop("optimizer", None)
     config.pop("scheduler", None)
+    config["zero_optimization"].pop("offload_optimizer", None)  # no optimizer; offload_param stays
     return config
 
 
@@ -377,7 +367,12 @@ def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks
     with _gathered(target, target.lm_head()):
         heads.init_lm_heads_from(target.lm_head())
     ds_config = build_ds_config(recipe.train, dist.world_size)
-    engine, _, _, _ = deepspeed.initialize(model=heads, model_parameters=list(heads.parameters()), config=ds_config)
+    module, params = heads, list(heads.parameters())
+    if recipe.lora is not None:  # one engine over heads + adapted target; only heads + adapter train
+        module = lora_mode.JointModel(heads, target, recipe.heads.kind, _heads_config(recipe, target).tap_layers,
+                                      recipe.heads.ttt_steps)
+        params = params + [p for n, p in target.model.named_parameters() if "lora_" in n]
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
     return engine
 
 
@@ -440,14 +435,22 @@ def _current_lr(engine) -> float:
 
 
 def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBlocks, output_dir: Path,
-            dist: Dist, tracker, partitioned_target: bool = False) -> Path:
+            dist: Dist, tracker, partitioned_target: bool = False, peft_model=None, target_path: str = "") -> Path:
     """Gather the weights (all ranks), calibrate on held-out data and write the heads dir (rank 0).
     A ZeRO-3 target needs every rank in its forwards, so then every rank calibrates (the same
-    blocks, the same numbers) and rank 0 writes."""
+    blocks, the same numbers) and rank 0 writes. LoRA runs calibrate on the adapted target and
+    also write `<output_dir>/adapter`; their heads record the target as "<base>+lora:<adapter>"."""
     weights = checkpoint.full_state_dict(engine)
     heads_dir = output_dir / HEADS_SUBDIR
+    if peft_model is not None:
+        weights, _ = lora_mode.split_state(weights)
+        target.model.eval()
     if dist.rank == 0 or partitioned_target:
         config = _heads_config(recipe, target)
+        if peft_model is not None:
+            adapter_dir = (output_dir / lora_mode.ADAPTER_SUBDIR).resolve()
+            config.target = dataclasses.replace(config.target,
+                                                name_or_path=f"{config.target.name_or_path}+lora:{adapter_dir}")
         heads = build_heads(config)
         saved = heads.state_dict()  # non-persistent buffers (rotary inv_freq) stay as built
         heads.load_state_dict({k: v for k, v in weights.items() if k in saved})
@@ -460,6 +463,13 @@ def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBl
         if dist.rank != 0:
             checkpoint.barrier()
             return heads_dir
+        if peft_model is not None:
+            base = {"name_or_path": recipe.target.name_or_path, "resolved_path": str(Path(target_path).resolve())
+                    if Path(target_path).exists() else target_path, "dtype": recipe.target.dtype,
+                    "trust_remote_code": recipe.target.trust_remote_code, "lora": dataclasses.asdict(recipe.lora)}
+            lora_mode.save_adapter(peft_model, output_dir / lora_mode.ADAPTER_SUBDIR, base)
+            _say(dist, f"wrote {output_dir / lora_mode.ADAPTER_SUBDIR} (serve the merged target: specheads export "
+                       f"{output_dir} --format merged --out DIR)")
         save_heads(heads_dir, heads, config)
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
         _say(dist, f"held-out top-1 per head {top1}; tree of {config.tree['num_nodes']} nodes, expected "

@@ -1,0 +1,56 @@
+"""Training from the offline feature cache (`data.feature_cache: DIR`, data/feature_cache.py).
+
+The cache written by `specheads data cache` holds, per block, the token ids, loss mask, the
+target's hidden states at the cached tap layers and its logits (full, or top-k). With a
+cache the trainer never runs the target in the step loop: the cache's blocks are the
+training data (the sampler walks them exactly as it walks packed blocks), the heads read
+the cached taps and distil from the cached logits. Medusa heads need tap `num_layers`
+(the final hidden state); EAGLE heads need their tap layers. EAGLE's next-token embeddings
+come from the loaded target's embedding table (a lookup, not a forward).
+
+The target is still loaded: the heads' lm_heads start from its lm_head, and held-out
+evaluation and calibration run it on the recipe's eval data. A cache of another target,
+other taps or another seq_len is refused (FeatureCache.check_fits). Top-k caches give the
+KL over the stored k tokens (the rest at zero probability); full-logit caches give the same
+losses as online training up to floating-point rounding.
+
+Shape legend: B micro batch, T seq_len, H hidden, V vocab, J draft steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.data.feature_cache import FeatureCache
+from specheads.heads.eagle3 import next_token_embeddings
+from specheads.heads.heads_dir import EAGLE_KINDS
+from specheads.heads.target import TargetAdapter
+from specheads.training.losses import DistillOutput, eagle_ttt_loss, medusa_distill_loss
+
+
+def open_cache(directory: str, target: TargetAdapter, taps: list[int], seq_len: int) -> FeatureCache:
+    cache = FeatureCache(directory)
+    cache.check_fits(target.identity, taps, seq_len)
+    return cache
+
+
+def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: TargetAdapter, heads_spec,
+                      tap_layers: list[int], dtype: torch.dtype) -> tuple[DistillOutput, torch.Tensor]:
+    """One micro step's forward + loss from cached features -> (loss output, loss mask [B, T])."""
+    device = target.device
+    batch = cache.batch(indices)
+    input_ids_BT, loss_mask_BT = batch["input_ids"].to(device), batch["loss_mask"].to(device)
+    teacher_BTV = FeatureCache.teacher_logits(batch, target.vocab_size).to(device)
+    if heads_spec.kind in EAGLE_KINDS:
+        taps_BTnH = torch.cat([batch[f"tap_{layer}"] for layer in tap_layers], dim=-1).to(device, dtype)
+        with torch.no_grad():
+            next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
+        logits_JBTV, features_JBTH = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
+        regress = heads_spec.kind == "eagle"
+        result = eagle_ttt_loss(logits_JBTV, teacher_BTV, loss_mask_BT, engine.module.draft_to_target(),
+                                heads_spec.ttt_step_weight, features_JBTH if regress else None,
+                                taps_BTnH if regress else None, heads_spec.feature_loss_weight)
+    else:
+        hidden_BTH = batch[f"tap_{target.num_layers}"].to(device, dtype)
+        result = medusa_distill_loss(engine(hidden_BTH), teacher_BTV, loss_mask_BT)
+    return result, loss_mask_BT

@@ -1,0 +1,92 @@
+"""One optimizer step of the heads' training: grad_accum micro steps, each getting the target's
+outputs in one of three ways (StepMode): online (the frozen target runs under no_grad), from
+the offline feature cache (training/cached.py), or LoRA joint (the adapted target runs inside
+the engine, training/lora.py). Split out of trainer.py, which drives the loop.
+
+Shape legend: K heads, B micro batch, T seq_len, H hidden, V vocab, J draft steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specheads.data.text import BlockSampler, PackedBlocks
+from specheads.heads.eagle3 import next_token_embeddings
+from specheads.heads.heads_dir import EAGLE_KINDS
+from specheads.heads.target import TargetAdapter
+from specheads.training import lora as lora_mode
+from specheads.training.cached import cached_micro_step
+from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
+
+
+def _medusa_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec):
+    with torch.no_grad():
+        out = target(input_ids_BT, [target.num_layers])  # taps[0]: final post-norm hidden [B, T, H]
+    logits_KBTV = engine(out.taps[0].to(dtype))
+    return medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT)
+
+
+def _eagle_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers):
+    with torch.no_grad():
+        out = target(input_ids_BT, tap_layers)
+        taps_BTnH = torch.cat(out.taps, dim=-1).to(dtype)
+        next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
+    logits_JBTV, features_JBTH = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
+    regress = heads_spec.kind == "eagle"  # EAGLE-1/2: the single tap is also the regression target
+    return eagle_ttt_loss(logits_JBTV, out.logits, loss_mask_BT, engine.module.draft_to_target(),
+                          heads_spec.ttt_step_weight, features_JBTH if regress else None,
+                          taps_BTnH if regress else None, heads_spec.feature_loss_weight)
+
+
+@dataclass
+class StepMode:
+    """How a micro step gets the target's outputs: online (default), from a feature cache, or
+    LoRA joint (the adapted target inside the engine; adapter_on is False during heads warmup)."""
+
+    cache: object | None = None  # FeatureCache
+    lora: object | None = None  # LoraConfig
+    adapter_on: bool = False
+    lm_loss_sum: float = 0.0  # LoRA: summed LM loss of the micro steps since the last report
+    lm_loss_count: int = 0
+
+
+def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: BlockSampler,
+               grad_accum: int, heads_spec=None, tap_layers: list[int] | None = None,
+               mode: StepMode | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One optimizer step (grad_accum micro steps) -> loss [K|J], top-1 [K|J], tokens."""
+    mode = mode or StepMode()
+    heads = engine.module.heads if mode.lora is not None else engine.module
+    dtype = next(heads.parameters()).dtype
+    if mode.lora is not None:
+        engine.module.train()  # LoRA dropout on; eval/calibration switch the target back to eval
+    loss_sum, top1_sum, num_tokens = 0.0, 0.0, 0
+    for _ in range(grad_accum):
+        indices = sampler.next_indices()
+        if mode.cache is not None:
+            result, loss_mask_BT = cached_micro_step(engine, mode.cache, indices, target, heads_spec, tap_layers,
+                                                     dtype)
+            objective = result.loss
+        else:
+            input_ids_BT, loss_mask_BT = blocks.batch(indices)
+            input_ids_BT, loss_mask_BT = input_ids_BT.to(target.device), loss_mask_BT.to(target.device)
+            if mode.lora is not None:
+                result, lm, objective = lora_mode.joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec,
+                                                                   mode.lora, mode.adapter_on)
+                if lm is not None:
+                    mode.lm_loss_sum, mode.lm_loss_count = mode.lm_loss_sum + float(lm), mode.lm_loss_count + 1
+            elif heads_spec is not None and heads_spec.kind in EAGLE_KINDS:
+                result = _eagle_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers)
+                objective = result.loss
+            else:
+                result = _medusa_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec)
+                objective = result.loss
+        engine.backward(objective)
+        engine.step()
+        loss_sum = loss_sum + result.head_loss
+        top1_sum = top1_sum + result.head_top1
+        num_tokens += int(loss_mask_BT.sum())
+    if mode.lora is not None:
+        target.model.eval()
+    return loss_sum / grad_accum, top1_sum / grad_accum, num_tokens
