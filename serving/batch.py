@@ -70,12 +70,17 @@ class BatchSession:
         self._sequences[seq.seq_id] = seq
         return seq.seq_id
 
-    def cancel(self, seq_id: int) -> None:
-        """Drop a sequence now (unknown or finished ids are ignored)."""
+    def cancel(self, seq_id: int) -> GenerationResult | None:
+        """Drop a sequence now; -> its result so far (finish_reason "stop", the engine's own
+        stats), None for unknown or finished ids."""
         seq = self._sequences.pop(seq_id, None)
-        if seq is not None:
-            self.engine.remove(seq)
-            self._first = [(i, t) for i, t in self._first if i != seq_id]
+        if seq is None:
+            return None
+        self.engine.remove(seq)
+        self._first = [(i, t) for i, t in self._first if i != seq_id]
+        if seq.finish_reason is None:
+            seq.finish_reason = "stop"
+        return seq.result()
 
     def step(self) -> list[SequenceUpdate]:
         """First tokens of the sequences added since the last step, then one decode step for

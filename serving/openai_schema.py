@@ -1,0 +1,305 @@
+"""The OpenAI request schema the server accepts, validated the way vLLM does it.
+
+Requests are parsed from raw bytes here (not by FastAPI) so every failure, from bad JSON to
+a wrong type deep in `messages`, becomes one 400 with an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}` whose `param` names the field. Types are
+strict (no "5" for 5, no true for 1); unknown fields are refused rather than ignored; OpenAI
+fields this engine does not implement are accepted only at their neutral values. Extension
+fields (vLLM's names where vLLM has one): `top_k`, `speculate` (false: plain decoding for
+this request) and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_SEED = 2 ** 64 - 1
+MAX_CHOICES = 64  # n x number of prompts
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, err_type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat completions."""
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension; 0 or -1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    speculate: bool = True  # extension: false decodes this request without the heads
+    ignore_eos: bool = False  # extension (vLLM's): keep generating past the EOS token
+    presence_penalty: float = 0.0  # accepted only at 0 (not implemented)
+    frequency_penalty: float = 0.0  # accepted only at 0 (not implemented)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value):
+        if value is not None and value < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {value}")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {value}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value):
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value):
+        if value < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {value}")
+        return max(value, 0)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value):
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1], got {value}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value):
+        if not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value, info):
+        if value != 0:
+            raise ValueError(f"{info.field_name} is not supported by this server; leave it unset or 0")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: PromptType
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value):
+        if value:
+            raise ValueError("echo is not supported by this server; leave it unset or false")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        if value is not None:
+            raise ValueError("logprobs are not supported by this server; leave it unset")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value):
+        if value:
+            raise ValueError("suffix is not supported by this server; leave it unset")
+        return value
+
+    @model_validator(mode="after")
+    def _prompt_and_best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) if given, got {self.best_of}")
+        prompts = self.prompts
+        if not prompts:
+            raise ValueError("prompt must not be an empty list")
+        for prompt in prompts:
+            if len(prompt) == 0:
+                raise ValueError("prompt must not be empty (give at least one character or token)")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"n x number of prompts must be at most {MAX_CHOICES}, got {len(prompts)} x {self.n}")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, value):
+        if value is not None and value < 1:
+            raise ValueError(f"max_completion_tokens must be at least 1, got {value}")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        if value:
+            raise ValueError("logprobs are not supported by this server; leave it unset or false")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value):
+        if value is not None:
+            raise ValueError("top_logprobs is not supported by this server; leave it unset")
+        return value
+
+    @model_validator(mode="after")
+    def _one_max(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("give max_tokens or max_completion_tokens, not two different values")
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """Bytes -> a JSON object, or a 400 saying what is wrong with it."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the request body is not UTF-8: {err}", code="invalid_json") from err
+    except ValueError as err:  # JSONDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
+                       code="invalid_json")
+    return body
+
+
+def _loc(loc: tuple) -> str:
+    """pydantic's error location -> a dotted field name (union-branch tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _BRANCH_TAGS or "[" in str(part) or "-" in str(part):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+_BRANCH_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions", "ChatMessage"}
+
+
+def validate_request(model: type[_Sampling], body: dict) -> _Sampling:
+    """A parsed JSON object -> a request, or a 400 naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        # For unions pydantic reports every branch; the first error names the field well enough.
+        first = errors[0]
+        param = _loc(tuple(first["loc"])) or None
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = f"unknown field {param!r}; see the OpenAI API reference for the accepted fields"
+        elif first["type"] == "missing":
+            message = f"field {param!r} is required"
+        elif param and not message.startswith(param):
+            message = f"{param}: {message}"
+        raise APIError(400, message, param=param, code="invalid_value") from err

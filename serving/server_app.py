@@ -1,0 +1,391 @@
+"""The FastAPI app: OpenAI routes, auth, limits, health and metrics over one engine worker.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET
+/health, GET /metrics. Every failure answers OpenAI-style JSON
+`{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (checked here and
+in serving/openai_schema.py, before any engine work), 401 without the API key, 404 for an
+unknown model or route, 413 for an oversized body, 503 (with Retry-After) when the
+admission queue is full, the model is still loading or the server is shutting down, 504
+past the request timeout. The model loads in a background thread after the server starts
+listening, so /health can say 503 "loading" meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specheads.serving.batch import SequenceRequest
+from specheads.serving.metrics import ServerMetrics
+from specheads.serving.openai_schema import (APIError, ChatCompletionRequest, CompletionRequest, parse_json_body,
+                                             validate_request)
+from specheads.serving.sampling import SamplingParams
+from specheads.serving.server_engine import Choice, Engine, EngineUnavailable, Event, Job, QueueFull
+from specheads.serving.server_openai import ChunkWriter, Collector, ResponseMeta, sse
+
+log = logging.getLogger("specheads.serve")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    api_key: str | None = None
+    max_concurrency: int = 8  # sequences decoded together
+    max_queue: int = 64  # requests waiting for admission before 503
+    max_model_len: int | None = None  # default: the target's max_position_embeddings
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float | None = 600.0
+    public_metrics: bool = False  # /metrics without the API key
+    chat_template: str | None = None  # overrides the tokenizer's
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        for name in ("max_concurrency", "max_body_bytes", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to serve without auth)")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share. `status`: "loading" | "ready" | "failed"."""
+    config: ServeConfig
+    loader: Callable[[], tuple]  # -> (SpeculativeDecoder, tokenizer)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    status: str = "loading"
+    error: str | None = None
+    draining: bool = False
+    engine: Engine | None = None
+    tokenizer: object = None
+    max_model_len: int = 0
+    vocab_size: int = 0
+    eos_token_id: int | None = None
+
+    def load(self) -> None:
+        """Load the model and start the engine (runs in a background thread)."""
+        try:
+            decoder, tokenizer = self.loader()
+            limit = int(getattr(decoder.target.config, "max_position_embeddings", 0) or 0)
+            wanted = self.config.max_model_len
+            if wanted is not None and limit and wanted > limit:
+                raise ValueError(f"--max-model-len {wanted} exceeds the target's max_position_embeddings ({limit})")
+            self.max_model_len = wanted or limit or 2048
+            self.vocab_size = int(decoder.target.config.vocab_size)
+            self.eos_token_id = tokenizer.eos_token_id
+            if self.config.chat_template is not None:
+                tokenizer.chat_template = self.config.chat_template
+            self.tokenizer = tokenizer
+            engine = Engine(decoder, tokenizer, self.metrics, self.config.max_concurrency, self.config.max_queue)
+            engine.start()
+            self.engine = engine
+            self.status = "ready"
+            log.info("model %s ready (max_model_len %d)", self.config.model_name, self.max_model_len)
+        except Exception as err:  # noqa: BLE001 - reported through /health, never raised into uvicorn
+            log.exception("loading the model failed")
+            self.error = f"{type(err).__name__}: {err}"
+            self.status = "failed"
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == "ready" and self.engine is not None and self.engine.healthy and not self.draining
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class GuardMiddleware:
+    """Auth (constant-time bearer check), draining and the Content-Length limit, before routing."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+        config = state.config
+        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.public = {"/health"} | ({"/metrics"} if config.public_metrics else set())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        path = scope.get("path", "")
+        error = None
+        if self.expected is not None and path not in self.public:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                                 "authentication_error", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+        if error is None and self.state.draining and path not in ("/health", "/metrics"):
+            error = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                             code="shutting_down", headers={"Retry-After": str(self.state.config.retry_after_s)})
+        length = headers.get(b"content-length")
+        if error is None and length is not None:
+            limit = self.state.config.max_body_bytes
+            if not length.isdigit():
+                error = APIError(400, f"Content-Length must be a non-negative integer, got {length.decode()!r}")
+            elif int(length) > limit:
+                error = APIError(413, f"the request body is {int(length)} bytes; the limit is {limit}",
+                                 code="request_too_large")
+        if error is not None:
+            if error.status == 401:
+                self.state.metrics.rejected.inc(status=401)
+            return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def _tokenize_prompts(state: ServerState, req) -> list[list[int]]:
+    tokenizer = state.tokenizer
+    if isinstance(req, ChatCompletionRequest):
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions or start the "
+                                "server with --chat-template FILE", param="messages", code="no_chat_template")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # noqa: BLE001 - template errors are the request's fault (roles, order)
+            raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise APIError(400, "the messages are empty after applying the chat template", param="messages")
+        return [ids]
+    prompts = []
+    for i, prompt in enumerate(req.prompts):
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise APIError(400, f"prompt {i} is empty after tokenization", param="prompt")
+        else:
+            bad = [t for t in prompt if not 0 <= t < state.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt {i} has token ids outside [0, {state.vocab_size}): {bad[:5]}",
+                               param="prompt")
+            ids = list(prompt)
+        prompts.append(ids)
+    return prompts
+
+
+def _max_tokens(state: ServerState, req, prompt_len: int) -> int:
+    limit = state.max_model_len
+    if req.max_tokens is not None:
+        if prompt_len + req.max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt_len + req.max_tokens} tokens ({prompt_len} in the prompt, "
+                                f"{req.max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        return req.max_tokens
+    room = limit - prompt_len
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the prompt has "
+                            f"{prompt_len} tokens, leaving no room for a completion.", param="prompt",
+                       code="context_length_exceeded")
+    return room if isinstance(req, ChatCompletionRequest) else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+
+
+def _build_choices(state: ServerState, req, prompts: list[list[int]]) -> list[Choice]:
+    eos = None if req.ignore_eos else state.eos_token_id
+    choices = []
+    for p, ids in enumerate(prompts):
+        max_new = _max_tokens(state, req, len(ids))
+        for j in range(req.n):
+            index = p * req.n + j
+            sampling = None
+            if req.temperature > 0:
+                seed = None if req.seed is None else (req.seed + index) % (2 ** 64)
+                sampling = SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
+                                          top_k=req.top_k, seed=seed)
+            request = SequenceRequest(input_ids=list(ids), max_new_tokens=max_new, eos_token_id=eos,
+                                      sampling=sampling, speculate=req.speculate)
+            choices.append(Choice(index=index, request=request, stop=req.stop_strings))
+    return choices
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job when the client goes away (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel("disconnect")
+            job.events.put_nowait(Event("error", status=499, message="client disconnected", code="disconnected"))
+            return
+
+
+async def _next_event(job: Job) -> Event:
+    timeout = None if job.deadline is None else max(0.0, job.deadline - time.monotonic()) + 2.0
+    try:
+        return await asyncio.wait_for(job.events.get(), timeout)
+    except asyncio.TimeoutError:  # the worker is stuck in a long step: answer anyway
+        job.cancel("timeout")
+        return Event("error", status=504, message="the request did not finish within the server's request timeout",
+                     code="timeout")
+
+
+def _event_error(event: Event) -> APIError:
+    err_type = {400: "invalid_request_error", 503: "service_unavailable", 504: "timeout_error"}.get(event.status,
+                                                                                                   "server_error")
+    return APIError(event.status, event.message, err_type, code=event.code)
+
+
+async def _handle(state: ServerState, request: Request, chat: bool):
+    config = state.config
+    raw = await _read_body(request, config.max_body_bytes)
+    req = validate_request(ChatCompletionRequest if chat else CompletionRequest, parse_json_body(raw))
+    if req.model != config.model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{config.model_name}`.",
+                       "not_found_error", param="model", code="model_not_found")
+    if state.status != "ready" or state.engine is None:
+        raise APIError(503, f"the model is not ready ({state.status}); retry shortly", "service_unavailable",
+                       code="model_loading", headers={"Retry-After": str(config.retry_after_s)})
+    prompts = _tokenize_prompts(state, req)
+    choices = _build_choices(state, req, prompts)
+    meta = ResponseMeta(chat=chat, model=config.model_name, num_choices=len(choices),
+                        prompt_tokens=sum(len(p) for p in prompts), include_usage=req.include_usage)
+    job = Job(choices, asyncio.get_running_loop(), config.request_timeout_s)
+    try:
+        state.engine.submit(job)
+    except QueueFull as err:
+        raise APIError(503, f"{err}; retry after {config.retry_after_s}s", "service_unavailable",
+                       code="server_overloaded", headers={"Retry-After": str(config.retry_after_s)}) from err
+    except EngineUnavailable as err:
+        raise APIError(503, str(err), "service_unavailable", code="engine_unavailable",
+                       headers={"Retry-After": str(config.retry_after_s)}) from err
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        first = await _next_event(job)  # streamed or not, errors before any output are plain JSON errors
+        if first.kind == "error":
+            raise _event_error(first)
+        if not req.stream:
+            collector = Collector(meta)
+            event = first
+            while True:
+                if event.kind == "error":
+                    raise _event_error(event)
+                collector.add(event)
+                if collector.complete:
+                    return JSONResponse(collector.body())
+                event = await _next_event(job)
+    except BaseException:
+        job.cancel("disconnect")
+        raise
+    finally:
+        watcher.cancel()
+    return StreamingResponse(_stream(job, meta, first), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _stream(job: Job, meta: ResponseMeta, first: Event):
+    writer = ChunkWriter(meta)
+    try:
+        for line in writer.start():
+            yield line
+        event = first
+        while True:
+            if event.kind == "error":
+                yield sse(_event_error(event).body())  # vLLM's convention for a failure mid-stream
+                yield sse("[DONE]")
+                return
+            for line in writer.event(event):
+                yield line
+            if writer.collector.complete:
+                for line in writer.end():
+                    yield line
+                return
+            event = await _next_event(job)
+    finally:
+        job.cancel("disconnect")  # a no-op once the job is done
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The app over `state`; the model loads when the app starts (lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=state.load, name="specheads-load", daemon=True).start()
+        yield
+        state.draining = True
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.stop)
+
+    app = FastAPI(title="specheads", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.specheads = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        if err.status >= 400 and err.status != 401:
+            state.metrics.rejected.inc(status=err.status)
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        err_type = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
+        return _error_response(APIError(err.status_code, message, err_type, code=str(err.status_code)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _handle(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _handle(state, request, chat=True)
+
+    def model_card() -> dict:
+        return {"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "specheads",
+                "max_model_len": state.max_model_len or None}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.config.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
+                                f"`{state.config.model_name}`.", "not_found_error", param="model",
+                           code="model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if state.healthy:
+            return {"status": "ok"}
+        status = "draining" if state.draining else state.status
+        if state.status == "ready" and state.engine is not None and state.engine.fatal_error:
+            status, error = "failed", state.engine.fatal_error
+        else:
+            error = state.error
+        return JSONResponse({"status": status, "error": error}, status_code=503,
+                            headers={"Retry-After": str(state.config.retry_after_s)})
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return GuardMiddleware(app, state)

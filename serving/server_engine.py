@@ -1,0 +1,307 @@
+"""The server's engine worker: one thread owns a `BatchSession` and feeds it from a queue.
+
+The event loop submits `Job`s (one HTTP request: one or more sequences, the choices).
+The worker admits queued sequences while the batch has room, calls `step()` in a loop,
+detokenizes each sequence's new tokens (string stop sequences end a sequence early) and
+posts per-choice events to the job's asyncio queue with `loop.call_soon_threadsafe`. A job
+cancelled by the event loop (client gone) or past its deadline has its sequences dropped
+before the next step. Admission is capped: with `max_queue` jobs already waiting,
+`submit` refuses at once (the app answers 503 with Retry-After) instead of letting clients
+time out. An exception from the engine is fatal: every job gets an error and the server
+reports unhealthy, since the session's state is unknown afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specheads.serving.batch import BatchSession, SequenceRequest
+from specheads.serving.decode import DecodeStats
+from specheads.serving.detokenize import IncrementalDetokenizer
+from specheads.serving.metrics import ServerMetrics
+
+log = logging.getLogger("specheads.serve")
+IDLE_WAIT_S = 0.05  # how often an idle worker rechecks deadlines and shutdown
+
+
+class QueueFull(Exception):
+    """The admission queue is full: the request is refused, to be retried later."""
+
+
+class EngineUnavailable(Exception):
+    """The engine is stopping or has failed; no new work is accepted."""
+
+
+@dataclass
+class Choice:
+    """One sequence of a job: the engine request plus what turns its tokens into text."""
+    index: int
+    request: SequenceRequest
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Event:
+    """Worker -> event loop. kind: "delta" | "finish" | "error"."""
+    kind: str
+    index: int = 0
+    text: str = ""
+    num_tokens: int = 0  # delta: new tokens; finish: the choice's completion tokens
+    finish_reason: str | None = None
+    stats: dict | None = None  # finish: speculation stats of the choice
+    status: int = 500  # error: HTTP status
+    message: str = ""
+    code: str | None = None
+
+
+class Job:
+    """One request's sequences and the queue its events arrive on (see the module doc)."""
+
+    def __init__(self, choices: list[Choice], loop: asyncio.AbstractEventLoop, timeout_s: float | None):
+        self.choices = choices
+        self.loop = loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.deadline = None if timeout_s is None else self.arrival + timeout_s
+        self.cancel_reason: str | None = None  # set by the event loop, read by the worker
+        self.done = False  # every choice finished or the job failed (worker side)
+        self.next_choice = 0  # worker side: choices admitted so far
+        self.pending = len(choices)
+
+    def cancel(self, reason: str) -> None:
+        """Ask the worker to drop this job's sequences (idempotent, any thread)."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+
+    def post(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class _Running:
+    """Worker-side state of one admitted sequence."""
+
+    def __init__(self, job: Job, choice: Choice, detok: IncrementalDetokenizer, depth: int):
+        self.job = job
+        self.choice = choice
+        self.detok = detok
+        self.depth = depth  # draft tokens per speculative step (0: plain decoding)
+        self.num_tokens = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+
+class Engine:
+    """The worker thread (see the module docstring). Thread-safe `submit` and `stop`."""
+
+    def __init__(self, decoder, tokenizer, metrics: ServerMetrics, max_concurrency: int = 8,
+                 max_queue: int = 64):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.session = BatchSession(decoder, max_batch_size=max_concurrency)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: dict[int, _Running] = {}
+        self._admitting: Job | None = None  # the job whose sequence add() is admitting (a failure there is fatal)
+        self._stopping = False
+        self.fatal_error: str | None = None
+        self._thread = threading.Thread(target=self._main, name="specheads-engine", daemon=True)
+        metrics.running.set_source(lambda: len(self._running))
+        metrics.waiting.set_source(lambda: len(self._waiting))
+
+    # ----- event-loop side -----
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.fatal_error is None and self._thread.is_alive() and not self._stopping
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise QueueFull / EngineUnavailable without queueing it."""
+        with self._cond:
+            if self.fatal_error is not None:
+                raise EngineUnavailable(f"the engine failed: {self.fatal_error}")
+            if self._stopping:
+                raise EngineUnavailable("the server is shutting down")
+            free_slots = max(0, self.session.max_batch_size - len(self._running))
+            if len(self._waiting) >= self.max_queue + free_slots:
+                raise QueueFull(f"the admission queue is full ({self.max_queue} requests waiting)")
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Refuse new jobs, fail the remaining ones, end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ----- worker side -----
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except Exception as err:  # noqa: BLE001 - any engine failure is fatal and reported
+            log.exception("engine worker failed")
+            self.fatal_error = f"{type(err).__name__}: {err}"
+            self._fail_all(500, f"the engine failed: {self.fatal_error}", "engine_error")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopping:
+                    break
+                if not self._running and not self._waiting:
+                    self._cond.wait(IDLE_WAIT_S)
+                    continue
+            self._reap()
+            self._admit()
+            if self.session.num_active:
+                updates = self.session.step()
+                now = time.monotonic()
+                for update in updates:
+                    self._on_update(update, now)
+        self._fail_all(503, "the server shut down before this request finished", "shutting_down")
+
+    def _fail_all(self, status: int, message: str, code: str) -> None:
+        with self._cond:
+            jobs = list(self._waiting)
+            self._waiting.clear()
+        jobs += [running.job for running in self._running.values()]
+        if self._admitting is not None:
+            jobs.append(self._admitting)
+        for seq_id in list(self._running):
+            self.session.cancel(seq_id)
+        self._running.clear()
+        for job in jobs:
+            self._fail(job, status, message, code)
+
+    def _fail(self, job: Job, status: int, message: str, code: str | None) -> None:
+        if not job.done:
+            job.done = True
+            job.post(Event("error", status=status, message=message, code=code))
+
+    def _reap(self) -> None:
+        """Drop sequences whose job was cancelled or ran past its deadline."""
+        now = time.monotonic()
+        timed_out = []
+        for seq_id, running in list(self._running.items()):
+            job = running.job
+            expired = job.deadline is not None and now > job.deadline
+            if job.cancel_reason is not None or expired or job.done:
+                self.session.cancel(seq_id)
+                del self._running[seq_id]
+                reason = job.cancel_reason or ("timeout" if expired else "failed")
+                self.metrics.aborted.inc(reason=reason)
+                if expired and job.cancel_reason is None:
+                    timed_out.append(job)
+        with self._cond:
+            for job in list(self._waiting):
+                expired = job.deadline is not None and now > job.deadline
+                if job.cancel_reason is not None or expired:
+                    self._waiting.remove(job)
+                    self.metrics.aborted.inc(reason=job.cancel_reason or "timeout")
+                    if expired and job.cancel_reason is None:
+                        timed_out.append(job)
+        for job in timed_out:
+            self._fail(job, 504, "the request did not finish within the server's request timeout", "timeout")
+
+    def _admit(self) -> None:
+        while self.session.has_capacity:
+            with self._cond:
+                if not self._waiting:
+                    return
+                job = self._waiting[0]
+                choice = job.choices[job.next_choice]
+                job.next_choice += 1
+                if job.next_choice == len(job.choices):
+                    self._waiting.popleft()
+            if job.done or job.cancel_reason is not None:
+                continue
+            self._admitting = job
+            try:
+                detok = IncrementalDetokenizer(self.tokenizer, choice.request.input_ids, choice.stop)
+                seq_id = self.session.add(choice.request)
+            except ValueError as err:  # the engine refused this request
+                self._admitting = None
+                self._fail(job, 400, str(err), "invalid_value")
+                with self._cond:
+                    if self._waiting and self._waiting[0] is job:
+                        self._waiting.popleft()
+                continue
+            depth = self.decoder.plan.max_depth if choice.request.speculate and self.decoder.drafter is not None \
+                else 0
+            self._running[seq_id] = _Running(job, choice, detok, depth)
+            self._admitting = None
+
+    def _on_update(self, update, now: float) -> None:
+        running = self._running.get(update.seq_id)
+        if running is None:
+            return
+        job, choice = running.job, running.choice
+        tokens = list(update.new_tokens)
+        text = ""
+        if tokens:
+            if running.first_token_at is None:
+                running.first_token_at = now
+            else:
+                gap = (now - running.last_token_at) / len(tokens)
+                for _ in tokens:
+                    self.metrics.itl.observe(gap)
+            running.last_token_at = now
+            running.num_tokens += len(tokens)
+            text = running.detok.push(tokens)
+        if running.detok.stopped:
+            if running.detok.stop_token_index is not None:
+                running.num_tokens = running.detok.stop_token_index
+            partial = update.result if update.finished else self.session.cancel(update.seq_id)
+            stats = partial.stats
+            self._finish(update.seq_id, running, text, "stop", stats, now)
+            return
+        if update.finished:
+            text += running.detok.finish()
+            result = update.result
+            reason = result.finish_reason
+            if running.detok.stopped:  # the stop string only settled in the flushed tail
+                reason = "stop"
+                running.num_tokens = running.detok.stop_token_index or running.num_tokens
+            self._finish(update.seq_id, running, text, reason, result.stats, now)
+            return
+        if text:
+            job.post(Event("delta", index=choice.index, text=text, num_tokens=len(tokens)))
+
+    def _finish(self, seq_id: int, running: _Running, text: str, reason: str, stats: DecodeStats,
+                now: float) -> None:
+        del self._running[seq_id]
+        job, choice = running.job, running.choice
+        drafts = stats.steps - stats.plain_steps  # speculative verify steps
+        speculation = {
+            "enabled": running.depth > 0, "steps": stats.steps, "drafts": drafts,
+            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+            "accepted_per_position": list(stats.accepted_per_position), "alpha": stats.alpha,
+            "tau": (stats.accepted_tokens + drafts) / drafts if drafts else 0.0, "fallback": stats.fallback}
+        if job.done:
+            return
+        first = running.first_token_at if running.first_token_at is not None else now
+        self.metrics.observe_finished(reason, first - job.arrival, now - job.arrival, len(choice.request.input_ids),
+                                      running.num_tokens, drafts, stats.drafted_tokens, stats.accepted_tokens,
+                                      list(stats.accepted_per_position))
+        job.post(Event("finish", index=choice.index, text=text, num_tokens=running.num_tokens,
+                       finish_reason=reason, stats=speculation))
+        job.pending -= 1
+        if job.pending == 0:
+            job.done = True

@@ -1,0 +1,148 @@
+"""OpenAI response shapes: turning a job's engine events into completion and chat responses.
+
+Non-streaming answers collect every choice; streaming answers are server-sent events in
+OpenAI's chunk format, one chunk per text delta, then a chunk carrying each choice's
+`finish_reason` (exactly one per choice), then (with `stream_options.include_usage`) a
+usage chunk with no choices, then `data: [DONE]`. Speculation stats are an extension:
+`speculation` on each finished choice and, summed over choices, on the response (the
+non-streaming body, or the usage chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from specheads.serving.server_engine import Event
+
+
+@dataclass
+class ResponseMeta:
+    """What every response or chunk of one request shares."""
+    chat: bool
+    model: str
+    num_choices: int
+    prompt_tokens: int  # summed over the request's distinct prompts
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+
+def aggregate_speculation(stats: list[dict]) -> dict:
+    """Sum per-choice speculation stats; alpha and tau recomputed from the sums (DESIGN.md inv. 8:
+    tau counts speculative verify steps, `drafts`, not plain steps after a fallback)."""
+    steps = sum(s["steps"] for s in stats)
+    drafts = sum(s["drafts"] for s in stats)
+    drafted = sum(s["drafted_tokens"] for s in stats)
+    accepted = sum(s["accepted_tokens"] for s in stats)
+    depth = max((len(s["accepted_per_position"]) for s in stats), default=0)
+    per_position = [sum(s["accepted_per_position"][d] for s in stats if d < len(s["accepted_per_position"]))
+                    for d in range(depth)]
+    return {"enabled": any(s["enabled"] for s in stats), "steps": steps, "drafts": drafts,
+            "drafted_tokens": drafted, "accepted_tokens": accepted, "accepted_per_position": per_position,
+            "alpha": accepted / drafted if drafted else 0.0, "tau": (accepted + drafts) / drafts if drafts else 0.0,
+            "fallback": any(s["fallback"] for s in stats)}
+
+
+def _usage(meta: ResponseMeta, completion_tokens: int) -> dict:
+    return {"prompt_tokens": meta.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": meta.prompt_tokens + completion_tokens}
+
+
+class Collector:
+    """Gathers a job's events into per-choice text, finish reasons and stats."""
+
+    def __init__(self, meta: ResponseMeta):
+        self.meta = meta
+        self.texts = [""] * meta.num_choices
+        self.finish: list[str | None] = [None] * meta.num_choices
+        self.tokens = [0] * meta.num_choices
+        self.stats: list[dict | None] = [None] * meta.num_choices
+
+    @property
+    def complete(self) -> bool:
+        return all(reason is not None for reason in self.finish)
+
+    def add(self, event: Event) -> None:
+        self.texts[event.index] += event.text
+        if event.kind == "finish":
+            self.finish[event.index] = event.finish_reason
+            self.tokens[event.index] = event.num_tokens
+            self.stats[event.index] = event.stats
+
+    def body(self) -> dict:
+        meta = self.meta
+        choices = []
+        for index in range(meta.num_choices):
+            choice: dict = {"index": index}
+            if meta.chat:
+                choice["message"] = {"role": "assistant", "content": self.texts[index]}
+            else:
+                choice["text"] = self.texts[index]
+            choice.update({"logprobs": None, "finish_reason": self.finish[index], "speculation": self.stats[index]})
+            choices.append(choice)
+        return {"id": meta.response_id, "object": "chat.completion" if meta.chat else "text_completion",
+                "created": meta.created, "model": meta.model, "choices": choices,
+                "usage": _usage(meta, sum(self.tokens)),
+                "speculation": aggregate_speculation([s for s in self.stats if s is not None])}
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class ChunkWriter:
+    """Engine events -> SSE lines for one streaming request."""
+
+    def __init__(self, meta: ResponseMeta):
+        self.meta = meta
+        self.collector = Collector(meta)
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        meta = self.meta
+        chunk = {"id": meta.response_id, "object": "chat.completion.chunk" if meta.chat else "text_completion",
+                 "created": meta.created, "model": meta.model, "choices": choices}
+        if meta.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if self.meta.chat:
+            delta: dict = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def start(self) -> list[str]:
+        """Chat streams open with each choice's role."""
+        if not self.meta.chat:
+            return []
+        return [sse(self._chunk([self._choice(i, "", None, role=True)])) for i in range(self.meta.num_choices)]
+
+    def event(self, event: Event) -> list[str]:
+        self.collector.add(event)
+        if event.kind == "delta":
+            return [sse(self._chunk([self._choice(event.index, event.text, None)]))] if event.text else []
+        text = event.text if (event.text or not self.meta.chat) else None
+        choice = self._choice(event.index, text, event.finish_reason)
+        choice["speculation"] = event.stats
+        return [sse(self._chunk([choice]))]
+
+    def end(self) -> list[str]:
+        lines = []
+        if self.meta.include_usage:
+            body = self.collector.body()
+            chunk = self._chunk([])
+            chunk["usage"] = body["usage"]
+            chunk["speculation"] = body["speculation"]
+            lines.append(sse(chunk))
+        lines.append(sse("[DONE]"))
+        return lines

@@ -1,0 +1,89 @@
+"""`specheads serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    specheads serve --target T [--heads H] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                    [--max-concurrency N] [--max-queue N] [--max-model-len N]
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus).
+The server starts listening at once and loads the model in the background (/health
+answers 503 until it is ready). Ctrl-C / SIGTERM drains: in-flight requests finish (up to
+--graceful-timeout seconds), new ones get 503. How requests are validated, scheduled and
+answered: serving/server_app.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the target (+ heads) over an OpenAI-compatible HTTP API")
+    p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
+    p.add_argument("--heads", help="heads directory; omit to serve with plain decoding")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $SPECHEADS_API_KEY, else no auth)")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--max-concurrency", type=int, default=8, help="sequences decoded together (the batch)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch slot before 503")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens limit (default: the target's max_position_embeddings)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --target)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's); 1 avoids oversubscription on a shared machine")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    from specheads.cli import UserError
+    from specheads.runner import load_decoder
+    from specheads.serving.server import serve
+    from specheads.serving.server_app import ServeConfig
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if args.graceful_timeout <= 0:
+        raise UserError(f"--graceful-timeout must be > 0 seconds, got {args.graceful_timeout}")
+    chat_template = None
+    if args.chat_template is not None:
+        if not os.path.isfile(args.chat_template):
+            raise UserError(f"--chat-template {args.chat_template!r} is not a file")
+        with open(args.chat_template, encoding="utf-8") as handle:
+            chat_template = handle.read()
+    if args.heads is not None and not os.path.isdir(args.heads):
+        raise UserError(f"--heads {args.heads!r} is not a directory (expected config.json + model.safetensors)")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECHEADS_API_KEY") or None
+    for flag, value, minimum in (("--max-concurrency", args.max_concurrency, 1), ("--max-queue", args.max_queue, 0),
+                                 ("--max-model-len", args.max_model_len, 2), ("--max-body-bytes", args.max_body_bytes, 1)):
+        if value is not None and value < minimum:
+            raise UserError(f"{flag} must be >= {minimum}, got {value}")
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise UserError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    if args.request_timeout <= 0:
+        raise UserError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    config = ServeConfig(model_name=args.served_model_name or args.target, api_key=api_key,
+                         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
+                         request_timeout_s=args.request_timeout, public_metrics=args.public_metrics,
+                         chat_template=chat_template)
+
+    def loader():
+        return load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
+                            trust_remote_code=args.trust_remote_code, progress=False)
+
+    serve(config, loader, host=args.host, port=args.port, graceful_timeout_s=args.graceful_timeout,
+          log_level=args.log_level)
+    return 0

@@ -1,0 +1,85 @@
+"""`specheads serve` as a process: it starts, answers with the API key, refuses without it,
+and exits cleanly on SIGTERM. Also the metrics text format itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from specheads.serving.metrics import Counter, Histogram, ServerMetrics
+from test_server_support import metric_values, tiny_setup  # noqa: F401
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_subcommand_end_to_end(tiny_setup):  # noqa: F811
+    target_dir, heads_dir = tiny_setup
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specheads", "serve", "--target", str(target_dir), "--heads", str(heads_dir),
+         "--port", str(port), "--api-key", "k3y", "--served-model-name", "tiny", "--log-level", "warning"],
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert process.poll() is None, process.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "the cat", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        response = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=30)
+        assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(120)
+    output = process.stdout.read().decode()
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: the exit status says SIGTERM
+    assert status in (0, -signal.SIGTERM), output
+    assert "Traceback" not in output, output
+
+
+def test_serve_rejects_bad_flags(capsys):
+    from specheads.cli import main
+
+    assert main(["serve", "--target", "x", "--max-concurrency", "0"]) == 2
+    assert "--max-concurrency must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--target", "x", "--heads", "/no/such/dir"]) == 2
+    assert "--heads" in capsys.readouterr().err
+
+
+def test_metrics_text_format():
+    metrics = ServerMetrics(running=lambda: 2, waiting=lambda: 1)
+    metrics.observe_finished("stop", 0.01, 0.5, prompt_tokens=5, generated_tokens=9, drafts=4, drafted_tokens=12,
+                             accepted_tokens=4, accepted_per_position=[3, 1, 0])
+    metrics.observe_finished("length", 0.02, 0.7, prompt_tokens=5, generated_tokens=8, drafts=0, drafted_tokens=0,
+                             accepted_tokens=0, accepted_per_position=[])
+    values = metric_values(metrics.render())
+    assert values['specheads_request_success_total{finished_reason="stop"}'] == 1
+    assert values["specheads_e2e_request_latency_seconds_count"] == 2
+    assert values['specheads_e2e_request_latency_seconds_bucket{le="0.5"}'] == 1
+    assert values["specheads_spec_decode_acceptance_rate"] == pytest.approx(4 / 12)
+    assert values["specheads_spec_decode_acceptance_length"] == pytest.approx((4 + 4) / 4)
+    assert values['specheads_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 3
+    assert values["specheads_num_requests_running"] == 2 and values["specheads_num_requests_waiting"] == 1
+    with pytest.raises(ValueError, match="_total"):
+        Counter("specheads_things", "x")
+    with pytest.raises(ValueError, match="only go up"):
+        metrics.success.inc(-1, finished_reason="stop")
+    with pytest.raises(ValueError, match="specheads_"):
+        Histogram("latency_seconds", "x")

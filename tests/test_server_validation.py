@@ -1,0 +1,226 @@
+"""`specheads serve`: bad input. Every malformed request gets a 4xx OpenAI-style JSON error
+(never a 5xx), the server stays healthy, auth guards every route but the allow-list, and
+property-based fuzzing of the request schema finds no 5xx."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_server_support import MODEL, running_server, tiny_setup  # noqa: F401
+
+API_KEY = "sk-test-key"
+OK = {"model": MODEL, "prompt": "the cat", "max_tokens": 2, "temperature": 0}
+CHAT_OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_setup):  # noqa: F811
+    target_dir, heads_dir = tiny_setup
+    with running_server(target_dir, heads_dir, max_concurrency=4, max_queue=64, max_body_bytes=64 * 1024,
+                        max_model_len=128) as thread:
+        yield thread
+
+
+def with_(base: dict, **changes) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        if value is DROP:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+DROP = object()
+# (name, path, raw body or JSON object, expected status)
+MALFORMED = [
+    ("not json", "/v1/completions", b"{not json", 400),
+    ("empty body", "/v1/completions", b"", 400),
+    ("json array", "/v1/completions", b"[1, 2]", 400),
+    ("json string", "/v1/completions", b'"hello"', 400),
+    ("NaN literal", "/v1/completions", b'{"model": "tiny-test", "prompt": "x", "temperature": NaN}', 400),
+    ("Infinity literal", "/v1/completions", b'{"model": "tiny-test", "prompt": "x", "top_p": Infinity}', 400),
+    ("not utf-8", "/v1/completions", b'{"model": "\xff\xfe"}', 400),
+    ("missing model", "/v1/completions", with_(OK, model=DROP), 400),
+    ("missing prompt", "/v1/completions", with_(OK, prompt=DROP), 400),
+    ("model not a string", "/v1/completions", with_(OK, model=7), 400),
+    ("prompt a number", "/v1/completions", with_(OK, prompt=12), 400),
+    ("prompt empty", "/v1/completions", with_(OK, prompt=""), 400),
+    ("prompt empty list", "/v1/completions", with_(OK, prompt=[]), 400),
+    ("prompt mixed list", "/v1/completions", with_(OK, prompt=[1, "a"]), 400),
+    ("token id out of vocab", "/v1/completions", with_(OK, prompt=[1, 99999]), 400),
+    ("negative token id", "/v1/completions", with_(OK, prompt=[-1]), 400),
+    ("max_tokens string", "/v1/completions", with_(OK, max_tokens="5"), 400),
+    ("max_tokens float", "/v1/completions", with_(OK, max_tokens=2.5), 400),
+    ("max_tokens zero", "/v1/completions", with_(OK, max_tokens=0), 400),
+    ("max_tokens negative", "/v1/completions", with_(OK, max_tokens=-3), 400),
+    ("max_tokens bool", "/v1/completions", with_(OK, max_tokens=True), 400),
+    ("context overflow", "/v1/completions", with_(OK, max_tokens=1000), 400),
+    ("prompt over context", "/v1/completions", with_(OK, prompt=[5] * 200, max_tokens=DROP), 400),
+    ("temperature negative", "/v1/completions", with_(OK, temperature=-0.5), 400),
+    ("temperature string", "/v1/completions", with_(OK, temperature="hot"), 400),
+    ("temperature huge float", "/v1/completions", b'{"model": "tiny-test", "prompt": "x", "temperature": 1e999}', 400),
+    ("top_p zero", "/v1/completions", with_(OK, top_p=0), 400),
+    ("top_p above one", "/v1/completions", with_(OK, top_p=1.5), 400),
+    ("top_p negative", "/v1/completions", with_(OK, top_p=-0.1), 400),
+    ("top_k below -1", "/v1/completions", with_(OK, top_k=-5), 400),
+    ("seed negative", "/v1/completions", with_(OK, seed=-1), 400),
+    ("seed too big", "/v1/completions", with_(OK, seed=2 ** 64), 400),
+    ("empty stop string", "/v1/completions", with_(OK, stop=""), 400),
+    ("empty stop in list", "/v1/completions", with_(OK, stop=["a", ""]), 400),
+    ("stop not strings", "/v1/completions", with_(OK, stop=[1, 2]), 400),
+    ("n zero", "/v1/completions", with_(OK, n=0), 400),
+    ("n huge", "/v1/completions", with_(OK, n=1000), 400),
+    ("stream not bool", "/v1/completions", with_(OK, stream="yes"), 400),
+    ("stream_options without stream", "/v1/completions", with_(OK, stream_options={"include_usage": True}), 400),
+    ("unknown field", "/v1/completions", with_(OK, frobnicate=1), 400),
+    ("echo unsupported", "/v1/completions", with_(OK, echo=True), 400),
+    ("logprobs unsupported", "/v1/completions", with_(OK, logprobs=3), 400),
+    ("presence penalty", "/v1/completions", with_(OK, presence_penalty=0.5), 400),
+    ("speculate not bool", "/v1/completions", with_(OK, speculate="no"), 400),
+    ("unknown model", "/v1/completions", with_(OK, model="gpt-4"), 404),
+    ("chat missing messages", "/v1/chat/completions", with_(CHAT_OK, messages=DROP), 400),
+    ("chat empty messages", "/v1/chat/completions", with_(CHAT_OK, messages=[]), 400),
+    ("chat bad role", "/v1/chat/completions", with_(CHAT_OK, messages=[{"role": "robot", "content": "x"}]), 400),
+    ("chat content number", "/v1/chat/completions", with_(CHAT_OK, messages=[{"role": "user", "content": 5}]), 400),
+    ("chat message not object", "/v1/chat/completions", with_(CHAT_OK, messages=["hi"]), 400),
+    ("chat bad part type", "/v1/chat/completions",
+     with_(CHAT_OK, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]), 400),
+    ("chat logprobs", "/v1/chat/completions", with_(CHAT_OK, logprobs=True), 400),
+    ("chat context overflow", "/v1/chat/completions", with_(CHAT_OK, max_tokens=5000), 400),
+    ("chat unknown model", "/v1/chat/completions", with_(CHAT_OK, model="nope"), 404),
+    ("unknown route", "/v1/embeddings", OK, 404),
+    ("wrong method", "/v1/models", OK, 405),
+]
+
+
+def post(server, path: str, body, headers: dict | None = None) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, timeout=30,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def assert_error_body(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def test_malformed_matrix_gets_4xx_json_and_server_stays_healthy(server):
+    assert len(MALFORMED) >= 30
+    statuses = {}
+    for name, path, body, expected in MALFORMED:
+        response = post(server, path, body)
+        statuses[name] = response.status_code
+        assert response.status_code == expected, (name, response.status_code, response.text)
+        assert_error_body(response)
+    assert all(400 <= s < 500 for s in statuses.values())
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert post(server, "/v1/completions", OK).status_code == 200
+
+
+def test_errors_name_the_field_and_the_numbers(server):
+    error = assert_error_body(post(server, "/v1/completions", with_(OK, max_tokens=1000)))
+    prompt_len = post(server, "/v1/completions", OK).json()["usage"]["prompt_tokens"]
+    for number in (128, prompt_len + 1000, 1000):  # the context length and what was asked for
+        assert str(number) in error["message"], error
+    error = assert_error_body(post(server, "/v1/completions", with_(OK, top_p=2)))
+    assert error["param"] == "top_p" and "(0, 1]" in error["message"]
+    error = assert_error_body(post(server, "/v1/chat/completions",
+                                   with_(CHAT_OK, messages=[{"role": "user", "content": 5}])))
+    assert error["param"] == "messages[0].content"
+    error = assert_error_body(post(server, "/v1/completions", with_(OK, model="gpt-4")))
+    assert error["code"] == "model_not_found" and MODEL in error["message"]
+
+
+def test_oversized_bodies_are_rejected(server):
+    big = with_(OK, prompt="x" * (70 * 1024))
+    response = post(server, "/v1/completions", big)
+    assert response.status_code == 413
+    assert assert_error_body(response)["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit applies while reading
+        for _ in range(80):
+            yield b"x" * 1024
+
+    response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30)
+    assert response.status_code == 413
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
+                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
+JSON_VALUE = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                             st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                          max_leaves=6)
+FIELD_VALUES = {
+    "model": st.one_of(st.just(MODEL), JSON_VALUE),
+    "prompt": st.one_of(st.text(max_size=12), st.lists(st.integers(-3, 600), max_size=5), JSON_VALUE),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "bot"]),
+         "content": st.one_of(st.text(max_size=8), JSON_VALUE)}), max_size=3), JSON_VALUE),
+    "max_tokens": st.one_of(st.integers(-2, 4), st.integers(100, 10 ** 6), JSON_VALUE),
+    "temperature": st.one_of(st.floats(-1, 3), JSON_VALUE),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), JSON_VALUE),
+    "top_k": st.one_of(st.integers(-3, 600), JSON_VALUE),
+    "seed": st.one_of(st.integers(-5, 2 ** 65), JSON_VALUE),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), JSON_VALUE),
+    "n": st.one_of(st.integers(-1, 3), JSON_VALUE),
+    "stream": st.one_of(st.booleans(), JSON_VALUE),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON_VALUE),
+    "speculate": st.one_of(st.booleans(), JSON_VALUE),
+    "bogus": JSON_VALUE,
+}
+
+
+@settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(chat=st.booleans(), fields=st.dictionaries(st.sampled_from(sorted(FIELD_VALUES)), st.just(None), max_size=8),
+       data=st.data())
+def test_fuzzed_requests_never_5xx(server, chat, fields, data):
+    body = {key: data.draw(FIELD_VALUES[key], label=key) for key in fields}
+    body.setdefault("max_tokens", 3)  # keep valid requests short (chat defaults to the whole context)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    response = post(server, path, body)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert_error_body(response)
+    elif body.get("stream") is True:
+        assert response.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert response.json()["choices"]
+
+
+def test_auth_guards_every_route(tiny_setup):  # noqa: F811
+    target_dir, heads_dir = tiny_setup
+    with running_server(target_dir, heads_dir, api_key=API_KEY) as server:
+        routes = [(method, route.path) for route in server.server.config.app.app.routes
+                  for method in sorted(getattr(route, "methods", None) or [])]
+        paths = {path for _, path in routes}
+        assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= paths
+        routes += [("GET", "/v1/nowhere"), ("POST", "/v1/embeddings")]
+        for method, path in routes:
+            url = server.url + path.replace("{model_id:path}", MODEL)
+            body = CHAT_OK if "chat" in path else OK
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                            {"Authorization": f"Basic {API_KEY}"}):
+                response = httpx.request(method, url, json=body if method == "POST" else None, headers=headers,
+                                         timeout=30)
+                if path == "/health":
+                    assert response.status_code == 200
+                else:
+                    assert response.status_code == 401, (method, path, headers)
+                    assert assert_error_body(response)["type"] == "authentication_error"
+            authed = httpx.request(method, url, json=body if method == "POST" else None,
+                                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+            assert authed.status_code != 401 and authed.status_code < 500, (method, path)
+    with running_server(target_dir, heads_dir, api_key=API_KEY, public_metrics=True) as server:
+        assert httpx.get(server.url + "/metrics").status_code == 200
+        assert httpx.get(server.url + "/v1/models").status_code == 401
