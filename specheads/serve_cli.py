@@ -34,7 +34,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --target)")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (default: the tokenizer's; without one, specheads' documented fallback)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
@@ -81,8 +82,15 @@ def run(args) -> int:
                          chat_template=chat_template)
 
     def loader():
-        return load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
-                            trust_remote_code=args.trust_remote_code, progress=False)
+        decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
+                                          trust_remote_code=args.trust_remote_code, progress=False)
+        if chat_template is None:
+            # The same documented fallback that training renders chats with (data/chat.py),
+            # so chat requests to a template-less target see the format the heads were trained on.
+            from specheads.data.chat import ensure_chat_template
+
+            ensure_chat_template(tokenizer)
+        return decoder, tokenizer
 
     serve(config, loader, host=args.host, port=args.port, graceful_timeout_s=args.graceful_timeout,
           log_level=args.log_level)
