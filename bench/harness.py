@@ -11,9 +11,8 @@ Methods (each a `Method`: a name, a kind and a `generate(prompt) -> PromptRun` c
 Timing. Every method yields "emission events" (time, tokens emitted) per prompt:
 - HF methods: a `BaseStreamer` records the time of each `put` after the prompt's; one put
   is one target forward (greedy: 1 token; prompt lookup / assisted: accepted + 1).
-- The engine: the decoder's `draft` is wrapped on the instance (not the class) to record
-  the time and committed length at the start of each step; step i emits
-  prefix_len[i+1] - prefix_len[i] tokens, the last step the remainder. Prefill emits 1.
+- The engine: `SpeculativeDecoder.stream` yields the prefill's token, then the tokens of
+  each verify step; each yield is timed as it arrives.
 Methods run interleaved (every method on prompt 1, then on prompt 2, ...) so that load
 from other processes spreads evenly over them. The first event is the time to first
 token (TTFT). Inter-token latency (ITL): every later event of duration d (since the
@@ -50,6 +49,7 @@ class PromptRun:
     drafted_tokens: int | None = None  # None: not observable (HF peers)
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [D]
+    fell_back: bool = False  # the engine switched this request to plain decoding (its fallback policy)
 
 
 @dataclass
@@ -108,32 +108,20 @@ def hf_method(name: str, kind: str, model, eos_token_id: int | None, **generate_
 
 def engine_method(name: str, kind: str, decoder, eos_token_id: int | None, tree: dict | None = None) -> Method:
     def generate(prompt_ids: list[int], max_new_tokens: int) -> PromptRun:
-        marks: list[tuple[float, int]] = []  # (time, committed length) at the start of each step
-        draft = decoder.draft
-
-        def timed_draft(state):
-            marks.append((time.perf_counter(), state.prefix_len))
-            return draft(state)
-
-        decoder.draft = timed_draft  # instance attribute; removed below, the class is untouched
-        try:
-            start = time.perf_counter()
-            out = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-            end = time.perf_counter()
-        finally:
-            del decoder.draft
+        # stream() yields the prefill's token, then one delta per verify step: each yield is
+        # one emission event, timed as it arrives.
+        events: list[tuple[float, int]] = []
+        start = time.perf_counter()
+        stream = decoder.stream(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        for delta in stream:
+            events.append((time.perf_counter() - start, len(delta)))
+        end = time.perf_counter()
+        out = stream.result
         stats = out.stats
-        prefill_end = marks[0][0] if marks else end
-        events = [(prefill_end - start, 1)]
-        emitted = 1
-        for i, (_, prefix_len) in enumerate(marks):
-            last = i + 1 == len(marks)
-            num = len(out.tokens) - emitted if last else marks[i + 1][1] - prefix_len
-            events.append(((end if last else marks[i + 1][0]) - start, num))
-            emitted += num
         return PromptRun(tokens=out.tokens, seconds=end - start, events=events, steps=stats.steps,
                          drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
-                         accepted_per_position=list(stats.accepted_per_position))
+                         accepted_per_position=list(stats.accepted_per_position),
+                         fell_back=bool(getattr(stats, "fallback", False)))
 
     return Method(name, kind, generate, tree)
 
@@ -193,6 +181,7 @@ def summarise(runs: list[PromptRun], identical: list[bool], reference: list[Prom
         "alpha": accepted / drafted if drafted else None, "tau": tau,
         "acceptance_by_depth": [count / steps for count in per_position] if steps else [],
         "num_identical": sum(identical), "identical": all(identical),
+        "num_fallbacks": sum(r.fell_back for r in runs),
     }
 
 
@@ -267,16 +256,34 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _dynamic_tree(record: dict):
+    """A stored dynamic-tree record -> DynamicTreeConfig (serving/dynamic_tree.py)."""
+    try:
+        from specheads.serving.dynamic_tree import DynamicTreeConfig
+    except ImportError as err:
+        raise ValueError("the heads directory stores a dynamic tree, but this specheads has no "
+                         "serving/dynamic_tree.py; re-run `specheads tune` to store a static tree") from err
+    return DynamicTreeConfig(**record)
+
+
 def heads_trees(heads_config, tree_nodes: list[int] | None) -> list[tuple[object, dict]]:
-    """(DraftTree, tree info) per tree to bench: the heads directory's own tree, then one
-    calibrated tree per entry of `tree_nodes` (draft nodes, root excluded), expanded from
-    the directory's calibrated accuracy (or the prior guess when it has none)."""
+    """(tree, tree info) per tree to bench: the heads directory's own tree (the tuned one once
+    `specheads tune` ran), then one calibrated tree per entry of `tree_nodes` (draft nodes,
+    root excluded), expanded from the directory's calibrated accuracy (or the prior guess)."""
     from specheads.serving.tree import DraftTree, prior_accuracy
 
     trees = []
-    stored = DraftTree.from_heads_config(heads_config)
-    source = "heads-dir" if (heads_config.tree or {}).get("paths") else "heads-dir-default"
-    trees.append((stored, tree_info(stored, source)))
+    record = heads_config.tree or {}
+    if record.get("dynamic"):
+        dynamic = record["dynamic"]
+        trees.append((_dynamic_tree(dynamic), {"source": "heads-dir-tuned", "num_nodes": dynamic["num_nodes"] + 1,
+                                               "num_draft_nodes": dynamic["num_nodes"], "max_depth": dynamic["depth"],
+                                               "dynamic": True}))
+    else:
+        stored = DraftTree.from_heads_config(heads_config)
+        source = ("heads-dir-tuned" if record.get("tuned") else "heads-dir") if record.get("paths") \
+            else "heads-dir-default"
+        trees.append((stored, tree_info(stored, source)))
     accuracy = (heads_config.calibration or {}).get("accuracy")
     calibrated = "calibrated" if accuracy else "prior"
     accuracy = accuracy[:heads_config.num_heads] if accuracy else prior_accuracy(heads_config.num_heads)
@@ -288,23 +295,60 @@ def heads_trees(heads_config, tree_nodes: list[int] | None) -> list[tuple[object
     return trees
 
 
-def make_methods(target, *, heads=None, heads_config=None, tree_nodes: list[int] | None = None,
-                 eos_token_id: int | None = None, prompt_lookup_num_tokens: int = 10,
-                 draft_model=None) -> list[Method]:
-    """Every method the bench runs on `target` (a TargetAdapter), hf-greedy first."""
+def heads_label(heads_config, path: str | None, taken: set[str]) -> str:
+    """A short name for one heads directory in method names: its kind, made unique."""
+    label = heads_config.kind
+    if label in taken:
+        from pathlib import Path
+
+        label = f"{label}:{Path(path).name}" if path else f"{label}{len(taken)}"
+    n = 2
+    base = label
+    while label in taken:
+        label, n = f"{base}-{n}", n + 1
+    return label
+
+
+def engine_kwargs(fallback: bool) -> dict:
+    """SpeculativeDecoder kwargs: fallback=False keeps every step speculative (measures the
+    heads and tree themselves); True keeps the engine's default per-request fallback policy."""
+    import inspect
+
+    from specheads.serving.decode import SpeculativeDecoder
+
+    has_policy = "fallback" in inspect.signature(SpeculativeDecoder).parameters
+    return {} if fallback or not has_policy else {"fallback": None}
+
+
+def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tuple] | None = None,
+                 tree_nodes: list[int] | None = None, eos_token_id: int | None = None,
+                 prompt_lookup_num_tokens: int = 10, draft_model=None, fallback: bool = True) -> list[Method]:
+    """Every method the bench runs on `target` (a TargetAdapter), hf-greedy first.
+
+    heads_list: [(label, heads module, HeadsConfig), ...] to bench side by side (method names
+    `engine-<label>[...]`); `heads`/`heads_config` is the one-directory shorthand (names
+    `engine-heads[...]`). fallback=False: the engine never switches a request to plain decoding."""
     from specheads.serving.decode import SpeculativeDecoder
 
     methods = [hf_method(REFERENCE, "hf-greedy", target.model, eos_token_id),
                engine_method("engine-plain", "engine-plain", SpeculativeDecoder(target), eos_token_id)]
+    if heads_list and heads is not None:
+        raise ValueError("pass heads/heads_config or heads_list, not both")
+    groups = list(heads_list or [])
     if heads is not None:
-        tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
-        for tree, info in heads_trees(heads_config, tree_nodes):
-            decoder = SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers)
-            label = "stored" if info["source"].startswith("heads-dir") else info["source"]
-            name = f"engine-heads[{label},{info['num_draft_nodes']}]"
+        groups.append(("heads", heads, heads_config))
+    for label, module, config in groups:
+        tap_layers = config.tap_layers if config.kind != "medusa" else None
+        for tree, info in heads_trees(config, tree_nodes):
+            decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers, **engine_kwargs(fallback))
+            kind = {"heads-dir-tuned": "tuned"}.get(info["source"], info["source"])
+            kind = "stored" if kind.startswith("heads-dir") else kind
+            name = f"engine-{label}[{kind},{info['num_draft_nodes']}]"
             if any(m.name == name for m in methods):
                 continue
-            methods.append(engine_method(name, "engine-heads", decoder, eos_token_id, info))
+            method = engine_method(name, "engine-heads", decoder, eos_token_id, dict(info, heads=label,
+                                                                                       head_kind=config.kind))
+            methods.append(method)
     if prompt_lookup_num_tokens > 0:
         methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target.model,
                                  eos_token_id, prompt_lookup_num_tokens=prompt_lookup_num_tokens))

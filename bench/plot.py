@@ -4,7 +4,9 @@ pixel font and zlib): one image, two panels.
     left:  acceptance by depth, one line per method that drafts (share of steps that
            accepted a draft token at depth d)
     right: speedup over hf-greedy against tree size (draft nodes) for engine-heads
-           methods; the dashed line is 1.0x, the other methods are listed with their speedup
+           methods, one line per heads directory, plus each tuned directory's sweep
+           (`specheads tune`, speedup over engine-plain); the dashed line is 1.0x, the other
+           methods are listed with their speedup
 """
 
 from __future__ import annotations
@@ -124,26 +126,49 @@ def _acceptance_panel(canvas: Canvas, methods: list[dict]) -> None:
         canvas.text(70, 420 + 16 * i, m["name"], colour)
 
 
-def _speedup_panel(canvas: Canvas, methods: list[dict]) -> None:
+def _tuning_series(report: dict) -> dict[str, list[tuple[float, float]]]:
+    """Per tuned heads dir: the best measured speedup over engine-plain per draft-node count."""
+    series = {}
+    for label, tuning in (report.get("tuning") or {}).items():
+        best: dict[int, float] = {}
+        for row in (tuning or {}).get("settings", []):
+            if row.get("speedup_vs_plain") is not None:
+                best[row["num_nodes"]] = max(best.get(row["num_nodes"], 0.0), row["speedup_vs_plain"])
+        if best:
+            series[label] = sorted(best.items())
+    return series
+
+
+def _speedup_panel(canvas: Canvas, methods: list[dict], tuning: dict[str, list[tuple[float, float]]]) -> None:
     heads = sorted((m for m in methods if m["kind"] == "engine-heads"), key=lambda m: m["tree"]["num_draft_nodes"])
-    speedups = [m["overall"]["speedup"] or 0.0 for m in methods]
+    groups: dict[str, list[dict]] = {}
+    for m in heads:
+        groups.setdefault(m["tree"].get("heads", "heads"), []).append(m)
+    speedups = [m["overall"]["speedup"] or 0.0 for m in methods] + [y for pts in tuning.values() for _, y in pts]
     y_max = max([1.5, *speedups]) * 1.1
-    nodes = [m["tree"]["num_draft_nodes"] for m in heads] or [1]
+    nodes = [m["tree"]["num_draft_nodes"] for m in heads] + [x for pts in tuning.values() for x, _ in pts] or [1]
     x_range = (0, max(nodes) * 1.1 + 1)
     panel = Panel(canvas, 620, 50, 420, 300, x_range, (0.0, y_max))
     ticks = sorted(set(nodes))
     panel.axes("SPEEDUP VS TREE SIZE", "DRAFT NODES", ticks, [y_max * k / 4 for k in range(5)])
     canvas.line(*panel.xy(x_range[0], 1.0), *panel.xy(x_range[1], 1.0), GREY, dash=6)
-    panel.series([(m["tree"]["num_draft_nodes"], m["overall"]["speedup"] or 0.0) for m in heads], COLOURS[0])
-    for i, m in enumerate(methods):
-        canvas.text(620, 420 + 16 * i, f"{m['name']}: {m['overall']['speedup'] or 0.0:.2f}X")
+    for i, group in enumerate(groups.values()):
+        panel.series([(m["tree"]["num_draft_nodes"], m["overall"]["speedup"] or 0.0) for m in group],
+                     COLOURS[i % len(COLOURS)])
+    lines = [f"{m['name']}: {m['overall']['speedup'] or 0.0:.2f}X" for m in methods]
+    for j, (label, points) in enumerate(tuning.items(), start=len(groups)):
+        panel.series(points, COLOURS[j % len(COLOURS)])
+        lines.append(f"tune sweep {label} (vs engine-plain)")
+    for i, text in enumerate(lines):
+        canvas.text(620, 420 + 16 * i, text)
 
 
 def render(report: dict) -> bytes:
     methods = report["methods"]
-    canvas = Canvas(1100, 440 + 16 * max(len(methods), 1))
+    tuning = _tuning_series(report)
+    canvas = Canvas(1100, 440 + 16 * max(len(methods) + len(tuning), 1))
     _acceptance_panel(canvas, methods)
-    _speedup_panel(canvas, methods)
+    _speedup_panel(canvas, methods, tuning)
     return canvas.png()
 
 

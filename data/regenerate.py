@@ -195,3 +195,100 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
         num_batches += 1
         log(f"regenerate: {progress.summary()}")
     return progress
+
+
+# --- Self-distillation of plain text: corpus prompts, the target's own greedy continuations ---
+
+DISTILL_META_SUFFIX = ".meta.json"
+
+
+@torch.no_grad()
+def distill_text(target: str, output_path: str, *, texts: list[str] | None = None, num_records: int = 512,
+                 prompt_tokens: tuple[int, int] = (8, 48), max_new_tokens: int = 160, batch_size: int = 32,
+                 seed: int = 0, dtype: str = "float32", device: str = "cpu", progress: bool = True,
+                 log=print) -> Path:
+    """Write `num_records` token-id records `{"input_ids": prompt + continuation, "prompt_len": n}`:
+    the prompt a random window of `texts` (default: the embedded stdlib corpus, train split), the
+    continuation the target's own greedy decoding of it, cut at EOS.
+
+    Why: at decode time the heads see the target's greedy continuations (often repetitive),
+    not corpus text; heads trained on exactly that distribution accept far more.
+    Reused when OUTPUT.meta.json records the same settings and target; written atomically.
+    """
+    import random
+
+    from specheads.heads.target import load_target
+
+    lo, hi = prompt_tokens
+    if num_records < 1 or max_new_tokens < 1 or batch_size < 1 or not 1 <= lo <= hi:
+        raise DataError(f"distill_text needs num_records, max_new_tokens, batch_size >= 1 and 1 <= min <= max "
+                        f"prompt tokens, got {num_records}, {max_new_tokens}, {batch_size}, {prompt_tokens}")
+    output = Path(output_path)
+    target_id = _target_fingerprint(target)
+    settings = {"target": target_id, "num_records": num_records, "prompt_tokens": [lo, hi],
+                "max_new_tokens": max_new_tokens, "seed": seed, "texts": "stdlib" if texts is None else len(texts)}
+    meta = output.with_name(output.name + DISTILL_META_SUFFIX)
+    if output.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
+        log(f"distill: reusing {output} ({num_records} records)")
+        return output
+    if texts is None:
+        from specheads.data.corpus import stdlib_texts
+
+        texts = stdlib_texts("train")
+    tokenizer = load_tokenizer(target, False)
+    model = load_target(target, dtype=dtype, device=device)
+    rng = random.Random(seed)
+    docs = [d for d in (tokenizer(t, add_special_tokens=False)["input_ids"]
+                        for t in rng.sample(texts, min(len(texts), 4 * num_records))) if len(d) > hi]
+    if not docs:
+        raise DataError(f"distill_text: no text is longer than {hi} tokens; give longer texts or a smaller "
+                        "prompt_tokens maximum")
+    prompts = []
+    for _ in range(num_records):
+        doc = rng.choice(docs)
+        length = rng.randint(lo, hi)
+        start = rng.randrange(0, len(doc) - length + 1)
+        prompts.append(doc[start:start + length])
+    order = sorted(range(num_records), key=lambda i: len(prompts[i]))  # similar lengths: little padding
+    stop_ids = _stop_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    records: dict[int, list[int]] = {}  # record index -> prompt + continuation
+    bar = _progress_bar(num_records, "distill: target greedy continuations", progress)
+    for first in range(0, num_records, batch_size):
+        chunk = order[first:first + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        input_ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=device)
+        attention_mask = (torch.arange(width, device=device)[None] >=
+                          torch.tensor([width - len(prompts[i]) for i in chunk], device=device)[:, None]).long()
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=stop_ids)
+        for i, row in zip(chunk, out[:, width:].tolist()):
+            cut = next((k for k, t in enumerate(row) if t in stop_ids), len(row))
+            records[i] = prompts[i] + row[:cut]
+        bar.update(len(chunk))
+    bar.close()
+    lines = "".join(json.dumps({"input_ids": records[i], "prompt_len": len(prompts[i])}) + "\n"
+                    for i in range(num_records))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    tmp.write_text(lines)
+    os.replace(tmp, output)
+    write_json_atomic(meta, settings)
+    num_tokens = sum(len(r) for r in records.values())
+    log(f"distill: wrote {num_records} records, {num_tokens} tokens, to {output}")
+    return output
+
+
+def _target_fingerprint(target: str) -> str:
+    """Path plus the weights' size and mtime: a rebuilt target invalidates distilled data."""
+    weights = Path(target) / "model.safetensors"
+    if weights.exists():
+        stat = weights.stat()
+        return f"{Path(target).resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    return str(target)
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="rec", disable=not enabled, leave=True)

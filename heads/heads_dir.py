@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -198,3 +198,29 @@ def load_heads(directory: str | os.PathLike, target: TargetIdentity | None = Non
     heads.to(device=device, dtype=dtype)
     heads.eval()
     return heads, config
+
+
+TUNING_NAME = "tuning.json"
+
+
+def update_tree(directory: str | os.PathLike, tree: dict, tuning_report: dict | None = None) -> HeadsConfig:
+    """Replace the heads directory's `tree` (config.json) and, with a report, write
+    tuning.json beside it (`specheads tune`'s measured sweep). Each file is replaced
+    atomically; the report is written first, so a config's tree never points at a missing
+    or older sweep. -> the updated config."""
+    directory = Path(directory)
+    config = read_heads_config(directory)
+    if not isinstance(tree, dict) or not (tree.get("paths") or tree.get("dynamic")):
+        raise ValueError(f"a heads tree needs 'paths' (a static tree) or 'dynamic' (a dynamic tree config), "
+                         f"got {tree!r}")
+    if tuning_report is not None:
+        atomic_write_text(directory / TUNING_NAME, json.dumps(tuning_report, indent=2) + "\n")
+    config.tree = dict(tree)
+    atomic_write_text(directory / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+    return config
+
+
+def read_tuning(directory: str | os.PathLike) -> dict | None:
+    """The sweep `specheads tune` stored in the heads directory, or None when never tuned."""
+    path = Path(directory) / TUNING_NAME
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,6 +1,6 @@
 """`specheads bench`: vanilla vs speculative vs peer decoding on one prompt set, one process.
 
-    specheads bench --target T --heads H [--prompts FILE.jsonl] [--max-new-tokens N]
+    specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N]
                     [--json OUT.json] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D] [--device D]
 
@@ -8,9 +8,12 @@ Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first t
 each, through the target tokenizer's chat template when it has one, else raw text.
 Default: the shipped set (bench/prompts/default.jsonl, 6 categories).
 
-Methods: hf-greedy (the reference), engine-plain (speculation off), engine-heads[stored,N]
-(the heads directory's tree), engine-heads[calibrated,N] per --tree-nodes entry (N draft
-nodes from the calibrated accuracy; "prior" when the heads carry no calibration),
+Methods: hf-greedy (the reference), engine-plain (speculation off), engine-heads[tuned,N]
+(the heads directory's tree: the one `specheads tune` chose, or [stored,N] for an untuned
+calibrated tree), engine-heads[calibrated,N] per --tree-nodes entry (N draft nodes from the
+calibrated accuracy; "prior" when the heads carry no calibration). Several heads
+directories (--heads A --heads B, or --heads A,B) are benched side by side in the same run
+and named engine-<kind>[...] (engine-medusa[tuned,3], engine-eagle3[tuned,5]);
 hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
 which must share the target's tokenizer). How each metric is measured: bench/harness.py.
 
@@ -20,10 +23,12 @@ JSON (--json), schema "specheads.bench/1":
                 "chat_template": bool, "torch", "transformers"},
      "categories": [str, ...],              # in first-seen order
      "reference": "hf-greedy",
+     "tuning": {label: tuning.json of that heads dir (bench/tune.py) or null},
      "methods": [{
         "name": str, "kind": "hf-greedy" | "engine-plain" | "engine-heads" | "hf-prompt-lookup" | "hf-assisted",
-        "tree": null | {"source": "heads-dir" | "heads-dir-default" | "calibrated" | "prior",
-                        "num_nodes": int, "num_draft_nodes": int, "max_depth": int},
+        "tree": null | {"source": "heads-dir-tuned" | "heads-dir" | "heads-dir-default" | "calibrated" | "prior",
+                        "num_nodes": int, "num_draft_nodes": int, "max_depth": int,
+                        "heads": str, "head_kind": str},   # heads label and kind
         "overall": SUMMARY, "by_category": {category: SUMMARY},
         "prompts": [{"question_id", "category", "num_prompt_tokens", "num_tokens", "seconds", "steps",
                      "accepted_tokens", "identical": bool}]}]}
@@ -33,7 +38,8 @@ JSON (--json), schema "specheads.bench/1":
                "steps", "drafted_tokens": int | null, "accepted_tokens",
                "alpha": float | null,        # null: no drafting, or not observable (HF peers)
                "tau": float | null, "acceptance_by_depth": [float, ...],
-               "num_identical": int, "identical": bool}   # token-for-token vs hf-greedy
+               "num_identical": int, "identical": bool,   # token-for-token vs hf-greedy
+               "num_fallbacks": int}   # requests the engine switched to plain decoding (--no-fallback: 0)
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ def _int_list(text: str) -> list[int]:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark plain, speculative and peer decoding on one prompt set")
     p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
-    p.add_argument("--heads", help="heads directory; omit to bench only plain decoding and the peers")
+    p.add_argument("--heads", action="append", default=[], metavar="DIR[,DIR...]",
+                   help="heads directory (repeatable or comma-separated: benched side by side); "
+                        "omit to bench only plain decoding and the peers")
     p.add_argument("--prompts", help="Spec-Bench question.jsonl (default: the shipped 6-category set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--per-category", type=int, default=None, metavar="N",
@@ -66,6 +74,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
     p.add_argument("--plot", metavar="OUT.png", help="write PNG plots (acceptance by depth; speedup vs tree size)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up decode per method")
+    p.add_argument("--no-fallback", action="store_true",
+                   help="never let the engine switch a request to plain decoding (measures the heads themselves)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
@@ -77,7 +87,8 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tree_nodes = [n for text in args.tree_nodes for n in _int_list(text)]
-    if tree_nodes and not args.heads:
+    heads_dirs = [part for text in args.heads for part in text.split(",") if part.strip()]
+    if tree_nodes and not heads_dirs:
         raise ValueError("--tree-nodes needs --heads")
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     # (read first: a bad prompts file fails before any model loads)
@@ -87,17 +98,31 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specheads.bench.harness import format_report, run_bench
-    from specheads.heads.heads_dir import load_heads
+    from specheads.heads.heads_dir import load_heads, read_heads_config, read_tuning
     from specheads.heads.target import TargetAdapter
     from specheads.runner import resolve_target_name
 
+    for directory in heads_dirs:  # a missing or foreign heads dir fails before the target loads
+        read_heads_config(directory)
     path = resolve_target_name(args.target)
     target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
                                            trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    heads = heads_config = None
-    if args.heads:
-        heads, heads_config = load_heads(args.heads, target=target.identity, device=args.device, dtype=target.dtype)
+    heads_list, tuning = [], {}
+    if len(heads_dirs) == 1:  # one directory keeps the short names engine-heads[...]
+        module, heads_config = load_heads(heads_dirs[0], target=target.identity, device=args.device,
+                                          dtype=target.dtype)
+        heads_list.append(("heads", module, heads_config))
+        tuning["heads"] = read_tuning(heads_dirs[0])
+    else:
+        from specheads.bench.harness import heads_label
+
+        for directory in heads_dirs:
+            module, heads_config = load_heads(directory, target=target.identity, device=args.device,
+                                              dtype=target.dtype)
+            label = heads_label(heads_config, directory, {label for label, _, _ in heads_list})
+            heads_list.append((label, module, heads_config))
+            tuning[label] = read_tuning(directory)
     draft_model = None
     if args.draft_model:
         draft_path = resolve_target_name(args.draft_model)
@@ -105,14 +130,16 @@ def run(args) -> int:
                                                            trust_remote_code=args.trust_remote_code)
         draft_model.to(args.device).eval()
     encoded = encode_prompts(tokenizer, prompts)
-    config = {"target": args.target, "heads": args.heads, "prompts": args.prompts or "default",
+    config = {"target": args.target, "heads": heads_dirs or None, "prompts": args.prompts or "default",
               "dtype": args.dtype, "device": args.device,
               "chat_template": bool(getattr(tokenizer, "chat_template", None)),
               "torch": torch.__version__, "transformers": transformers.__version__}
     report = run_bench(target, encoded, args.max_new_tokens, config=config, warmup=not args.no_warmup,
-                       log=lambda msg: print(msg, file=sys.stderr, flush=True), heads=heads,
-                       heads_config=heads_config, tree_nodes=tree_nodes, eos_token_id=tokenizer.eos_token_id,
+                       log=lambda msg: print(msg, file=sys.stderr, flush=True), heads_list=heads_list,
+                       tree_nodes=tree_nodes, fallback=not args.no_fallback,
+                       eos_token_id=tokenizer.eos_token_id,
                        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, draft_model=draft_model)
+    report["tuning"] = tuning
     print(format_report(report))
     if args.json_out:
         from specheads.heads.heads_dir import atomic_write_text

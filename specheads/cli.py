@@ -46,9 +46,10 @@ def _add_generate(sub) -> None:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="build the embedded target, train Medusa heads with DeepSpeed, compare decoding")
+    p = sub.add_parser("demo", help="build the embedded target, distil data, train Medusa and EAGLE-3 heads "
+                                    "with DeepSpeed, tune both, bench them against HF greedy and prompt lookup")
     p.add_argument("--workdir", default="runs/demo", help="where the heads and checkpoints go")
-    p.add_argument("--recipe", default=None, help="recipe to train (default: the shipped tiny-medusa.yaml)")
+    p.add_argument("--recipe", default=None, help="Medusa recipe to train (default: the shipped tiny-medusa.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted recipe override, repeatable")
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -153,3 +153,36 @@ def test_bench_cli_rejects_tree_nodes_without_heads(bench_setup):
     args = parser.parse_args(["bench", "--target", str(bench_setup[0]), "--tree-nodes", "4"])
     with pytest.raises(ValueError, match="--tree-nodes needs --heads"):
         bench_cli.run(args)
+
+
+def test_bench_cli_several_heads_side_by_side_with_tuning(bench_setup, tmp_path, capsys):
+    """--heads A --heads B (or A,B) benches both in one run, each at its tuned tree; the
+    report carries each directory's tune sweep and the plot draws it."""
+    from specheads import bench_cli
+    from specheads.heads.heads_dir import update_tree
+
+    target_dir, heads_dir, target = bench_setup
+    heads, config = load_heads(heads_dir, target=target.identity)
+    second = save_heads(tmp_path / "second", heads, config)
+    sweep = {"settings": [{"name": "chain-1", "num_nodes": 1, "speedup_vs_plain": 1.1},
+                          {"name": "chain-2", "num_nodes": 2, "speedup_vs_plain": 1.3}]}
+    update_tree(second, {"paths": [[0], [0, 0]], "tuned": {"setting": "chain-2"}}, sweep)
+    prompts = write_prompts(tmp_path / "q.jsonl", [json.dumps({"question_id": 1, "category": "code",
+                                                               "turns": ["def f(x):"]})])
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "report.json"
+    for heads_args in (["--heads", str(heads_dir), "--heads", str(second)], ["--heads", f"{heads_dir},{second}"]):
+        args = parser.parse_args(["bench", "--target", str(target_dir), *heads_args, "--prompts", str(prompts),
+                                  "--max-new-tokens", "5", "--json", str(out), "--plot", str(tmp_path / "p.png"),
+                                  "--no-warmup", "--prompt-lookup-num-tokens", "0", "--no-fallback"])
+        assert bench_cli.run(args) == 0
+        report = json.loads(out.read_text())
+        names = [m["name"] for m in report["methods"]]
+        assert names == ["hf-greedy", "engine-plain", "engine-medusa[stored,4]", "engine-medusa:second[tuned,2]"]
+        assert [m["tree"]["heads"] for m in report["methods"][2:]] == ["medusa", "medusa:second"]
+        assert all(m["overall"]["identical"] for m in report["methods"])
+        assert all(m["overall"]["num_fallbacks"] == 0 for m in report["methods"])  # --no-fallback
+        assert report["tuning"] == {"medusa": None, "medusa:second": sweep}
+        assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+    assert "engine-medusa:second[tuned,2]" in capsys.readouterr().out

@@ -164,3 +164,60 @@ def test_cli_train_rejects_unknown_key_and_empty_dataset(tmp_path):
     proc = run_cli("train", str(RECIPE), "--set", f"data.source={empty}", "--set", f"train.output_dir={tmp_path / 'o'}")
     assert proc.returncode != 0 and "empty.jsonl" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_trains_tunes_and_benches_both_heads(embedded_target_dir, tmp_path, monkeypatch, capsys):
+    """`specheads demo` end to end at a small size: distilled data, Medusa and EAGLE-3 trained
+    with DeepSpeed, both tuned (trees stored), benched side by side, outputs identical."""
+    import argparse
+
+    from specheads import demo
+    from specheads.heads.heads_dir import read_heads_config, read_tuning
+
+    for name, value in {"DISTILL_RECORDS": 24, "DISTILL_NEW_TOKENS": 32, "TUNE_BUDGET_S": 5.0, "TUNE_PROMPTS": 2,
+                        "BENCH_LIMIT": 3}.items():
+        monkeypatch.setattr(demo, name, value)
+    args = argparse.Namespace(workdir=str(tmp_path / "demo"), recipe=None, max_new_tokens=16, retrain=False,
+                              overrides=["train.steps=8", "train.zero_stage=0", "train.save_every=1000",
+                                         "calibrate.eval_batches=1", "data.seq_len=128"])
+    assert demo.run_demo(args) == 0
+    out = capsys.readouterr().out
+    for kind in ("medusa", "eagle3"):
+        heads_dir = tmp_path / "demo" / kind / "heads"
+        config = read_heads_config(heads_dir)
+        assert config.kind == kind and config.tree["tuned"]["setting"] == read_tuning(heads_dir)["winner"]
+        assert f"engine-{kind}[tuned," in out
+    assert "hf-prompt-lookup" in out and "specheads serve --target embedded:tiny --heads" in out
+    assert "every output identical to HF greedy" in out
+    # A second run reuses the distilled data, both heads and their tuned trees.
+    assert demo.run_demo(args) == 0
+    again = capsys.readouterr().out
+    assert "reusing medusa heads" in again and "reusing eagle3 heads" in again and "distill: reusing" in again
+
+
+def test_distill_text_records_are_prompts_continued_by_target_greedy(embedded, embedded_target_dir, tmp_path):
+    """The demo's self-distillation data: each record is a corpus window followed by the
+    target's own greedy continuation; the same settings reuse the file."""
+    from specheads.data.regenerate import distill_text
+
+    target, tokenizer = embedded
+    texts = [t for t in stdlib_texts("heldout") if len(t) > 2000][:3]
+    out = tmp_path / "distill.jsonl"
+    logs = []
+    distill_text(str(embedded_target_dir), str(out), texts=texts, num_records=3, prompt_tokens=(6, 12),
+                 max_new_tokens=10, batch_size=1, progress=False, log=logs.append)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3
+    windows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for record in records:
+        prompt, continuation = record["input_ids"][:record["prompt_len"]], record["input_ids"][record["prompt_len"]:]
+        assert 6 <= len(prompt) <= 12 and 1 <= len(continuation) <= 10
+        assert any(prompt == w[s:s + len(prompt)] for w in windows for s in range(len(w)))  # a corpus window
+        assert continuation == hf_greedy(target.model, prompt, 10, tokenizer.eos_token_id)[:len(continuation)]
+    before = out.read_text()
+    distill_text(str(embedded_target_dir), str(out), texts=texts, num_records=3, prompt_tokens=(6, 12),
+                 max_new_tokens=10, batch_size=1, progress=False, log=logs.append)
+    assert "reusing" in logs[-1] and out.read_text() == before
+    with pytest.raises(ValueError, match="prompt tokens"):
+        distill_text(str(embedded_target_dir), str(out), texts=texts, prompt_tokens=(12, 6))

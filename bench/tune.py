@@ -1,0 +1,290 @@
+"""`specheads tune`: pick the draft tree that decodes fastest on this hardware.
+
+Tree size trades acceptance against verify cost, and the balance depends on the machine:
+on 2 CPU cores a verify step over 17 nodes costs about two plain steps, on a GPU it costs
+about one. So the tree is chosen by measurement, not by the calibrated acceptance alone.
+
+Settings swept:
+- static trees from the heads' calibrated accuracy[depth][rank] (a prior guess without
+  calibration): every depth limit d in 1..D as a chain (top-1 only), and best-first
+  expansions (heads.tree_paths.expand_paths) of each node budget under each depth limit;
+  duplicates removed. When there are more than `max_settings`, the ones with the best
+  estimated speed are kept (dynamic settings come on top): (1 + expected accepted tokens) / (1 + NODE_COST * nodes
+  + DEPTH_COST * depth for EAGLE's sequential drafting).
+- dynamic trees (EAGLE heads only), when serving/dynamic_tree.py provides
+  DynamicTreeConfig(depth, top_k, num_nodes, entropy_threshold) and the decoder accepts it.
+
+Measurement: real greedy decoding of the prompts with every setting, interleaved
+(prompt-major: every setting on prompt 1, then on prompt 2, ...) so load from other
+processes hits all settings alike, until the time budget is spent (at least one prompt).
+Per setting: tokens/s, tau, alpha and the cost of one step (draft + verify + accept) in
+plain-step units (plain decoding without heads runs as the reference).
+
+The winner (best tokens/s) is written into the heads directory's config `tree` field and
+the sweep into tuning.json beside it (heads.heads_dir.update_tree), atomically; `generate`,
+`serve` and `bench` then use it by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+SCHEMA = "specheads.tune/1"
+NODE_BUDGETS = (3, 4, 6, 8, 12, 16, 24, 32)
+NODE_COST = 0.06  # prior: a draft node costs ~6% of a plain step on 2 CPU cores (17 nodes ~ 2 steps)
+DEPTH_COST = 0.12  # prior: one sequential EAGLE draft level, in plain-step units
+DYNAMIC_GRID = ({"top_k": 4, "num_nodes": 8}, {"top_k": 4, "num_nodes": 16}, {"top_k": 8, "num_nodes": 16},
+                {"top_k": 8, "num_nodes": 32})
+
+
+@dataclass
+class Setting:
+    """One candidate tree: `tree` is what the decoder gets, `record` what config.json stores."""
+
+    name: str
+    kind: str  # "static" | "dynamic"
+    tree: object  # DraftTree | DynamicTreeConfig
+    record: dict  # {"paths": [...]} | {"dynamic": {...}}
+    num_nodes: int  # draft nodes (root excluded); dynamic: the node budget
+    max_depth: int
+    estimate: float = 0.0  # prior speed estimate, plain-step units
+
+
+@dataclass
+class Measured:
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    outputs: list = field(default_factory=list)
+
+    def add(self, result, seconds: float) -> None:
+        self.tokens += len(result.tokens)
+        self.seconds += seconds
+        self.steps += result.stats.steps
+        self.accepted += result.stats.accepted_tokens
+        self.drafted += result.stats.drafted_tokens
+        self.outputs.append(list(result.tokens))
+
+
+def _dynamic_config_cls():
+    try:
+        from specheads.serving.dynamic_tree import DynamicTreeConfig
+    except ImportError:
+        return None
+    return DynamicTreeConfig
+
+
+def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[int] | None = None,
+                    node_budgets: tuple[int, ...] = NODE_BUDGETS) -> list[Setting]:
+    """Chains and calibrated expansions per depth limit, deduplicated, each with its prior estimate."""
+    from specheads.heads.tree_paths import expand_paths, expected_accept_length
+    from specheads.serving.tree import DraftTree
+
+    max_depth = len(accuracy)
+    depths = depths or list(range(1, max_depth + 1))
+    bad = [d for d in depths if not 1 <= d <= max_depth]
+    if bad:
+        raise ValueError(f"depth limits must be in 1..{max_depth} (the heads' draft depths), got {bad}")
+    seen, settings = set(), []
+
+    def add(name: str, paths: list[tuple[int, ...]]) -> None:
+        key = tuple(sorted(paths))
+        if key in seen:
+            return
+        seen.add(key)
+        tree = DraftTree.from_paths(paths)
+        depth = tree.max_depth
+        cost = 1 + NODE_COST * len(paths) + (DEPTH_COST * depth if eagle else 0.0)
+        settings.append(Setting(name, "static", tree, {"paths": [list(p) for p in key]}, len(paths), depth,
+                                (1 + expected_accept_length(paths, accuracy)) / cost))
+
+    for depth in depths:
+        add(f"chain-{depth}", [(0,) * d for d in range(1, depth + 1)])
+    for depth in depths:
+        for budget in node_budgets:
+            if budget > depth:
+                paths = expand_paths(accuracy[:depth], budget)
+                add(f"tree-d{depth}-n{len(paths)}", paths)
+    return settings
+
+
+def dynamic_settings(max_depth: int) -> list[Setting]:
+    """Dynamic-tree candidates for EAGLE heads; empty until serving provides DynamicTreeConfig."""
+    config_cls = _dynamic_config_cls()
+    if config_cls is None:
+        return []
+    settings = []
+    for depth in sorted({max(1, max_depth // 2), max_depth}):
+        for grid in DYNAMIC_GRID:
+            config = config_cls(depth=depth, top_k=grid["top_k"], num_nodes=grid["num_nodes"],
+                                entropy_threshold=None)
+            settings.append(Setting(f"dynamic-d{depth}-k{grid['top_k']}-n{grid['num_nodes']}", "dynamic", config,
+                                    {"dynamic": dataclasses.asdict(config)}, grid["num_nodes"], depth))
+    return settings
+
+
+def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int] | None = None,
+                       node_budgets: tuple[int, ...] = NODE_BUDGETS) -> list[Setting]:
+    """Every setting to measure for these heads (see the module docstring)."""
+    from specheads.serving.tree import prior_accuracy
+
+    if max_settings < 1:
+        raise ValueError(f"max_settings must be >= 1, got {max_settings}")
+    eagle = heads_config.kind != "medusa"
+    accuracy = (heads_config.calibration or {}).get("accuracy") or prior_accuracy(heads_config.num_heads)
+    accuracy = accuracy[:heads_config.num_heads]
+    static = static_settings(accuracy, eagle=eagle, depths=depths, node_budgets=node_budgets)
+    static = sorted(static, key=lambda s: -s.estimate)[:max_settings]
+    # Dynamic configs come on top of the static ones: a decoder that does not take them yet
+    # skips them, and the static sweep must not have been cut short for them.
+    dynamic = dynamic_settings(len(accuracy)) if eagle else []
+    return sorted(static, key=lambda s: (s.max_depth, s.num_nodes)) + dynamic
+
+
+def _decoder(target, heads, heads_config, tree):
+    from specheads.bench.harness import engine_kwargs
+    from specheads.serving.decode import SpeculativeDecoder
+
+    tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
+    # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
+    return SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers, **engine_kwargs(fallback=False))
+
+
+def _timed(decoder, prompt: list[int], max_new_tokens: int, eos_token_id):
+    start = time.perf_counter()
+    result = decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    return result, time.perf_counter() - start
+
+
+def summary(measured: Measured, plain: Measured, reference_outputs: list) -> dict:
+    tokens_per_s = measured.tokens / measured.seconds if measured.seconds > 0 else 0.0
+    plain_tps = plain.tokens / plain.seconds if plain.seconds > 0 else 0.0
+    step_s = measured.seconds / measured.steps if measured.steps else None
+    plain_step_s = plain.seconds / plain.steps if plain.steps else None
+    return {"tokens": measured.tokens, "seconds": measured.seconds, "tokens_per_s": tokens_per_s,
+            "speedup_vs_plain": tokens_per_s / plain_tps if plain_tps else None,
+            "steps": measured.steps,
+            "tau": (measured.accepted + measured.steps) / measured.steps if measured.steps else None,
+            "alpha": measured.accepted / measured.drafted if measured.drafted else None,
+            "step_ms": 1000 * step_s if step_s else None,
+            "step_cost": step_s / plain_step_s if step_s and plain_step_s else None,
+            "identical": measured.outputs == reference_outputs[:len(measured.outputs)]}
+
+
+def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_tokens: int = 64,
+         budget_s: float = 120.0, eos_token_id: int | None = None, max_settings: int = 16,
+         depths: list[int] | None = None, node_budgets: tuple[int, ...] = NODE_BUDGETS,
+         settings: list[Setting] | None = None, progress: bool = True,
+         log: Callable[[str], None] | None = None) -> dict:
+    """Measure every setting on `prompts` within `budget_s`; -> the tuning report (winner first).
+
+    Settings that fail to build (a dynamic config the decoder does not take yet) are
+    recorded with their error and skipped, never silently dropped.
+    """
+    from tqdm.auto import tqdm
+
+    from specheads.serving.decode import SpeculativeDecoder
+
+    if not prompts:
+        raise ValueError("tune needs at least one prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if budget_s <= 0:
+        raise ValueError(f"budget_s must be > 0 seconds, got {budget_s}")
+    settings = settings if settings is not None else candidate_settings(
+        heads_config, max_settings=max_settings, depths=depths, node_budgets=node_budgets)
+    decoders, skipped = {}, []
+    plain_decoder = SpeculativeDecoder(target)
+    for setting in settings:
+        try:
+            decoders[setting.name] = _decoder(target, heads, heads_config, setting.tree)
+            decoders[setting.name].generate(prompts[0], max_new_tokens=min(8, max_new_tokens),
+                                            eos_token_id=eos_token_id)  # warm-up, and fail early
+        except (TypeError, ValueError, NotImplementedError, AttributeError) as err:
+            skipped.append({"name": setting.name, "kind": setting.kind, "error": f"{type(err).__name__}: {err}"})
+            decoders.pop(setting.name, None)
+    active = [s for s in settings if s.name in decoders]
+    if not active:
+        raise ValueError(f"no tree setting could be decoded: {skipped}")
+    plain_decoder.generate(prompts[0], max_new_tokens=min(8, max_new_tokens), eos_token_id=eos_token_id)
+    plain = Measured()
+    measured = {s.name: Measured() for s in active}
+    start = time.perf_counter()
+    bar = tqdm(total=len(prompts), desc=f"tune: {len(active)} trees x prompts", unit="prompt", disable=not progress)
+    num_prompts = 0
+    for prompt in prompts:
+        plain.add(*_timed(plain_decoder, prompt, max_new_tokens, eos_token_id))
+        for setting in active:
+            measured[setting.name].add(*_timed(decoders[setting.name], prompt, max_new_tokens, eos_token_id))
+        num_prompts += 1
+        bar.update(1)
+        if time.perf_counter() - start > budget_s:
+            break
+    bar.close()
+    if log and num_prompts < len(prompts):
+        log(f"tune: time budget {budget_s:.0f} s spent after {num_prompts}/{len(prompts)} prompts")
+    rows = []
+    for setting in active:
+        row = {"name": setting.name, "kind": setting.kind, "num_nodes": setting.num_nodes,
+               "max_depth": setting.max_depth, "estimate": setting.estimate, "tree": setting.record}
+        row.update(summary(measured[setting.name], plain, plain.outputs))
+        rows.append(row)
+    rows.sort(key=lambda r: -r["tokens_per_s"])
+    winner = next((r for r in rows if r["identical"]), None)
+    if winner is None:
+        raise ValueError("no tree setting reproduced plain greedy decoding token for token; not storing a tree "
+                         f"(settings: {[r['name'] for r in rows]})")
+    plain_row = summary(plain, plain, plain.outputs)
+    device = str(getattr(target, "device", "cpu"))
+    return {"schema": SCHEMA, "winner": winner["name"], "device": device, "torch_threads": torch.get_num_threads(),
+            "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "budget_s": budget_s,
+            "seconds": time.perf_counter() - start, "plain": plain_row, "settings": rows, "skipped": skipped}
+
+
+def stored_tree(report: dict) -> dict:
+    """The winner as config.json's `tree` field: the tree itself plus what was measured."""
+    winner = next(r for r in report["settings"] if r["name"] == report["winner"])
+    tree = dict(winner["tree"])
+    if "paths" in tree:
+        tree["num_nodes"] = winner["num_nodes"]
+    tree["tuned"] = {"setting": winner["name"], "device": report["device"], "torch_threads": report["torch_threads"],
+                     "tokens_per_s": winner["tokens_per_s"], "speedup_vs_plain": winner["speedup_vs_plain"],
+                     "tau": winner["tau"], "step_cost": winner["step_cost"], "sweep": "tuning.json"}
+    return tree
+
+
+def format_tuning(report: dict) -> str:
+    """Markdown table of the sweep, fastest first."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"### tune ({report['num_prompts']} prompts x {report['max_new_tokens']} new tokens, {report['device']}, "
+             f"{report['torch_threads']} threads; plain {report['plain']['tokens_per_s']:.1f} tok/s, "
+             f"{fmt(report['plain']['step_ms'], '.2f')} ms/step)", "",
+             "| setting | nodes | depth | tok/s | vs plain | tau | alpha | step ms | step cost | identical |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in report["settings"]:
+        mark = " (chosen)" if r["name"] == report["winner"] else ""
+        lines.append(f"| {r['name']}{mark} | {r['num_nodes']} | {r['max_depth']} | {r['tokens_per_s']:.1f} | "
+                     f"{fmt(r['speedup_vs_plain'], '.2f')}x | {fmt(r['tau'], '.2f')} | {fmt(r['alpha'], '.3f')} | "
+                     f"{fmt(r['step_ms'], '.2f')} | {fmt(r['step_cost'], '.2f')} | "
+                     f"{'yes' if r['identical'] else 'NO'} |")
+    for s in report["skipped"]:
+        lines.append(f"| {s['name']} (skipped: {s['error']}) | | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def tune_heads_dir(target, heads_dir: str, prompts: list[list[int]], **kwargs) -> dict:
+    """Load the heads in `heads_dir`, tune, store the winner and the sweep; -> the report."""
+    from specheads.heads.heads_dir import load_heads, update_tree
+
+    heads, heads_config = load_heads(heads_dir, target=target.identity, device=target.device, dtype=target.dtype)
+    report = tune(target, heads, heads_config, prompts, **kwargs)
+    report["heads"] = str(heads_dir)
+    update_tree(heads_dir, stored_tree(report), report)
+    return report

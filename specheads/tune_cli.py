@@ -1,0 +1,82 @@
+"""`specheads tune`: measure draft trees on this hardware and store the fastest in the heads dir.
+
+    specheads tune --target T --heads H [--prompts FILE.jsonl] [--max-new-tokens N] [--budget-s S]
+                   [--max-settings N] [--depths 1,2,3] [--node-budgets 4,8,16] [--json OUT]
+
+Prompts are Spec-Bench `question.jsonl` records (default: the shipped bench set). The
+winner goes into HEADS/config.json's `tree` (used by generate, serve and bench by
+default) and the whole sweep into HEADS/tuning.json. How settings are chosen and
+measured: bench/tune.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.replace(" ", ",").split(",") if part]
+    except ValueError as err:
+        raise ValueError(f"{option} expects comma-separated integers like 1,2,3, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise ValueError(f"{option} expects positive integers, got {text!r}")
+    return values
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("tune", help="sweep draft trees on this hardware; store the fastest in the heads dir")
+    p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
+    p.add_argument("--heads", required=True, help="heads directory to tune (its config.json tree is replaced)")
+    p.add_argument("--prompts", help="Spec-Bench question.jsonl (default: the shipped bench set)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--budget-s", type=float, default=120.0, help="measurement time budget in seconds")
+    p.add_argument("--max-settings", type=int, default=16, help="most tree settings measured")
+    p.add_argument("--depths", help="depth limits to sweep, e.g. 1,2,3 (default: 1..heads' depth)")
+    p.add_argument("--node-budgets", help="draft-node budgets to sweep, e.g. 4,8,16")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="also write the sweep report here")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from specheads.bench.prompts import encode_prompts, load_prompts
+    from specheads.bench.tune import NODE_BUDGETS
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.budget_s <= 0:
+        raise ValueError(f"--budget-s must be > 0 seconds, got {args.budget_s}")
+    depths = _int_list(args.depths, "--depths") if args.depths else None
+    budgets = tuple(_int_list(args.node_budgets, "--node-budgets")) if args.node_budgets else NODE_BUDGETS
+    prompts = load_prompts(args.prompts, limit=args.limit)  # a bad file fails before any model loads
+
+    from transformers import AutoTokenizer
+
+    from specheads.bench.tune import format_tuning, tune_heads_dir
+    from specheads.heads.heads_dir import read_heads_config
+    from specheads.heads.target import TargetAdapter
+    from specheads.runner import resolve_target_name
+
+    read_heads_config(args.heads)  # a missing or foreign heads dir fails before the target loads
+    path = resolve_target_name(args.target)
+    target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
+                                           trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    encoded = [p.input_ids for p in encode_prompts(tokenizer, prompts)]
+    report = tune_heads_dir(target, args.heads, encoded, max_new_tokens=args.max_new_tokens, budget_s=args.budget_s,
+                            eos_token_id=tokenizer.eos_token_id, max_settings=args.max_settings, depths=depths,
+                            node_budgets=budgets, progress=not args.quiet,
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_tuning(report))
+    print(f"\nstored tree {report['winner']!r} in {args.heads}/config.json (sweep: {args.heads}/tuning.json)",
+          file=sys.stderr)
+    if args.json_out:
+        from specheads.heads.heads_dir import atomic_write_text
+
+        atomic_write_text(args.json_out, json.dumps(report, indent=2) + "\n")
+    return 0
