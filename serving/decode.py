@@ -77,7 +77,8 @@ class DecodeStats:
     plain_steps: int = 0  # steps without a draft (speculation off, probing the plain step cost, fallen back)
     fallback: bool = False  # the request fell back to plain decoding (serving/engine.py FallbackPolicy)
     fallback_reason: str | None = None
-    fallback_step: int | None = None  # decode steps before the fallback
+    fallback_step: int | None = None  # decode steps before the first fallback
+    fallbacks: int = 0  # times the request fell back (it retries speculation after a while)
     spec_tokens_per_s: float | None = None  # the measured rates the fallback decision compared
     plain_tokens_per_s: float | None = None
 

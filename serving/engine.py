@@ -24,11 +24,13 @@ shapes.
 
 Fallback (`FallbackPolicy`). The engine measures the wall time of every decode step,
 keyed by (batch size, padded tree size), as an EMA in `StepCosts` (kept by the decoder,
-so later requests reuse it). After `warmup_steps` speculative steps a request falls back
-to plain decoding when no draft token was accepted at all, or when its measured tokens per
-second over its speculative steps are below plain decoding's (1 / the cost of a T = 1 step
-at this batch size, measured by `probe_steps` plain steps when no such step was timed yet;
-in a batch only all-plain steps time it, so until then only the first rule applies). Its stats say
+so later requests reuse it). At the end of every window of `warmup_steps` speculative
+steps a request falls back to plain decoding when no draft token was accepted in the
+window, or when its measured tokens per second over the window are below (1 - margin) x
+plain decoding's (1 / the cost of a T = 1 step at this batch size, measured by
+`probe_steps` plain steps when no such step was timed yet; in a batch only all-plain steps
+time it, so until then only the first rule applies). After `retry_after` plain steps it
+speculates again for another window: text often turns predictable later. Its stats say
 so (`DecodeStats.fallback`, `fallback_reason`). Seeded sampling never falls back: its
 random stream, hence its output, must not depend on timing.
 
@@ -51,13 +53,17 @@ from specheads.serving.static_cache import TreeStaticCache
 
 @dataclass(frozen=True)
 class FallbackPolicy:
-    warmup_steps: int = 8  # speculative steps before the first decision
+    warmup_steps: int = 16  # speculative steps per decision window
     probe_steps: int = 2  # plain steps that time a T = 1 step when none was timed yet
+    margin: float = 0.1  # fall back only when speculation is slower than (1 - margin) x plain
+    retry_after: int = 64  # plain steps after a fallback before speculation is tried again
 
     def __post_init__(self):
-        if self.warmup_steps < 1 or self.probe_steps < 1:
-            raise ValueError(f"warmup_steps and probe_steps must be >= 1, got {self.warmup_steps} "
-                             f"and {self.probe_steps}")
+        if self.warmup_steps < 1 or self.probe_steps < 1 or self.retry_after < 1:
+            raise ValueError(f"warmup_steps, probe_steps and retry_after must be >= 1, got {self.warmup_steps}, "
+                             f"{self.probe_steps} and {self.retry_after}")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
 
 class StepCosts:
@@ -97,7 +103,7 @@ class _Sequence:
     sampling: SamplingParams | None
     greedy: bool
     acceptance: str
-    speculating: bool
+    speculating: bool  # drafts this step (False: speculation off, or fallen back)
     may_fall_back: bool
     generator: torch.Generator | None
     stats: DecodeStats
@@ -106,9 +112,10 @@ class _Sequence:
     finish_reason: str | None = None
     joined: bool = False  # takes part in decode steps (set at the latest by the first step after add)
     probing: int = 0  # plain steps left that time a T = 1 step for the fallback decision
-    spec_steps: int = 0
+    spec_steps: int = 0  # in the current decision window
     spec_accepted: int = 0
-    spec_seconds: float = 0.0  # wall time of this sequence's speculative steps
+    spec_seconds: float = 0.0  # wall time of the window's speculative steps
+    plain_run: int = 0  # plain steps since the last fallback (retried after policy.retry_after)
 
     def result(self) -> GenerationResult:
         self.stats.num_new_tokens = len(self.tokens)
@@ -268,6 +275,8 @@ class BatchEngine:
         drafts: list[_Draft | None] = [None] * len(batch)
         medusa = []
         for index, seq in enumerate(batch):
+            if seq.stats.fallback and not seq.speculating and seq.plain_run >= decoder.fallback.retry_after:
+                seq.speculating = True  # try speculating again: the text may have become predictable
             if not seq.speculating or seq.probing:
                 drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree)
             elif decoder.is_medusa:
@@ -350,6 +359,7 @@ class BatchEngine:
         num_accepted = len(tokens) - 1
         if draft.plan.max_depth == 0:  # a plain step (speculation off, probing or fallen back)
             stats.plain_steps += 1
+            seq.plain_run += 1
             if seq.probing:
                 seq.probing -= 1
             return
@@ -364,29 +374,34 @@ class BatchEngine:
         seq.spec_seconds += seconds
 
     def _maybe_fall_back(self, seq: _Sequence, batch_size: int) -> None:
+        """At the end of each window of warmup_steps speculative steps: keep speculating or fall
+        back (see the module docstring); a fallen-back request retries after retry_after steps."""
         policy = self.decoder.fallback
-        if not seq.may_fall_back or seq.probing or seq.spec_steps < policy.warmup_steps \
+        if not seq.may_fall_back or not seq.speculating or seq.probing or seq.spec_steps < policy.warmup_steps \
                 or seq.finish_reason is not None:
             return
-        costs = self.decoder.step_costs
         if seq.spec_accepted == 0:
             self._fall_back(seq, f"no draft token accepted in {seq.spec_steps} speculative steps")
             return
-        plain_cost = costs.get(batch_size, 1)
+        plain_cost = self.decoder.step_costs.get(batch_size, 1)
         if plain_cost is None:
             if batch_size == 1:
                 seq.probing = policy.probe_steps  # time plain steps, then decide
             return
-        seq.may_fall_back = False  # one decision per request
         tau = (seq.spec_accepted + seq.spec_steps) / seq.spec_steps
         spec_rate, plain_rate = (seq.spec_accepted + seq.spec_steps) / seq.spec_seconds, 1.0 / plain_cost
         seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
-        if spec_rate < plain_rate:
+        if spec_rate < (1 - policy.margin) * plain_rate:
             self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
                                  f"decoding's {plain_rate:.1f} tokens/s")
+        else:
+            seq.spec_steps, seq.spec_accepted, seq.spec_seconds = 0, 0, 0.0  # a new window
 
     def _fall_back(self, seq: _Sequence, reason: str) -> None:
-        seq.speculating = seq.may_fall_back = False
+        seq.speculating = False
+        seq.spec_steps, seq.spec_accepted, seq.spec_seconds, seq.plain_run = 0, 0, 0.0, 0
         seq.stats.fallback = True
         seq.stats.fallback_reason = reason
-        seq.stats.fallback_step = seq.stats.steps
+        if seq.stats.fallback_step is None:
+            seq.stats.fallback_step = seq.stats.steps
+        seq.stats.fallbacks += 1

@@ -200,6 +200,11 @@ def test_fallback_engages_when_heads_never_match(setup):
     assert result.stats.fallback and "no draft token accepted" in result.stats.fallback_reason
     assert result.stats.fallback_step == 4 and result.stats.plain_steps == result.stats.steps - 4
     assert result.stats.accepted_tokens == 0
+    retrying = SpeculativeDecoder(target, wrong, DraftTree.from_paths(TREE_PATHS),
+                                  fallback=FallbackPolicy(warmup_steps=2, retry_after=3))
+    again = retrying.generate(prompts[2], MAX_NEW[2])
+    assert again.tokens == references[2]
+    assert again.stats.fallbacks >= 3 and again.stats.plain_steps >= 9  # speculation retried, fell back again
     off = SpeculativeDecoder(target, wrong, DraftTree.from_paths(TREE_PATHS), fallback=None)
     kept = off.generate(prompts[2], MAX_NEW[2])
     assert kept.tokens == references[2] and not kept.stats.fallback and kept.stats.plain_steps == 0
