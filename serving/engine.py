@@ -153,6 +153,7 @@ class BatchEngine:
         self.cache = TreeStaticCache(self.target.config, max_cache_len=max_cache_len, batch_size=max_batch_size)
         self.rows: list[_Sequence] = []  # row i holds rows[i]
         self._pad_cache: dict[int, torch.Tensor] = {}
+        self._root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)  # accepted nodes of a plain step
 
     # --- admission -------------------------------------------------------------------------
 
@@ -336,7 +337,10 @@ class BatchEngine:
         for index, (seq, draft) in enumerate(zip(batch, drafts)):
             size = draft.plan.num_nodes
             logits_TV = logits_nTV[index, :size]
-            if seq.greedy:
+            if seq.greedy and size == 1:  # a plain step: the target's token is the next root
+                root = logits_TV.argmax(dim=-1)
+                step = Acceptance(nodes=self._root_only, emitted=root.tolist())
+            elif seq.greedy:
                 target_tokens = logits_TV.argmax(dim=-1)
                 step = accept(draft.plan, draft.tokens, Verification(target_tokens=target_tokens, hidden=None))
                 root = target_tokens[step.nodes[-1:]]

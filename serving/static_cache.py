@@ -121,7 +121,15 @@ class TreeStaticLayer(CacheLayerMixin):
                              f"{self.max_cache_len}; build the cache with a larger max_cache_len")
         cache_kwargs = args[0] if args and isinstance(args[0], dict) else kwargs.get("cache_kwargs") or {}
         slots_BT = cache_kwargs.get("cache_position")
-        if slots_BT is None:
+        if slots_BT is None and not self.static_shape:
+            # Eager path: one slice copy per row at its host-known length (an index_put per
+            # layer costs more than the rest of a small model's decode step on a CPU).
+            for row, length in enumerate(self.lengths.active):
+                keys[row, :, length:length + num_new] = key_states[row]
+                values[row, :, length:length + num_new] = value_states[row]
+            self.lengths.num_pending = num_new
+            return keys[:, :, :needed], values[:, :, :needed]
+        if slots_BT is None:  # static shapes (graph capture): positions from the device lengths
             slots_BT = self.lengths.active_device[:, None] + torch.arange(num_new, device=self.device)
         slots_BT = slots_BT.to(self.device).expand(key_states.shape[0], num_new)
         batch_B1 = torch.arange(key_states.shape[0], device=self.device)[:, None]
