@@ -140,15 +140,32 @@ def test_batched_greedy_equals_each_sequence_alone(setup, kind):
         assert sum(r.stats.accepted_tokens for r in results) > sum(MAX_NEW) // 2
 
 
-def test_kernel_path_batched(setup, tiny_llama_dir):
+@pytest.mark.parametrize("kind", ["medusa-oracle-stop", "medusa-oracle-adaedl", "eagle3-dynamic"])
+def test_kernel_path_batched(setup, tiny_llama_dir, kind):
+    """The Triton tree-attention kernel (interpreted on the CPU) verifies padded per-row trees
+    with per-row prefix lengths: static, AdaEDL-cut and dynamic trees, with a stop sequence."""
     target, prompts, references, long = setup
     tree_target = TargetAdapter.from_pretrained(tiny_llama_dir)  # its own model: the decoder switches attention
-    oracle = MultiOracle(tree_target, long, PROMPT_LENGTHS)
-    decoder = SpeculativeDecoder(tree_target, oracle, DraftTree.from_paths(TREE_PATHS), attn_impl="tree",
-                                 tree_attention_impl="triton")
-    tokens, results, _ = run_session(decoder, greedy_requests(prompts[:4], MAX_NEW[:4]))
-    assert tokens == references[:4]
-    assert sum(r.stats.accepted_tokens for r in results) > 0
+    tree = DraftTree.from_paths(TREE_PATHS)
+    kernel = dict(attn_impl="tree", tree_attention_impl="triton")
+    if kind.startswith("medusa"):
+        oracle = MultiOracle(tree_target, long, PROMPT_LENGTHS)
+        threshold = 0.5 if kind.endswith("adaedl") else None
+        decoder = SpeculativeDecoder(tree_target, oracle, tree, entropy_threshold=threshold, **kernel)
+    else:
+        eagle, config = random_head(tree_target, seed=3)
+        decoder = SpeculativeDecoder(tree_target, eagle, DynamicTreeConfig(depth=3, top_k=2, num_nodes=6),
+                                     tap_layers=config.tap_layers, **kernel)
+    requests = greedy_requests(prompts[:4], MAX_NEW[:4])
+    expected = [list(r) for r in references[:4]]
+    if kind.endswith("stop"):
+        requests[1].stop_token_sequences = [references[1][2:4]]
+        stop_at = next(i for i in range(1, len(expected[1])) if expected[1][i - 1:i + 1] == references[1][2:4])
+        expected[1] = expected[1][:stop_at + 1]
+    tokens, results, _ = run_session(decoder, requests)
+    assert tokens == expected
+    if kind.startswith("medusa"):
+        assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
 def test_stop_sequences_eos_and_cancel_in_a_batch(setup):
