@@ -28,9 +28,12 @@ so later requests reuse it). At the end of every window of `warmup_steps` specul
 steps a request falls back to plain decoding when no draft token was accepted in the
 window, or when its measured tokens per second over the window are below (1 - margin) x
 plain decoding's (1 / the cost of a T = 1 step at this batch size, measured by
-`probe_steps` plain steps when no such step was timed yet; in a batch only all-plain steps
-time it, so until then only the first rule applies). After `retry_after` plain steps it
-speculates again for another window: text often turns predictable later. Its stats say
+`probe_steps` steps in which every sequence that may fall back decodes plainly, when no
+such step was timed yet; sequences that may not fall back keep drafting, so with one of
+those in the batch only the first rule applies). After `retry_after` plain steps a
+request speculates again for another window: text often turns predictable later. At a
+large batch on a CPU, speculation's extra verify rows cost more than they save, and the
+requests fall back together. Its stats say
 so (`DecodeStats.fallback`, `fallback_reason`). Seeded sampling never falls back: its
 random stream, hence its output, must not depend on timing.
 
@@ -111,7 +114,6 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     joined: bool = False  # takes part in decode steps (set at the latest by the first step after add)
-    probing: int = 0  # plain steps left that time a T = 1 step for the fallback decision
     spec_steps: int = 0  # in the current decision window
     spec_accepted: int = 0
     spec_seconds: float = 0.0  # wall time of the window's speculative steps
@@ -153,6 +155,7 @@ class BatchEngine:
         self.cache = TreeStaticCache(self.target.config, max_cache_len=max_cache_len, batch_size=max_batch_size)
         self.rows: list[_Sequence] = []  # row i holds rows[i]
         self._pad_cache: dict[int, torch.Tensor] = {}
+        self._probe_steps = 0  # steps left in which every sequence that may fall back decodes plainly
         self._root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)  # accepted nodes of a plain step
 
     # --- admission -------------------------------------------------------------------------
@@ -262,12 +265,16 @@ class BatchEngine:
         seconds = time.perf_counter() - start
         num_nodes = max(int(d.tokens.shape[0]) for d in drafts)
         self.decoder.step_costs.record(len(batch), num_nodes, seconds)
+        probing = self._probe_steps
         deltas = {}
         for seq, draft, tokens in zip(batch, drafts, emitted):
             before = len(seq.tokens)
             self._count(seq, draft, tokens, seconds)
             seq.finish_reason = emit(seq.tokens, tokens, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
             deltas[seq.seq_id] = seq.tokens[before:]
+        if probing:
+            self._probe_steps -= 1
+        for seq in batch:
             self._maybe_fall_back(seq, len(batch))
         return deltas
 
@@ -278,7 +285,7 @@ class BatchEngine:
         for index, seq in enumerate(batch):
             if seq.stats.fallback and not seq.speculating and seq.plain_run >= decoder.fallback.retry_after:
                 seq.speculating = True  # try speculating again: the text may have become predictable
-            if not seq.speculating or seq.probing:
+            if not seq.speculating or (self._probe_steps and seq.may_fall_back):
                 drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree)
             elif decoder.is_medusa:
                 medusa.append(index)
@@ -364,8 +371,6 @@ class BatchEngine:
         if draft.plan.max_depth == 0:  # a plain step (speculation off, probing or fallen back)
             stats.plain_steps += 1
             seq.plain_run += 1
-            if seq.probing:
-                seq.probing -= 1
             return
         stats.drafted_tokens += draft.plan.max_depth
         stats.accepted_tokens += num_accepted
@@ -381,7 +386,7 @@ class BatchEngine:
         """At the end of each window of warmup_steps speculative steps: keep speculating or fall
         back (see the module docstring); a fallen-back request retries after retry_after steps."""
         policy = self.decoder.fallback
-        if not seq.may_fall_back or not seq.speculating or seq.probing or seq.spec_steps < policy.warmup_steps \
+        if not seq.may_fall_back or not seq.speculating or self._probe_steps or seq.spec_steps < policy.warmup_steps \
                 or seq.finish_reason is not None:
             return
         if seq.spec_accepted == 0:
@@ -389,8 +394,7 @@ class BatchEngine:
             return
         plain_cost = self.decoder.step_costs.get(batch_size, 1)
         if plain_cost is None:
-            if batch_size == 1:
-                seq.probing = policy.probe_steps  # time plain steps, then decide
+            self._probe_steps = policy.probe_steps  # time plain steps at this batch size, then decide
             return
         tau = (seq.spec_accepted + seq.spec_steps) / seq.spec_steps
         spec_rate, plain_rate = (seq.spec_accepted + seq.spec_steps) / seq.spec_seconds, 1.0 / plain_cost

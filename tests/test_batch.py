@@ -252,3 +252,16 @@ def test_seeded_sampling_never_falls_back(setup):
     assert not seeded.stats.fallback and seeded.stats.plain_steps == 0
     unseeded = decoder.generate(prompts[0], 12, sampling=SamplingParams(temperature=1.0))
     assert unseeded.stats.fallback
+
+
+def test_batched_fallback_times_plain_steps_at_the_batch_size(setup):
+    """In a batch the plain-step cost is timed at that batch size (a probe step in which every
+    sequence decodes plainly), so the per-request decision compares like with like."""
+    target, prompts, references, long = setup
+    oracle = MultiOracle(target, long, PROMPT_LENGTHS)
+    decoder = SpeculativeDecoder(target, oracle, DraftTree.from_paths(TREE_PATHS),
+                                 fallback=FallbackPolicy(warmup_steps=1, probe_steps=1))
+    tokens, results, _ = run_session(decoder, greedy_requests(prompts), max_batch_size=3)
+    assert tokens == references
+    assert any(decoder.step_costs.get(n, 1) is not None for n in (2, 3))
+    assert sum(r.stats.plain_steps for r in results) > 0
