@@ -23,19 +23,21 @@ see each other: padding keys and other rows are masked), up to fp ties between b
 shapes.
 
 Fallback (`FallbackPolicy`). The engine measures the wall time of every decode step,
-keyed by (batch size, padded tree size), as an EMA in `StepCosts` (kept by the decoder,
-so later requests reuse it). At the end of every window of `warmup_steps` speculative
-steps a request falls back to plain decoding when no draft token was accepted in the
-window, or when its measured tokens per second over the window are below (1 - margin) x
-plain decoding's (1 / the cost of a T = 1 step at this batch size, measured by
-`probe_steps` steps in which every sequence that may fall back decodes plainly, when no
-such step was timed yet; sequences that may not fall back keep drafting, so with one of
-those in the batch only the first rule applies). After `retry_after` plain steps a
-request speculates again for another window: text often turns predictable later. At a
-large batch on a CPU, speculation's extra verify rows cost more than they save, and the
-requests fall back together. Its stats say
-so (`DecodeStats.fallback`, `fallback_reason`). Seeded sampling never falls back: its
-random stream, hence its output, must not depend on timing.
+keyed by (batch size, padded tree size), and the tokens per speculative step (tau) per
+batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse them).
+- One sequence: at the end of every window of `warmup_steps` speculative steps it falls
+  back to plain decoding when no draft token was accepted in the window, or when its
+  tokens per second over the window are below (1 - margin) x plain decoding's (1 / the
+  cost of a T = 1 step, timed by `probe_steps` plain steps when none was yet). After
+  `retry_after` plain steps it speculates again for another window: text often turns
+  predictable later.
+- A batch speculates or not as a whole (a plain row in a speculating batch still pays for
+  the padded tree): when the measured costs and tau at this batch size predict
+  speculation below (1 - margin) x plain, the step is plain for every sequence that may
+  fall back, except one speculative step every `retry_after` that refreshes the estimate.
+  The no-acceptance rule still applies per sequence.
+The stats say so (`DecodeStats.fallback`, `fallbacks`, `fallback_reason`). Seeded sampling
+never falls back: its random stream, hence its output, must not depend on timing.
 
 Shape legend: n active sequences, T tree nodes (padded), V vocab, nH drafter tap width,
 A accepted nodes.
@@ -70,19 +72,39 @@ class FallbackPolicy:
 
 
 class StepCosts:
-    """EMA of measured decode-step seconds per (batch size, padded tree size)."""
+    """EMAs of measured decode-step seconds per (batch size, padded tree size), and of the
+    tokens a speculative step gave per sequence (tau) per batch size, over all requests."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
         self.seconds: dict[tuple[int, int], float] = {}
+        self.taus: dict[int, float] = {}
+        self.spec_nodes: dict[int, int] = {}  # batch size -> padded tree size of its last speculative step
+
+    def _ema(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.smoothing * (value - old)
 
     def record(self, batch_size: int, num_nodes: int, seconds: float) -> None:
-        key = (batch_size, num_nodes)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._ema(self.seconds, (batch_size, num_nodes), seconds)
+        if num_nodes > 1:
+            self.spec_nodes[batch_size] = num_nodes
+
+    def record_tau(self, batch_size: int, tau: float) -> None:
+        self._ema(self.taus, batch_size, tau)
 
     def get(self, batch_size: int, num_nodes: int) -> float | None:
         return self.seconds.get((batch_size, num_nodes))
+
+    def predicted_gain(self, batch_size: int, tau: float | None = None) -> float | None:
+        """Speculation's tokens/s over plain decoding's at this batch size, from the measured
+        step costs and tau (default: the recent tau of all requests); None until measured."""
+        tau = self.taus.get(batch_size) if tau is None else tau
+        num_nodes = self.spec_nodes.get(batch_size)
+        plain, spec = self.get(batch_size, 1), None if num_nodes is None else self.get(batch_size, num_nodes)
+        if tau is None or plain is None or spec is None:
+            return None
+        return tau * plain / spec
 
 
 @dataclass
@@ -156,6 +178,8 @@ class BatchEngine:
         self.rows: list[_Sequence] = []  # row i holds rows[i]
         self._pad_cache: dict[int, torch.Tensor] = {}
         self._probe_steps = 0  # steps left in which every sequence that may fall back decodes plainly
+        self._spec_steps_at: dict[int, int] = {}  # batch size -> speculative steps run at it
+        self._gated_steps_at: dict[int, int] = {}  # batch size -> steps the batch gate made plain
         self._root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)  # accepted nodes of a plain step
 
     # --- admission -------------------------------------------------------------------------
@@ -251,8 +275,9 @@ class BatchEngine:
             raise RuntimeError("finished sequences must be removed before the next step")
         start = time.perf_counter()
         self.cache.set_rows(0, len(batch))
+        plain = self._plain_step(batch)
         with torch.inference_mode():
-            drafts = self._draft(batch)
+            drafts = self._draft(batch, plain)
             logits_nTV, hidden_nTH = self._verify(batch, drafts)
             paths, roots, emitted = self._accept(batch, drafts, logits_nTV)
             self.cache.commit(paths)
@@ -265,6 +290,10 @@ class BatchEngine:
         seconds = time.perf_counter() - start
         num_nodes = max(int(d.tokens.shape[0]) for d in drafts)
         self.decoder.step_costs.record(len(batch), num_nodes, seconds)
+        speculative = [len(tokens) for draft, tokens in zip(drafts, emitted) if draft.plan.max_depth > 0]
+        if speculative:
+            self.decoder.step_costs.record_tau(len(batch), sum(speculative) / len(speculative))
+            self._spec_steps_at[len(batch)] = self._spec_steps_at.get(len(batch), 0) + 1
         probing = self._probe_steps
         deltas = {}
         for seq, draft, tokens in zip(batch, drafts, emitted):
@@ -278,14 +307,47 @@ class BatchEngine:
             self._maybe_fall_back(seq, len(batch))
         return deltas
 
-    def _draft(self, batch: list[_Sequence]) -> list[_Draft]:
+    def _plain_step(self, batch: list[_Sequence]) -> bool:
+        """Whether the sequences that may fall back decode plainly this step: while probing the
+        plain-step cost, or (batch > 1) when speculation is predicted not to pay at this batch
+        size. A batch speculates or not as a whole: a plain row in a speculating batch still
+        pays for the padded tree. One speculative step every retry_after keeps the estimate
+        fresh."""
+        policy = self.decoder.fallback
+        if self._probe_steps:
+            return True
+        size = len(batch)
+        if policy is None or size == 1 or not any(s.may_fall_back and s.speculating for s in batch):
+            return False
+        costs = self.decoder.step_costs
+        gain = costs.predicted_gain(size)
+        if gain is None:
+            if costs.get(size, 1) is None and self._spec_steps_at.get(size, 0) >= policy.warmup_steps:
+                self._probe_steps = policy.probe_steps
+                return True
+            return False
+        if gain >= 1 - policy.margin:
+            return False
+        gated = self._gated_steps_at[size] = self._gated_steps_at.get(size, 0) + 1
+        if gated % policy.retry_after == 0:
+            return False
+        for seq in batch:
+            if seq.may_fall_back and seq.speculating and not seq.stats.fallback:
+                seq.stats.fallback = True
+                seq.stats.fallback_reason = (f"in a batch of {size} speculation was predicted at {gain:.2f}x plain "
+                                             f"decoding's tokens/s (measured step costs and tau)")
+                seq.stats.fallback_step = seq.stats.steps
+                seq.stats.fallbacks += 1
+        return True
+
+    def _draft(self, batch: list[_Sequence], plain: bool = False) -> list[_Draft]:
         decoder = self.decoder
         drafts: list[_Draft | None] = [None] * len(batch)
         medusa = []
         for index, seq in enumerate(batch):
             if seq.stats.fallback and not seq.speculating and seq.plain_run >= decoder.fallback.retry_after:
                 seq.speculating = True  # try speculating again: the text may have become predictable
-            if not seq.speculating or (self._probe_steps and seq.may_fall_back):
+            if not seq.speculating or (plain and seq.may_fall_back):
                 drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree)
             elif decoder.is_medusa:
                 medusa.append(index)
@@ -384,13 +446,17 @@ class BatchEngine:
 
     def _maybe_fall_back(self, seq: _Sequence, batch_size: int) -> None:
         """At the end of each window of warmup_steps speculative steps: keep speculating or fall
-        back (see the module docstring); a fallen-back request retries after retry_after steps."""
+        back (see the module docstring); a fallen-back request retries after retry_after steps.
+        In a batch only the no-acceptance rule is per request (see _plain_step)."""
         policy = self.decoder.fallback
-        if not seq.may_fall_back or not seq.speculating or self._probe_steps or seq.spec_steps < policy.warmup_steps \
-                or seq.finish_reason is not None:
+        if not seq.may_fall_back or not seq.speculating or self._probe_steps or seq.finish_reason is not None \
+                or seq.spec_steps < policy.warmup_steps:
             return
         if seq.spec_accepted == 0:
             self._fall_back(seq, f"no draft token accepted in {seq.spec_steps} speculative steps")
+            return
+        if batch_size > 1:  # a batch speculates or not as a whole (_plain_step)
+            seq.spec_steps, seq.spec_accepted, seq.spec_seconds = 0, 0, 0.0
             return
         plain_cost = self.decoder.step_costs.get(batch_size, 1)
         if plain_cost is None:

@@ -265,3 +265,22 @@ def test_batched_fallback_times_plain_steps_at_the_batch_size(setup):
     assert tokens == references
     assert any(decoder.step_costs.get(n, 1) is not None for n in (2, 3))
     assert sum(r.stats.plain_steps for r in results) > 0
+
+
+def test_a_batch_falls_back_as_a_whole_when_speculation_is_predicted_not_to_pay(setup):
+    """With measured costs saying a speculative step at batch size 3 costs more than tau plain
+    steps, the batch decodes plainly (one speculative step every retry_after refreshes the
+    estimate); outputs are unchanged and the stats say why."""
+    target, prompts, references, long = setup
+    oracle = MultiOracle(target, long, PROMPT_LENGTHS)
+    decoder = SpeculativeDecoder(target, oracle, DraftTree.from_paths(TREE_PATHS),
+                                 fallback=FallbackPolicy(retry_after=1000))
+    for size in (2, 3):  # as if measured: plain 1 ms, a tree step 10 ms, tau 2
+        decoder.step_costs.record(size, 1, 0.001)
+        decoder.step_costs.record(size, len(TREE_PATHS) + 1, 0.010)
+        decoder.step_costs.record_tau(size, 2.0)
+    tokens, results, _ = run_session(decoder, greedy_requests(prompts), max_batch_size=3)
+    assert tokens == references
+    assert all(r.stats.fallback and "in a batch of" in r.stats.fallback_reason for r in results[:3])
+    assert sum(r.stats.plain_steps for r in results) > sum(r.stats.steps for r in results) // 2
+    assert decoder.step_costs.predicted_gain(3) < 0.9
