@@ -300,9 +300,9 @@ def load_text_data(data, tokenizer_path: str | None, seed: int, eos_token_id: in
     if not documents:  # judged on the whole source, before any split
         raise _empty(data.source, len(records), skipped, data.text_field)
     if data.eval_source is not None:
-        train_records, eval_records = _shuffled(records, seed), _shuffled(load_records(data.eval_source), seed)
+        train_records, eval_records = shuffled_records(records, seed), shuffled_records(load_records(data.eval_source), seed)
     elif data.source == EMBEDDED_STDLIB:
-        train_records, eval_records = _shuffled(records, seed), _shuffled(load_records(data.source, "heldout"), seed)
+        train_records, eval_records = shuffled_records(records, seed), shuffled_records(load_records(data.source, "heldout"), seed)
     else:
         train_records, eval_records = split_records(records, data.eval_fraction, seed)
     if data.max_records is not None:
@@ -317,7 +317,8 @@ def load_text_data(data, tokenizer_path: str | None, seed: int, eos_token_id: in
     return train, build_blocks(eval_source, eval_records, **build)
 
 
-def _shuffled(records: list, seed: int) -> list:
+def shuffled_records(records: list, seed: int) -> list:
+    """A seeded shuffle (a copy): the same seed gives the same order."""
     records = list(records)
     random.Random(seed).shuffle(records)
     return records

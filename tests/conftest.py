@@ -61,3 +61,22 @@ def embedded_target_dir() -> Path:
     from specheads.data.tiny_target import build_tiny_target
 
     return build_tiny_target(progress=False)
+
+
+def make_byte_bpe_tokenizer(directory, texts: list[str], chat_template: str | None = None):
+    """A byte-level BPE tokenizer over the full byte alphabet (any text encodes, ids < 300),
+    trained on `texts` and saved into `directory` (next to a tiny model)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(list(texts) * 20, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+    return tokenizer

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_byte_bpe_tokenizer, make_tiny_model
 from specheads.bench.harness import format_report, run_bench
 from specheads.bench.prompts import EncodedPrompt, encode_prompts, load_prompts
 from specheads.heads.heads_dir import HeadsConfig, load_heads, save_heads
@@ -20,18 +20,7 @@ NUM_HEADS = 3
 
 def make_tokenizer(directory):
     """Byte-level BPE over the full byte alphabet (any text encodes), vocab < 512."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(["def f(x):\n    return x + 1\n", "the cat sat on the mat\n"] * 20, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
-    tokenizer.save_pretrained(directory)
-    return tokenizer
+    return make_byte_bpe_tokenizer(directory, ["def f(x):\n    return x + 1\n", "the cat sat on the mat\n"])
 
 
 @pytest.fixture(scope="module")

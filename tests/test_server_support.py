@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_byte_bpe_tokenizer, make_tiny_model
 from specheads.heads.heads_dir import HeadsConfig, save_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
@@ -27,19 +27,7 @@ TEXTS = ["def f(x):\n    return x + 1\n", "the cat sat on the mat\n", "import os
 
 def make_tokenizer(directory):
     """Byte-level BPE over the full byte alphabet (any text encodes), vocab < 512."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(TEXTS * 20, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    return tokenizer
+    return make_byte_bpe_tokenizer(directory, TEXTS, CHAT_TEMPLATE)
 
 
 def build_tiny_setup(root):

@@ -14,11 +14,11 @@ The records then go through data/text.py unchanged (records -> token ids -> pack
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from specheads.data.text import (EMBEDDED_STDLIB, LOCAL_FORMATS, DataError, PackedBlocks, build_blocks,
-                                 extract_documents, load_records, load_text_data, split_records)
+                                 extract_documents, load_records, load_text_data, shuffled_records,
+                                 split_records)
 
 
 def load_split_records(source: str, split: str) -> list:
@@ -56,11 +56,11 @@ def load_training_data(data, tokenizer_path: str | None, seed: int, eos_token_id
                         f"({len(records)} records; skipped {dict(skipped)})")
     if data.eval_split is not None:
         eval_from = data.eval_source or data.source
-        train_records, eval_records = _shuffled(records, seed), _shuffled(
+        train_records, eval_records = shuffled_records(records, seed), shuffled_records(
             load_split_records(eval_from, data.eval_split), seed)
         eval_name = f"{eval_from} [{data.eval_split}]"
     elif data.eval_source is not None:
-        train_records, eval_records = _shuffled(records, seed), _shuffled(load_records(data.eval_source), seed)
+        train_records, eval_records = shuffled_records(records, seed), shuffled_records(load_records(data.eval_source), seed)
         eval_name = data.eval_source
     else:
         train_records, eval_records = split_records(records, data.eval_fraction, seed)
@@ -74,9 +74,3 @@ def load_training_data(data, tokenizer_path: str | None, seed: int, eos_token_id
     if not eval_records:
         raise DataError(f"evaluation data {eval_name!r} is empty: no records to calibrate the heads on")
     return train, build_blocks(eval_name, eval_records, **build)
-
-
-def _shuffled(records: list, seed: int) -> list:
-    records = list(records)
-    random.Random(seed).shuffle(records)
-    return records
