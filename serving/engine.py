@@ -264,15 +264,12 @@ class BatchEngine:
     def step(self) -> dict[int, list[int]]:
         """One decode step over every joined, unfinished sequence -> {seq_id: new tokens}.
         Sequences added since the last step join (they already emitted their first token)."""
+        self._joined_first()
         batch = [seq for seq in self.rows if seq.joined and seq.finish_reason is None]
         for seq in self.rows:
             seq.joined = True
         if not batch:
             return {}
-        # Joined sequences are always rows [0, n): new ones are appended after them, finished
-        # ones are removed by the caller before the next step.
-        if self.rows[:len(batch)] != batch:
-            raise RuntimeError("finished sequences must be removed before the next step")
         start = time.perf_counter()
         self.cache.set_rows(0, len(batch))
         plain = self._plain_step(batch)
@@ -306,6 +303,18 @@ class BatchEngine:
         for seq in batch:
             self._maybe_fall_back(seq, len(batch))
         return deltas
+
+    def _joined_first(self) -> None:
+        """Reorder rows so that the sequences this step decodes (joined, unfinished) are rows
+        [0, n): a removal can move a just-added sequence in front of them."""
+        with torch.inference_mode():
+            front = 0
+            for index, seq in enumerate(self.rows):
+                if seq.joined and seq.finish_reason is None:
+                    if index != front:
+                        self.cache.swap_rows(front, index)
+                        self.rows[front], self.rows[index] = self.rows[index], self.rows[front]
+                    front += 1
 
     def _plain_step(self, batch: list[_Sequence]) -> bool:
         """Whether the sequences that may fall back decode plainly this step: while probing the

@@ -168,6 +168,14 @@ class TreeStaticLayer(CacheLayerMixin):
             self.keys.zero_()
             self.values.zero_()
 
+    def swap_rows_(self, a: int, b: int, length: int) -> None:
+        """Exchange the first `length` slots of rows a and b."""
+        if self.is_initialized:
+            for buffer in (self.keys, self.values):
+                row_a = buffer[a, :, :length].clone()
+                buffer[a, :, :length] = buffer[b, :, :length]
+                buffer[b, :, :length] = row_a
+
     def move_row_(self, src: int, dst: int, length: int) -> None:
         """Copy row src's first `length` slots into row dst."""
         if self.is_initialized:
@@ -236,6 +244,14 @@ class TreeStaticCache(Cache):
     def reset_row(self, row: int) -> None:
         """Empty one row (a new sequence takes it); its buffers are not cleared (dead data is masked)."""
         self.lengths.host[row] = 0
+        self._sync_device_lens()
+
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange the sequences of rows a and b (a scheduler reorders its batch)."""
+        length = max(self.lengths.host[a], self.lengths.host[b])
+        for layer in self.layers:
+            layer.swap_rows_(a, b, length)
+        self.lengths.host[a], self.lengths.host[b] = self.lengths.host[b], self.lengths.host[a]
         self._sync_device_lens()
 
     def move_row(self, src: int, dst: int) -> None:

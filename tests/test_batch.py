@@ -284,3 +284,22 @@ def test_a_batch_falls_back_as_a_whole_when_speculation_is_predicted_not_to_pay(
     assert all(r.stats.fallback and "in a batch of" in r.stats.fallback_reason for r in results[:3])
     assert sum(r.stats.plain_steps for r in results) > sum(r.stats.steps for r in results) // 2
     assert decoder.step_costs.predicted_gain(3) < 0.9
+
+
+def test_a_removal_that_moves_a_new_sequence_forward(setup):
+    """Cancel the first sequence right after admitting a new one: the new one moves into
+    row 0 before it has joined; the next step must still decode the right rows."""
+    target, prompts, references, long = setup
+    decoder = SpeculativeDecoder(target, MultiOracle(target, long, PROMPT_LENGTHS), DraftTree.from_paths(TREE_PATHS))
+    session = BatchSession(decoder, max_batch_size=3, max_cache_len=128)
+    first, second = session.add(SequenceRequest(prompts[0], MAX_NEW[0])), session.add(SequenceRequest(prompts[1], MAX_NEW[1]))
+    got = {first: [], second: []}
+    for update in session.step() + session.step():
+        got[update.seq_id].extend(update.new_tokens)
+    third = session.add(SequenceRequest(prompts[2], MAX_NEW[2]))
+    got[third] = []
+    session.cancel(first)
+    while session.num_active:
+        for update in session.step():
+            got[update.seq_id].extend(update.new_tokens)
+    assert got[second] == references[1] and got[third] == references[2]
