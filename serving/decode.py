@@ -1,6 +1,12 @@
-"""The decode engine: greedy tree speculative decoding, batch size 1, PyTorch path.
+"""Tree speculative decoding for one sequence: the decoder, its state and step functions.
 
     prefill -> repeat: draft -> verify -> accept -> commit
+
+`SpeculativeDecoder` holds the target, the drafter and the tree; its `generate`/`stream`
+run one request through serving/engine.py's `BatchEngine` (the loop, batching and the
+fallback live there; serving/batch.py schedules many requests). The module-level
+`prefill`/`verify`/`accept`/`commit` are the same steps for one sequence, used to drive or
+inspect a decode step by step.
 
 State between steps (`DecodeState`): the cache holds the S committed positions; `root` is
 the next token, already chosen by the target but not yet in the cache; `hidden` holds the
@@ -19,9 +25,9 @@ EAGLE heads read every new row (their own KV cache, `draft_cache`, covers the re
 - commit: the cache keeps the accepted nodes' KV entries (root first) and drops the rest.
 
 The target's cache is a `TreeStaticCache` (serving/static_cache.py) in dynamic-shape mode,
-allocated once by prefill with max_cache_len = P + max_new_tokens + T: verify writes the T
-nodes after the S committed positions, commit gathers the accepted ones in place. No step
-reallocates a buffer.
+allocated once with max_cache_len = P + max_new_tokens + T (one row per sequence): verify
+writes the T nodes after the S committed positions, commit gathers the accepted ones in
+place. No step reallocates a buffer.
 
 Sampling (`generate(..., sampling=SamplingParams(...))`, temperature > 0): verify keeps the
 tree's logits and accept is `serving.sampling.accept_tree_sampling` (recursive rejection
@@ -108,7 +114,7 @@ class DecodeStats:
             accepted_per_position=per_position, prefill_s=self.prefill_s + other.prefill_s,
             decode_s=self.decode_s + other.decode_s, num_new_tokens=self.num_new_tokens + other.num_new_tokens,
             lossless=self.lossless and other.lossless, plain_steps=self.plain_steps + other.plain_steps,
-            fallback=self.fallback or other.fallback)
+            fallback=self.fallback or other.fallback, fallbacks=self.fallbacks + other.fallbacks)
 
 
 @dataclass
