@@ -11,8 +11,8 @@ Settings swept:
   duplicates removed. When there are more than `max_settings`, the ones with the best
   estimated speed are kept (dynamic settings come on top): (1 + expected accepted tokens) / (1 + NODE_COST * nodes
   + DEPTH_COST * depth for EAGLE's sequential drafting).
-- dynamic trees (EAGLE heads only), when serving/dynamic_tree.py provides
-  DynamicTreeConfig(depth, top_k, num_nodes, entropy_threshold) and the decoder accepts it.
+- dynamic EAGLE-2 trees (EAGLE heads only): serving/dynamic_tree.py's
+  DynamicTreeConfig(depth, top_k, num_nodes) over a small grid.
 
 Measurement: real greedy decoding of the prompts with every setting, interleaved
 (prompt-major: every setting on prompt 1, then on prompt 2, ...) so load from other
@@ -73,14 +73,6 @@ class Measured:
         self.outputs.append(list(result.tokens))
 
 
-def _dynamic_config_cls():
-    try:
-        from specheads.serving.dynamic_tree import DynamicTreeConfig
-    except ImportError:
-        return None
-    return DynamicTreeConfig
-
-
 def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[int] | None = None,
                     node_budgets: tuple[int, ...] = NODE_BUDGETS) -> list[Setting]:
     """Chains and calibrated expansions per depth limit, deduplicated, each with its prior estimate."""
@@ -116,14 +108,13 @@ def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[in
 
 
 def dynamic_settings(max_depth: int) -> list[Setting]:
-    """Dynamic-tree candidates for EAGLE heads; empty until serving provides DynamicTreeConfig."""
-    config_cls = _dynamic_config_cls()
-    if config_cls is None:
-        return []
+    """Dynamic-tree (EAGLE-2) candidates for EAGLE heads: depth x DYNAMIC_GRID."""
+    from specheads.serving.dynamic_tree import DynamicTreeConfig
+
     settings = []
     for depth in sorted({max(1, max_depth // 2), max_depth}):
         for grid in DYNAMIC_GRID:
-            config = config_cls(depth=depth, top_k=grid["top_k"], num_nodes=grid["num_nodes"],
+            config = DynamicTreeConfig(depth=depth, top_k=grid["top_k"], num_nodes=grid["num_nodes"],
                                 entropy_threshold=None)
             settings.append(Setting(f"dynamic-d{depth}-k{grid['top_k']}-n{grid['num_nodes']}", "dynamic", config,
                                     {"dynamic": dataclasses.asdict(config)}, grid["num_nodes"], depth))
