@@ -256,34 +256,26 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _dynamic_tree(record: dict):
-    """A stored dynamic-tree record -> DynamicTreeConfig (serving/dynamic_tree.py)."""
-    try:
-        from specheads.serving.dynamic_tree import DynamicTreeConfig
-    except ImportError as err:
-        raise ValueError("the heads directory stores a dynamic tree, but this specheads has no "
-                         "serving/dynamic_tree.py; re-run `specheads tune` to store a static tree") from err
-    return DynamicTreeConfig(**record)
-
-
 def heads_trees(heads_config, tree_nodes: list[int] | None) -> list[tuple[object, dict]]:
     """(tree, tree info) per tree to bench: the heads directory's own tree (the tuned one once
     `specheads tune` ran), then one calibrated tree per entry of `tree_nodes` (draft nodes,
     root excluded), expanded from the directory's calibrated accuracy (or the prior guess)."""
+    from specheads.serving.dynamic_tree import DynamicTreeConfig, tree_from_heads_config
     from specheads.serving.tree import DraftTree, prior_accuracy
 
     trees = []
     record = heads_config.tree or {}
-    if record.get("dynamic"):
-        dynamic = record["dynamic"]
-        trees.append((_dynamic_tree(dynamic), {"source": "heads-dir-tuned", "num_nodes": dynamic["num_nodes"] + 1,
-                                               "num_draft_nodes": dynamic["num_nodes"], "max_depth": dynamic["depth"],
-                                               "dynamic": True}))
+    stored, entropy_threshold = tree_from_heads_config(heads_config)
+    if isinstance(stored, DynamicTreeConfig):
+        trees.append((stored, {"source": "heads-dir-tuned", "num_nodes": stored.num_nodes + 1,
+                               "num_draft_nodes": stored.num_nodes, "max_depth": stored.depth, "dynamic": True}))
     else:
-        stored = DraftTree.from_heads_config(heads_config)
         source = ("heads-dir-tuned" if record.get("tuned") else "heads-dir") if record.get("paths") \
             else "heads-dir-default"
-        trees.append((stored, tree_info(stored, source)))
+        info = tree_info(stored, source)
+        if entropy_threshold is not None:
+            info["entropy_threshold"] = entropy_threshold
+        trees.append((stored, info))
     accuracy = (heads_config.calibration or {}).get("accuracy")
     calibrated = "calibrated" if accuracy else "prior"
     accuracy = accuracy[:heads_config.num_heads] if accuracy else prior_accuracy(heads_config.num_heads)
@@ -312,12 +304,7 @@ def heads_label(heads_config, path: str | None, taken: set[str]) -> str:
 def engine_kwargs(fallback: bool) -> dict:
     """SpeculativeDecoder kwargs: fallback=False keeps every step speculative (measures the
     heads and tree themselves); True keeps the engine's default per-request fallback policy."""
-    import inspect
-
-    from specheads.serving.decode import SpeculativeDecoder
-
-    has_policy = "fallback" in inspect.signature(SpeculativeDecoder).parameters
-    return {} if fallback or not has_policy else {"fallback": None}
+    return {} if fallback else {"fallback": None}
 
 
 def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tuple] | None = None,
@@ -340,7 +327,8 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
     for label, module, config in groups:
         tap_layers = config.tap_layers if config.kind != "medusa" else None
         for tree, info in heads_trees(config, tree_nodes):
-            decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers, **engine_kwargs(fallback))
+            decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers,
+                                         entropy_threshold=info.get("entropy_threshold"), **engine_kwargs(fallback))
             kind = {"heads-dir-tuned": "tuned"}.get(info["source"], info["source"])
             kind = "stored" if kind.startswith("heads-dir") else kind
             name = f"engine-{label}[{kind},{info['num_draft_nodes']}]"

@@ -96,6 +96,17 @@ class DynamicTreeConfig:
         return cls.from_dict(tree)
 
 
+def tree_from_heads_config(config) -> tuple["DraftTree | DynamicTreeConfig", float | None]:
+    """The tree a heads directory records -> (DraftTree or DynamicTreeConfig, Medusa entropy
+    threshold or None). `tree` holds {"dynamic": {...}} (EAGLE-2 trees), or {"paths": [...]}
+    with an optional "entropy_threshold" (AdaEDL depth cuts for Medusa); without one the
+    calibrated or default static tree (DraftTree.from_heads_config)."""
+    dynamic = DynamicTreeConfig.from_tree_field(config.tree)
+    if dynamic is not None:
+        return dynamic, None
+    return DraftTree.from_heads_config(config), (config.tree or {}).get("entropy_threshold")
+
+
 def acceptance_bound(logits: torch.Tensor, gamma: float = ADAEDL_GAMMA) -> torch.Tensor:
     """AdaEDL's lower bound on acceptance, clamp(1 - sqrt(gamma * H(softmax(logits))), 0, 1)
     over the last dim (H in nats): [..., V] -> [...]."""

@@ -19,6 +19,7 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32
     from specheads.heads.heads_dir import load_heads
     from specheads.heads.target import TargetAdapter
     from specheads.serving.decode import SpeculativeDecoder
+    from specheads.serving.dynamic_tree import tree_from_heads_config
 
     path = resolve_target_name(target, progress=progress)
     adapter = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
@@ -30,16 +31,3 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32
                                      entropy_threshold=entropy_threshold)
     return decoder, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
-
-def tree_from_heads_config(config):
-    """The tree a heads directory records -> (DraftTree or DynamicTreeConfig, Medusa entropy
-    threshold or None). `tree` holds {"dynamic": {...}} (EAGLE-2 trees), or {"paths": [...]}
-    with an optional "entropy_threshold" (AdaEDL depth cuts for Medusa); without one the
-    calibrated or default static tree (DraftTree.from_heads_config)."""
-    from specheads.serving.dynamic_tree import DynamicTreeConfig
-    from specheads.serving.tree import DraftTree
-
-    dynamic = DynamicTreeConfig.from_tree_field(config.tree)
-    if dynamic is not None:
-        return dynamic, None
-    return DraftTree.from_heads_config(config), (config.tree or {}).get("entropy_threshold")

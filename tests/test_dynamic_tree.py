@@ -327,3 +327,19 @@ def test_tree_from_parents_equals_from_paths():
         assert fast.rank_paths == reference.rank_paths
         for field in ("parents", "depths", "ranks", "tree_mask", "position_offsets", "leaf_paths"):
             assert torch.equal(getattr(fast, field), getattr(reference, field)), field
+
+
+def test_tree_from_heads_config_reads_every_stored_form():
+    from types import SimpleNamespace
+
+    from specheads.serving.dynamic_tree import tree_from_heads_config
+
+    paths = [[0], [1], [0, 0]]
+    static, threshold = tree_from_heads_config(SimpleNamespace(tree={"paths": paths}, calibration=None, num_heads=2))
+    assert [list(p) for p in static.rank_paths] == paths and threshold is None
+    _, threshold = tree_from_heads_config(SimpleNamespace(tree={"paths": paths, "entropy_threshold": 0.4},
+                                                          calibration=None, num_heads=2))
+    assert threshold == 0.4
+    dynamic, threshold = tree_from_heads_config(SimpleNamespace(
+        tree={"dynamic": {"depth": 3, "top_k": 2, "num_nodes": 6}}, calibration=None, num_heads=4))
+    assert dynamic == DynamicTreeConfig(depth=3, top_k=2, num_nodes=6) and threshold is None
