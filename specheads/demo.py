@@ -169,8 +169,11 @@ def run_demo(args) -> int:
     print()
     print("\n".join(check_targets(report)))
     print(f"demo wall time: {time.perf_counter() - start:.0f} s")
-    print("\nServe it (OpenAI-compatible HTTP):\n"
-          f"  specheads serve --target embedded:tiny --heads {heads_dirs['eagle3']}\n"
+    speeds = {m["tree"]["head_kind"]: m["overall"]["tokens_per_s"] or 0.0
+              for m in report["methods"] if m["kind"] == "engine-heads"}
+    fastest = max(heads_dirs, key=lambda kind: speeds.get(kind, 0.0))
+    print(f"\nServe the faster heads here ({fastest}; OpenAI-compatible HTTP):\n"
+          f"  specheads serve --target embedded:tiny --heads {heads_dirs[fastest]}\n"
           "Or generate / bench it yourself:\n"
           f"  specheads generate --target embedded:tiny --heads {heads_dirs['medusa']} --prompt 'def main(' "
           "--max-new-tokens 64\n"
