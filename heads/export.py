@@ -40,15 +40,15 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specheads.heads import export_eagle3, export_medusa
 from specheads.heads.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
-                                       atomic_write_text, build_heads, read_heads_config, replace_dir)
+                                       atomic_write_text, build_heads, read_heads_config, staged_dir,
+                                       write_weights_dir)
 from specheads.heads.target import TargetIdentity
 
 FORMATS = {  # format -> (heads kind, weights file name)
@@ -82,7 +82,7 @@ def export_heads(heads_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathL
         raise FileNotFoundError(f"heads directory {str(heads_dir)!r} has no {WEIGHTS_NAME}")
     foreign_config, foreign_state = _TO_FOREIGN[fmt](config.to_dict(), load_file(str(weights)))
     foreign_config.setdefault("specheads", config.to_dict())
-    return _write_dir(out_dir, foreign_config, foreign_state, FORMATS[fmt][1])
+    return write_weights_dir(out_dir, foreign_config, foreign_state, FORMATS[fmt][1])
 
 
 def detect_format(config: dict, source: str = "config.json") -> str:
@@ -127,7 +127,7 @@ def import_heads(foreign_dir: str | os.PathLike, out_dir: str | os.PathLike,
     config = _heads_config(FORMATS[fmt][0], fields, identity, embedded, state)
     config.check_fits(identity, source=source)
     _check_loads(config, state, source)
-    return _write_dir(out_dir, config.to_dict(), state, WEIGHTS_NAME)
+    return write_weights_dir(out_dir, config.to_dict(), state, WEIGHTS_NAME)
 
 
 def resolve_target(target: TargetIdentity | str | os.PathLike) -> TargetIdentity:
@@ -203,21 +203,6 @@ def _read_weights(directory: Path, name: str) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{str(directory)!r} has no {name} (nor a .pt/.bin twin)")
 
 
-def _write_dir(out_dir: str | os.PathLike, config: dict, state: dict[str, torch.Tensor], weights_name: str) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-        save_file(tensors, str(tmp / weights_name), metadata={"format": "pt"})
-        atomic_write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
 MERGED_TARGET_SUBDIR = "target"
 MERGED_HEADS_SUBDIR = "heads"
 ADAPTER_SUBDIR = "adapter"  # what training/lora.py writes beside the run's heads
@@ -246,9 +231,7 @@ def export_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"the base target {base['resolved_path']!r} has no loadable tokenizer ({err}); "
                                 "the merged target must ship one to be served") from None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    with staged_dir(out_dir) as tmp:
         merged.save_pretrained(tmp / MERGED_TARGET_SUBDIR)
         tokenizer.save_pretrained(tmp / MERGED_TARGET_SUBDIR)
         identity = TargetIdentity.from_config(merged.config, str((out_dir / MERGED_TARGET_SUBDIR).resolve()),
@@ -257,10 +240,6 @@ def export_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
         config.target = identity
         shutil.copytree(heads_dir, tmp / MERGED_HEADS_SUBDIR)  # weights and any extras (tuning.json); new config
         atomic_write_text(tmp / MERGED_HEADS_SUBDIR / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

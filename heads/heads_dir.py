@@ -13,11 +13,13 @@ destination and renamed into place, so a reader never sees a half-written direct
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,19 +153,33 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
         os.replace(tmp_dir, final_dir)
 
 
-def save_heads(directory: str | os.PathLike, heads: nn.Module, config: HeadsConfig) -> Path:
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+@contextlib.contextmanager
+def staged_dir(final_dir: str | os.PathLike) -> Iterator[Path]:
+    """Write a directory atomically: yields an empty staging directory beside final_dir; a
+    clean exit moves it into place (replacing any previous one), an error removes it."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".{final_dir.name}.tmp-"))
     try:
-        state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        atomic_write_text(tmp / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
-        replace_dir(tmp, directory)
+        yield tmp
+        replace_dir(tmp, final_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return directory
+
+
+def write_weights_dir(directory: str | os.PathLike, config: dict, state: dict[str, torch.Tensor],
+                      weights_name: str = WEIGHTS_NAME) -> Path:
+    """config.json + one safetensors file, written atomically (staged_dir)."""
+    with staged_dir(directory) as tmp:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+        save_file(tensors, str(tmp / weights_name), metadata={"format": "pt"})
+        atomic_write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
+    return Path(directory)
+
+
+def save_heads(directory: str | os.PathLike, heads: nn.Module, config: HeadsConfig) -> Path:
+    return write_weights_dir(directory, config.to_dict(), heads.state_dict())
 
 
 def read_heads_config(directory: str | os.PathLike) -> HeadsConfig:

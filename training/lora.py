@@ -41,16 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.export import ADAPTER_SUBDIR, LORA_META
-from specheads.heads.heads_dir import EAGLE_KINDS, atomic_write_text, replace_dir
+from specheads.heads.export import LORA_META
+from specheads.heads.heads_dir import EAGLE_KINDS, atomic_write_text, staged_dir
 from specheads.heads.target import TargetAdapter
 from specheads.training.config import RecipeError
 
@@ -168,14 +166,7 @@ def joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec, lora_cfg, a
 
 def save_adapter(peft_model, directory: Path, base: dict) -> Path:
     """PEFT save_pretrained + specheads_lora.json (the base target to merge into), atomically."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
-    try:
+    with staged_dir(directory) as tmp:
         peft_model.save_pretrained(str(tmp))
         atomic_write_text(tmp / LORA_META, json.dumps(base, indent=2) + "\n")
-        replace_dir(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+    return Path(directory)

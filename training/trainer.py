@@ -56,6 +56,7 @@ from specheads.data.text import BlockSampler, PackedBlocks
 from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.eagle3 import default_tap_layers
+from specheads.heads.export import ADAPTER_SUBDIR
 from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, save_heads
 from specheads.heads.target import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
@@ -448,7 +449,7 @@ def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBl
     if dist.rank == 0 or partitioned_target:
         config = _heads_config(recipe, target)
         if peft_model is not None:
-            adapter_dir = (output_dir / lora_mode.ADAPTER_SUBDIR).resolve()
+            adapter_dir = (output_dir / ADAPTER_SUBDIR).resolve()
             config.target = dataclasses.replace(config.target,
                                                 name_or_path=f"{config.target.name_or_path}+lora:{adapter_dir}")
         heads = build_heads(config)
@@ -467,8 +468,8 @@ def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBl
             base = {"name_or_path": recipe.target.name_or_path, "resolved_path": str(Path(target_path).resolve())
                     if Path(target_path).exists() else target_path, "dtype": recipe.target.dtype,
                     "trust_remote_code": recipe.target.trust_remote_code, "lora": dataclasses.asdict(recipe.lora)}
-            lora_mode.save_adapter(peft_model, output_dir / lora_mode.ADAPTER_SUBDIR, base)
-            _say(dist, f"wrote {output_dir / lora_mode.ADAPTER_SUBDIR} (serve the merged target: specheads export "
+            lora_mode.save_adapter(peft_model, output_dir / ADAPTER_SUBDIR, base)
+            _say(dist, f"wrote {output_dir / ADAPTER_SUBDIR} (serve the merged target: specheads export "
                        f"{output_dir} --format merged --out DIR)")
         save_heads(heads_dir, heads, config)
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
