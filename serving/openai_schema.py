@@ -139,6 +139,14 @@ class _Sampling(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _refuse_unsupported(value, info):
+    """A field the server accepts in the schema but does not implement: only its "off" value
+    (unset, false or empty) passes."""
+    if value is not None and value is not False and value != "":
+        raise ValueError(f"{info.field_name} is not supported by this server; leave it unset")
+    return value
+
+
 PromptType = Union[str, list[str], list[int], list[list[int]]]
 
 
@@ -149,26 +157,10 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("echo")
+    @field_validator("echo", "logprobs", "suffix")
     @classmethod
-    def _echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported by this server; leave it unset or false")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value):
-        if value is not None:
-            raise ValueError("logprobs are not supported by this server; leave it unset")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value):
-        if value:
-            raise ValueError("suffix is not supported by this server; leave it unset")
-        return value
+    def _unsupported(cls, value, info):
+        return _refuse_unsupported(value, info)
 
     @model_validator(mode="after")
     def _prompt_and_best_of(self):
@@ -226,19 +218,10 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"max_completion_tokens must be at least 1, got {value}")
         return value
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
-    def _logprobs(cls, value):
-        if value:
-            raise ValueError("logprobs are not supported by this server; leave it unset or false")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value):
-        if value is not None:
-            raise ValueError("top_logprobs is not supported by this server; leave it unset")
-        return value
+    def _unsupported(cls, value, info):
+        return _refuse_unsupported(value, info)
 
     @model_validator(mode="after")
     def _one_max(self):
