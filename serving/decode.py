@@ -174,17 +174,18 @@ class TreePlan:
 
 
 def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[int],
-            max_cache_len: int | None = None) -> DecodeState:
-    """Run the prompt into a fresh TreeStaticCache (dynamic-shape mode) sized max_cache_len.
+            max_cache_len: int | None = None, cache: TreeStaticCache | None = None) -> DecodeState:
+    """Run the prompt into the cache; -> the state with the greedy root (and its logits).
 
-    max_cache_len must cover the longest context plus one tree (generate passes
-    P + max_new_tokens + T); default P + DEFAULT_CACHE_HEADROOM. The buffers are allocated
-    once here and never reallocated; verify writes into them and commit gathers in place.
+    cache: a TreeStaticCache whose active row(s) take the prompt (the engine passes its own,
+    set to the new sequence's row); default a fresh one sized max_cache_len, which must
+    cover the longest context plus one tree (default P + DEFAULT_CACHE_HEADROOM). The
+    buffers are allocated once and never reallocated; verify writes into them and commit
+    gathers in place.
     """
     prompt_len = int(input_ids_1P.shape[1])
-    if max_cache_len is None:
-        max_cache_len = prompt_len + DEFAULT_CACHE_HEADROOM
-    cache = TreeStaticCache(target.config, max_cache_len=max_cache_len)
+    if cache is None:
+        cache = TreeStaticCache(target.config, max_cache_len=max_cache_len or prompt_len + DEFAULT_CACHE_HEADROOM)
     out = target(input_ids_1P, tap_layers, past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache.commit()
     logits_1V = out.logits[:, -1]
@@ -352,13 +353,14 @@ class SpeculativeDecoder:
 
     # --- drafting (called by the engine) ----------------------------------------------------
 
-    def draft(self, state: DecodeState, speculate: bool = True) -> torch.Tensor:
-        """One sequence's tree tokens [1, T] (the root alone when not speculating)."""
-        if self.drafter is None or not speculate:
+    def draft(self, state: DecodeState) -> torch.Tensor:
+        """One sequence's tree tokens [1, T] for the step functions (static trees; the root
+        alone without heads). The engine drafts through draft_one / draft_medusa."""
+        if self.drafter is None:
             return state.root[:, None]
-        if isinstance(self.drafter, Eagle3Drafter):
-            return self.drafter.draft(state)
-        return self.drafter.draft(state.hidden[-1:], state.root)
+        if self.is_medusa:
+            return self.drafter.draft(state.hidden[-1:], state.root)
+        return self.draft_one(state)[0][None]
 
     def draft_one(self, state: DecodeState) -> tuple[torch.Tensor, DraftTree, TreePlan]:
         """An EAGLE sequence's draft: (tokens [T], tree, plan); a dynamic tree is new every step."""

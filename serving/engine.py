@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specheads.serving.decode import (Acceptance, DecodeState, DecodeStats, GenerationResult, TreePlan,
-                                      Verification, accept, emit)
+                                      Verification, accept, emit, prefill)
 from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
 from specheads.serving.static_cache import TreeStaticCache
 
@@ -228,18 +228,13 @@ class BatchEngine:
         self.cache.reset_row(row)
         self.cache.set_rows(row, row + 1)
         with torch.inference_mode():
-            out = self.target(seq.prompt_1P, self.decoder.tap_layers, past_key_values=self.cache,
-                              use_cache=True, logits_to_keep=1)
-            self.cache.commit()
-            logits_1V = out.logits[:, -1]
-            if seq.greedy:
-                root = logits_1V.argmax(dim=-1)
-            else:
-                root = torch.multinomial(target_probs(logits_1V, seq.sampling), 1, generator=seq.generator)[0]
-            prompt_len = int(seq.prompt_1P.shape[1])
-            seq.state = DecodeState(cache=self.cache, prefix_len=prompt_len, root=root,
-                                    hidden=torch.cat(out.taps, dim=-1)[0],
-                                    next_tokens=torch.cat([seq.prompt_1P[0, 1:], root]))
+            seq.state = prefill(self.target, seq.prompt_1P, self.decoder.tap_layers, cache=self.cache)
+            if not seq.greedy:
+                probs_1V = target_probs(seq.state.root_logits, seq.sampling)
+                seq.state.root = torch.multinomial(probs_1V, 1, generator=seq.generator)[0]
+                seq.state.next_tokens[-1:] = seq.state.root
+            seq.state.root_logits = None
+            root = seq.state.root
         seq.joined = join
         self.rows.append(seq)
         seq.finish_reason = emit(seq.tokens, root.tolist(), seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
