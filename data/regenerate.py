@@ -65,13 +65,19 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + PROGRESS_SUFFIX)
 
 
-def write_json_atomic(path: Path, obj) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file + fsync + rename: the file is either old or whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int) -> Progress:
@@ -110,12 +116,14 @@ def _stop_ids(model, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
-def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy replies to token-id prompts, batch_size at a time with left padding."""
+def greedy_continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                         on_batch=None) -> list[list[int]]:
+    """The target's greedy continuation (token ids, cut before the first stop token) of each
+    token-id prompt, batch_size at a time with left padding; on_batch(n) after each batch."""
     stop_ids = _stop_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     device = next(model.parameters()).device
-    replies = []
+    continuations = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         width = max(len(p) for p in chunk)
@@ -124,9 +132,16 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad_id, eos_token_id=stop_ids)  # [b, L + new]
         for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
-            replies.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
-    return replies
+            continuations.append(row[:next((i for i, t in enumerate(row) if t in stop_ids), len(row))])
+        if on_batch is not None:
+            on_batch(len(chunk))
+    return continuations
+
+
+def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy replies (text) to token-id prompts."""
+    return [tokenizer.decode(ids, skip_special_tokens=True).strip()
+            for ids in greedy_continuations(model, tokenizer, prompts, max_new_tokens, batch_size)]
 
 
 def _regenerate_batch(model, tokenizer, records: list, first_index: int, progress: Progress,
@@ -250,29 +265,14 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
         start = rng.randrange(0, len(doc) - length + 1)
         prompts.append(doc[start:start + length])
     order = sorted(range(num_records), key=lambda i: len(prompts[i]))  # similar lengths: little padding
-    stop_ids = _stop_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    records: dict[int, list[int]] = {}  # record index -> prompt + continuation
     bar = _progress_bar(num_records, "distill: target greedy continuations", progress)
-    for first in range(0, num_records, batch_size):
-        chunk = order[first:first + batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        input_ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=device)
-        attention_mask = (torch.arange(width, device=device)[None] >=
-                          torch.tensor([width - len(prompts[i]) for i in chunk], device=device)[:, None]).long()
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad_id, eos_token_id=stop_ids)
-        for i, row in zip(chunk, out[:, width:].tolist()):
-            cut = next((k for k, t in enumerate(row) if t in stop_ids), len(row))
-            records[i] = prompts[i] + row[:cut]
-        bar.update(len(chunk))
+    continuations = greedy_continuations(model, tokenizer, [prompts[i] for i in order], max_new_tokens,
+                                         batch_size, on_batch=bar.update)
     bar.close()
+    records = {i: prompts[i] + continuation for i, continuation in zip(order, continuations)}
     lines = "".join(json.dumps({"input_ids": records[i], "prompt_len": len(prompts[i])}) + "\n"
                     for i in range(num_records))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text(lines)
-    os.replace(tmp, output)
+    atomic_write_text(output, lines)
     write_json_atomic(meta, settings)
     num_tokens = sum(len(r) for r in records.values())
     log(f"distill: wrote {num_records} records, {num_tokens} tokens, to {output}")
