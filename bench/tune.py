@@ -140,12 +140,11 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
 
 
 def _decoder(target, heads, heads_config, tree):
-    from specheads.bench.harness import engine_kwargs
     from specheads.serving.decode import SpeculativeDecoder
 
     tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
     # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
-    return SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers, **engine_kwargs(fallback=False))
+    return SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers, fallback=None)
 
 
 def _timed(decoder, prompt: list[int], max_new_tokens: int, eos_token_id):

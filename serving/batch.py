@@ -46,11 +46,14 @@ class BatchSession:
                 raise ValueError("the target's config has no max_position_embeddings; pass max_cache_len")
             max_cache_len = int(max_positions) + decoder.max_tree_nodes
         self.decoder = decoder
-        self.max_batch_size = max_batch_size
         self.engine = BatchEngine(decoder, max_batch_size, max_cache_len)
         self._ids = itertools.count()
         self._sequences: dict[int, object] = {}  # seq_id -> the engine's sequence
         self._first: list[tuple[int, list[int]]] = []  # first tokens of sequences added since the last step
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.engine.max_batch_size
 
     @property
     def num_active(self) -> int:
