@@ -81,9 +81,7 @@ class BatchSession:
             return None
         self.engine.remove(seq)
         self._first = [(i, t) for i, t in self._first if i != seq_id]
-        if seq.finish_reason is None:
-            seq.finish_reason = "stop"
-        return seq.result()
+        return seq.close()
 
     def step(self) -> list[SequenceUpdate]:
         """First tokens of the sequences added since the last step, then one decode step for

@@ -460,7 +460,5 @@ class DecodeStream:
         finished), with the decoder's own stats. A caller that cut the output (a stop string
         in the text) replaces the tokens."""
         if self.result is None:
-            if self._seq.finish_reason is None:
-                self._seq.finish_reason = "stop"
-            self.result = self._seq.result()
+            self.result = self._seq.close()
         return self.result

@@ -141,6 +141,12 @@ class _Sequence:
     spec_seconds: float = 0.0  # wall time of the window's speculative steps
     plain_run: int = 0  # plain steps since the last fallback (retried after policy.retry_after)
 
+    def close(self) -> GenerationResult:
+        """Stop here: the result so far, finish_reason "stop" unless it had finished."""
+        if self.finish_reason is None:
+            self.finish_reason = "stop"
+        return self.result()
+
     def result(self) -> GenerationResult:
         self.stats.num_new_tokens = len(self.tokens)
         return GenerationResult(tokens=self.tokens, finish_reason=self.finish_reason or "length",
