@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode import DecodeStats, SpeculativeDecoder
-from specheads.serving.kv_cache import commit_path
+from dynamic_cache_reference import commit_path
 from specheads.serving.tree import DraftTree
 
 NUM_PROMPTS = 20

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specheads.heads.target import TargetAdapter
-from specheads.serving.kv_cache import commit_path, new_cache
+from dynamic_cache_reference import commit_path, new_cache
 from specheads.serving.static_cache import TreeStaticCache
 from specheads.serving.tree import DraftTree
 

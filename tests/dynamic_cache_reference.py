@@ -1,4 +1,4 @@
-"""The target's KV cache for tree decoding: creation and commit of the accepted path.
+"""Test reference: tree decoding over a plain transformers DynamicCache.
 
 The cache is a plain transformers `DynamicCache`, so any decoder-only architecture whose
 layers are full-attention `DynamicLayer`s works. A verify step appends the KV entries of
@@ -9,9 +9,9 @@ are refused: they truncate the cache themselves, which breaks the 4-D tree mask'
 
 Layer tensors (transformers 5): layer.keys / layer.values [B, kv_heads, S, D].
 
-The decode engine (serving/decode.py) now uses the preallocated `TreeStaticCache`
-(serving/static_cache.py); this DynamicCache path stays as the reference the static cache
-is tested against.
+The engine uses the preallocated `TreeStaticCache` (serving/static_cache.py); this
+DynamicCache path is the independent reference tests/test_static_cache.py checks it against
+(it lived in serving/kv_cache.py while the engine used it).
 """
 
 from __future__ import annotations
