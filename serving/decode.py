@@ -44,6 +44,11 @@ so the output equals the target's own greedy decoding (up to fp ties, see the te
 Without heads the tree is the root alone and the same loop is plain greedy decoding, one
 token per step: the "speculation off" baseline.
 
+N-gram lookup (`lookup=LookupConfig(...)`, serving/lookup.py; greedy requests only): a
+chain copied from the context's last n-gram match is verified alone (a long match, the
+heads' draft skipped) or as one more branch beside the heads' tree; it also works without
+heads (plain prompt-lookup decoding in this engine).
+
 Metrics (DESIGN.md invariant 8): alpha = accepted draft tokens / drafted tokens, where a
 step drafts `tree.max_depth` tokens (what one path can contribute, not the node count);
 tau = tokens emitted per verify step = accepted draft tokens + 1 bonus.
@@ -81,12 +86,14 @@ class DecodeStats:
     num_new_tokens: int = 0  # tokens returned (after EOS / stop / max_new_tokens truncation)
     lossless: bool = True  # False when any step used a lossy acceptance rule (acceptance="typical")
     plain_steps: int = 0  # steps without a draft (speculation off, probing the plain step cost, fallen back)
-    fallback: bool = False  # the request fell back to plain decoding (serving/engine.py FallbackPolicy)
+    fallback: bool = False  # the request fell back to plain decoding (serving/fallback.py FallbackPolicy)
     fallback_reason: str | None = None
     fallback_step: int | None = None  # decode steps before the first fallback
     fallbacks: int = 0  # times the request fell back (it retries speculation after a while)
     spec_tokens_per_s: float | None = None  # the measured rates the fallback decision compared
     plain_tokens_per_s: float | None = None
+    lookup_steps: int = 0  # steps that verified an n-gram lookup chain (serving/lookup.py)
+    lookup_accepted: int = 0  # draft tokens accepted from lookup chains (part of accepted_tokens)
 
     @property
     def alpha(self) -> float:
@@ -114,7 +121,9 @@ class DecodeStats:
             accepted_per_position=per_position, prefill_s=self.prefill_s + other.prefill_s,
             decode_s=self.decode_s + other.decode_s, num_new_tokens=self.num_new_tokens + other.num_new_tokens,
             lossless=self.lossless and other.lossless, plain_steps=self.plain_steps + other.plain_steps,
-            fallback=self.fallback or other.fallback, fallbacks=self.fallbacks + other.fallbacks)
+            fallback=self.fallback or other.fallback, fallbacks=self.fallbacks + other.fallbacks,
+            lookup_steps=self.lookup_steps + other.lookup_steps,
+            lookup_accepted=self.lookup_accepted + other.lookup_accepted)
 
 
 @dataclass
@@ -285,14 +294,19 @@ class SpeculativeDecoder:
     from the first head whose AdaEDL acceptance bound falls below it.
 
     fallback: when speculation does not pay for a request, it finishes with plain decoding
-    (serving/engine.py FallbackPolicy); None keeps speculating whatever it measures.
+    (serving/fallback.py FallbackPolicy); None keeps speculating whatever it measures.
     """
 
     def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree=None,
                  tap_layers: list[int] | None = None, attn_impl: str = "sdpa",
-                 tree_attention_impl: str | None = None, fallback="default", entropy_threshold: float | None = None):
+                 tree_attention_impl: str | None = None, fallback="default", entropy_threshold: float | None = None,
+                 lookup=None):
         from specheads.serving.dynamic_tree import DepthTruncatedTrees, DynamicEagleDrafter, DynamicTreeConfig
-        from specheads.serving.engine import FallbackPolicy, StepCosts
+        from specheads.serving.fallback import FallbackPolicy, StepCosts
+        from specheads.serving.lookup import LookupConfig
+
+        if lookup is not None and not isinstance(lookup, LookupConfig):
+            raise ValueError(f"lookup must be None or a serving.lookup.LookupConfig, got {lookup!r}")
 
         dynamic = tree if isinstance(tree, DynamicTreeConfig) else None
         if dynamic is not None:
@@ -328,6 +342,10 @@ class SpeculativeDecoder:
         self.plan = TreePlan(tree, target.device)
         # The largest tree a step verifies (sizes the cache) and the deepest one (sizes the stats).
         self.max_tree_nodes = dynamic.num_nodes + 1 if dynamic is not None else tree.num_nodes
+        self.lookup = lookup
+        self._lookup_trees: dict = {}  # (base tree's rank paths, chain length) -> (tree, plan)
+        if lookup is not None:
+            self.max_tree_nodes += lookup.num_tokens
         self.max_depth = tree.max_depth
         if entropy_threshold is not None and not (self.is_medusa and 0 <= entropy_threshold <= 1):
             raise ValueError(f"entropy_threshold must be in [0, 1] and needs Medusa heads with a static tree "
@@ -383,6 +401,20 @@ class SpeculativeDecoder:
             cut = min(cut, self.tree.max_depth + 1)
             drafts.append((tokens_BT[b, :self.cut_trees.num_nodes(cut)], self.cut_trees.tree(cut), self.cut_plans[cut]))
         return drafts
+
+    def with_lookup(self, tokens_T: torch.Tensor, tree: DraftTree, chain: list[int]) -> tuple[torch.Tensor, DraftTree, TreePlan]:
+        """A draft plus an n-gram lookup chain under its root: (tokens, tree, plan)."""
+        from specheads.serving.lookup import with_lookup_chain
+
+        key = (tree.rank_paths, len(chain))
+        cached = self._lookup_trees.get(key)
+        if cached is None:
+            if len(self._lookup_trees) >= 1024:  # dynamic trees make new shapes every step
+                self._lookup_trees.clear()
+            combined = with_lookup_chain(tree, len(chain))
+            cached = self._lookup_trees[key] = (combined, TreePlan(combined, self.target.device))
+        chain_T = torch.tensor(chain, dtype=torch.long, device=tokens_T.device)
+        return torch.cat([tokens_T, chain_T]), cached[0], cached[1]
 
     def tree_kwargs(self, packed_mask: torch.Tensor, prefix_len) -> dict:
         """Forward kwargs that route a verify through the tree-attention function."""

@@ -10,7 +10,9 @@ part in the batched decode step:
 
 - draft: each sequence drafts its own tree: the decoder's static tree, a dynamic tree, or
   the root alone (speculation off, or fallen back). Medusa sequences are drafted in one
-  batched head call; EAGLE heads keep one head cache per sequence.
+  batched head call; EAGLE heads keep one head cache per sequence (a step the head skips
+  leaves its rows for the head's next run). With n-gram lookup (serving/lookup.py) a
+  greedy sequence's chain from its own context is verified alone or as one more branch.
 - verify: trees are padded to the largest T in the batch. A padding node sees only itself
   and is never accepted. Node i of sequence b sits at position S_b + depth(i) and attends
   to b's S_b committed keys plus its own ancestors (a [n, 1, T, max S + T] bool mask, or
@@ -22,7 +24,7 @@ Each sequence's greedy output is the target's greedy output for it alone (the ro
 see each other: padding keys and other rows are masked), up to fp ties between batch
 shapes.
 
-Fallback (`FallbackPolicy`). The engine measures the wall time of every decode step,
+Fallback (`FallbackPolicy`, serving/fallback.py). The engine measures the wall time of every decode step,
 keyed by (batch size, padded tree size), and the tokens per speculative step (tau) per
 batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse them).
 - One sequence: at the end of every window of `warmup_steps` speculative steps it falls
@@ -52,59 +54,9 @@ import torch
 
 from specheads.serving.decode import (Acceptance, DecodeState, DecodeStats, GenerationResult, TreePlan,
                                       Verification, accept, emit, prefill)
+from specheads.serving.lookup import NgramIndex
 from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
 from specheads.serving.static_cache import TreeStaticCache
-
-
-@dataclass(frozen=True)
-class FallbackPolicy:
-    warmup_steps: int = 16  # speculative steps per decision window
-    probe_steps: int = 2  # plain steps that time a T = 1 step when none was timed yet
-    margin: float = 0.1  # fall back only when speculation is slower than (1 - margin) x plain
-    retry_after: int = 64  # plain steps after a fallback before speculation is tried again
-
-    def __post_init__(self):
-        if self.warmup_steps < 1 or self.probe_steps < 1 or self.retry_after < 1:
-            raise ValueError(f"warmup_steps, probe_steps and retry_after must be >= 1, got {self.warmup_steps}, "
-                             f"{self.probe_steps} and {self.retry_after}")
-        if not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
-
-
-class StepCosts:
-    """EMAs of measured decode-step seconds per (batch size, padded tree size), and of the
-    tokens a speculative step gave per sequence (tau) per batch size, over all requests."""
-
-    def __init__(self, smoothing: float = 0.2):
-        self.smoothing = smoothing
-        self.seconds: dict[tuple[int, int], float] = {}
-        self.taus: dict[int, float] = {}
-        self.spec_nodes: dict[int, int] = {}  # batch size -> padded tree size of its last speculative step
-
-    def _ema(self, table: dict, key, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else old + self.smoothing * (value - old)
-
-    def record(self, batch_size: int, num_nodes: int, seconds: float) -> None:
-        self._ema(self.seconds, (batch_size, num_nodes), seconds)
-        if num_nodes > 1:
-            self.spec_nodes[batch_size] = num_nodes
-
-    def record_tau(self, batch_size: int, tau: float) -> None:
-        self._ema(self.taus, batch_size, tau)
-
-    def get(self, batch_size: int, num_nodes: int) -> float | None:
-        return self.seconds.get((batch_size, num_nodes))
-
-    def predicted_gain(self, batch_size: int, tau: float | None = None) -> float | None:
-        """Speculation's tokens/s over plain decoding's at this batch size, from the measured
-        step costs and tau (default: the recent tau of all requests); None until measured."""
-        tau = self.taus.get(batch_size) if tau is None else tau
-        num_nodes = self.spec_nodes.get(batch_size)
-        plain, spec = self.get(batch_size, 1), None if num_nodes is None else self.get(batch_size, num_nodes)
-        if tau is None or plain is None or spec is None:
-            return None
-        return tau * plain / spec
 
 
 @dataclass
@@ -140,6 +92,7 @@ class _Sequence:
     spec_accepted: int = 0
     spec_seconds: float = 0.0  # wall time of the window's speculative steps
     plain_run: int = 0  # plain steps since the last fallback (retried after policy.retry_after)
+    lookup: NgramIndex | None = None  # the context's n-gram index (greedy requests of a lookup decoder)
 
     def close(self) -> GenerationResult:
         """Stop here: the result so far, finish_reason "stop" unless it had finished."""
@@ -158,6 +111,8 @@ class _Draft:
     tokens: torch.Tensor  # [T_b] long, node 0 = root
     plan: TreePlan
     tree: object  # DraftTree
+    heads_drafted: bool = True  # False: a plain step, or a lookup chain alone
+    lookup_start: int | None = None  # the first lookup chain node, when the tree has one
 
 
 def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
@@ -212,7 +167,7 @@ class BatchEngine:
             raise ValueError(f"prompt ({prompt_1P.shape[1]} tokens) + max_new_tokens ({request.max_new_tokens}) "
                              f"+ one tree ({self.decoder.max_tree_nodes}) = {needed} positions, more than this "
                              f"engine's max_cache_len {self.max_cache_len}")
-        speculating = request.speculate and self.decoder.drafter is not None
+        speculating = request.speculate and (self.decoder.drafter is not None or self.decoder.lookup is not None)
         policy = self.decoder.fallback
         seeded = not greedy and request.sampling.seed is not None
         return _Sequence(
@@ -221,6 +176,8 @@ class BatchEngine:
             acceptance=request.acceptance, speculating=speculating,
             may_fall_back=speculating and policy is not None and not seeded,
             generator=None if greedy else make_generator(request.sampling, self.target.device),
+            lookup=NgramIndex(self.decoder.lookup, prompt_1P[0].tolist())
+            if speculating and greedy and self.decoder.lookup is not None else None,
             stats=DecodeStats(accepted_per_position=[0] * (self.decoder.max_depth if speculating else 0),
                               lossless=request.acceptance == "rejection"))
 
@@ -281,9 +238,16 @@ class BatchEngine:
             self.cache.commit(paths)
             for index, (seq, draft) in enumerate(zip(batch, drafts)):
                 nodes = paths[index]
+                hidden, next_tokens = hidden_nTH[index, nodes], torch.cat([draft.tokens[nodes[1:]], roots[index]])
+                if not draft.heads_drafted and self._keeps_head_rows(seq):
+                    # The EAGLE head did not run this step: its next run covers these rows too.
+                    hidden = torch.cat([seq.state.hidden, hidden])
+                    next_tokens = torch.cat([seq.state.next_tokens, next_tokens])
+                if draft.lookup_start is not None:
+                    seq.stats.lookup_steps += 1
+                    seq.stats.lookup_accepted += int((nodes >= draft.lookup_start).sum())
                 seq.state = DecodeState(cache=self.cache, prefix_len=seq.state.prefix_len + int(nodes.shape[0]),
-                                        root=roots[index], hidden=hidden_nTH[index, nodes],
-                                        next_tokens=torch.cat([draft.tokens[nodes[1:]], roots[index]]),
+                                        root=roots[index], hidden=hidden, next_tokens=next_tokens,
                                         draft_cache=seq.state.draft_cache)
         seconds = time.perf_counter() - start
         num_nodes = max(int(d.tokens.shape[0]) for d in drafts)
@@ -350,15 +314,30 @@ class BatchEngine:
                 seq.stats.fallbacks += 1
         return True
 
+    def _keeps_head_rows(self, seq: _Sequence) -> bool:
+        """Whether seq's committed rows must wait for its EAGLE head's next run (the head's
+        own cache must cover every position), rather than be dropped."""
+        drafter = self.decoder.drafter
+        return drafter is not None and not self.decoder.is_medusa and (seq.speculating or seq.stats.fallback)
+
     def _draft(self, batch: list[_Sequence], plain: bool = False) -> list[_Draft]:
         decoder = self.decoder
         drafts: list[_Draft | None] = [None] * len(batch)
+        chains: list[list[int]] = [[] for _ in batch]
         medusa = []
         for index, seq in enumerate(batch):
             if seq.stats.fallback and not seq.speculating and seq.plain_run >= decoder.fallback.retry_after:
                 seq.speculating = True  # try speculating again: the text may have become predictable
             if not seq.speculating or (plain and seq.may_fall_back):
-                drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree)
+                drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree, heads_drafted=False)
+                continue
+            alone = False
+            if seq.lookup is not None:
+                seq.lookup.extend(seq.tokens[len(seq.lookup.tokens) - int(seq.prompt_1P.shape[1]):])
+                chains[index], matched = seq.lookup.propose()
+                alone = decoder.lookup.alone_at_ngram is not None and matched >= decoder.lookup.alone_at_ngram
+            if alone or decoder.drafter is None:
+                drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree, heads_drafted=False)
             elif decoder.is_medusa:
                 medusa.append(index)
             else:
@@ -369,6 +348,11 @@ class BatchEngine:
             roots_B = torch.cat([batch[i].state.root for i in medusa])
             for index, (tokens, tree, plan) in zip(medusa, decoder.draft_medusa(hidden_BH, roots_B)):
                 drafts[index] = _Draft(tokens, plan, tree)
+        for index, chain in enumerate(chains):
+            if chain:
+                draft = drafts[index]
+                tokens, tree, plan = decoder.with_lookup(draft.tokens, draft.tree, chain)
+                drafts[index] = _Draft(tokens, plan, tree, draft.heads_drafted, lookup_start=draft.tree.num_nodes)
         return drafts
 
     def _pad_mask(self, num_nodes: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from specheads.heads.target import TargetAdapter
 from specheads.serving.batch import BatchSession, SequenceRequest
 from specheads.serving.decode import SpeculativeDecoder
 from specheads.serving.dynamic_tree import DynamicTreeConfig
-from specheads.serving.engine import FallbackPolicy
+from specheads.serving.fallback import FallbackPolicy
 from specheads.serving.tree import DraftTree
 
 from test_eagle3 import random_head
