@@ -5,6 +5,8 @@ Methods (each a `Method`: a name, a kind and a `generate(prompt) -> PromptRun` c
     hf-greedy         HF `generate(do_sample=False)`: the reference for speedup and identity
     engine-plain      SpeculativeDecoder without heads (speculation off)
     engine-heads      SpeculativeDecoder with heads, one method per draft tree
+    engine-lookup     SpeculativeDecoder with n-gram lookup drafts and no heads
+    engine-heads+lookup  heads (their stored or tuned tree) plus lookup (serving/lookup.py)
     hf-prompt-lookup  HF `generate(prompt_lookup_num_tokens=N)`
     hf-assisted       HF `generate(assistant_model=draft)` (only with a draft model)
 
@@ -50,12 +52,13 @@ class PromptRun:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [D]
     fell_back: bool = False  # the engine switched this request to plain decoding (its fallback policy)
+    lookup_accepted: int = 0  # accepted draft tokens that came from n-gram lookup chains
 
 
 @dataclass
 class Method:
     name: str
-    kind: str  # hf-greedy | engine-plain | engine-heads | hf-prompt-lookup | hf-assisted
+    kind: str  # hf-greedy | engine-plain | engine-heads | engine-lookup | engine-heads+lookup | hf-prompt-lookup | hf-assisted
     generate: Callable[[list[int], int], PromptRun]  # (prompt ids, max_new_tokens) -> PromptRun
     tree: dict | None = None  # engine-heads: {"source", "num_nodes", "num_draft_nodes", "max_depth"}
 
@@ -121,7 +124,7 @@ def engine_method(name: str, kind: str, decoder, eos_token_id: int | None, tree:
         return PromptRun(tokens=out.tokens, seconds=end - start, events=events, steps=stats.steps,
                          drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
                          accepted_per_position=list(stats.accepted_per_position),
-                         fell_back=bool(getattr(stats, "fallback", False)))
+                         fell_back=bool(getattr(stats, "fallback", False)), lookup_accepted=stats.lookup_accepted)
 
     return Method(name, kind, generate, tree)
 
@@ -182,6 +185,7 @@ def summarise(runs: list[PromptRun], identical: list[bool], reference: list[Prom
         "acceptance_by_depth": [count / steps for count in per_position] if steps else [],
         "num_identical": sum(identical), "identical": all(identical),
         "num_fallbacks": sum(r.fell_back for r in runs),
+        "lookup_accepted": sum(r.lookup_accepted for r in runs),
     }
 
 
@@ -309,13 +313,19 @@ def engine_kwargs(fallback: bool) -> dict:
 
 def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tuple] | None = None,
                  tree_nodes: list[int] | None = None, eos_token_id: int | None = None,
-                 prompt_lookup_num_tokens: int = 10, draft_model=None, fallback: bool = True) -> list[Method]:
+                 prompt_lookup_num_tokens: int = 10, lookup_num_tokens: int = 10, draft_model=None,
+                 fallback: bool = True) -> list[Method]:
     """Every method the bench runs on `target` (a TargetAdapter), hf-greedy first.
 
     heads_list: [(label, heads module, HeadsConfig), ...] to bench side by side (method names
     `engine-<label>[...]`); `heads`/`heads_config` is the one-directory shorthand (names
-    `engine-heads[...]`). fallback=False: the engine never switches a request to plain decoding."""
+    `engine-heads[...]`). fallback=False: the engine never switches a request to plain decoding.
+    lookup_num_tokens > 0 adds the engine's n-gram lookup alone (`engine-lookup[N]`) and with
+    each heads directory's first tree (`engine-<label>+lookup[...]`)."""
     from specheads.serving.decode import SpeculativeDecoder
+    from specheads.serving.lookup import LookupConfig
+
+    lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens > 0 else None
 
     methods = [hf_method(REFERENCE, "hf-greedy", target.model, eos_token_id),
                engine_method("engine-plain", "engine-plain", SpeculativeDecoder(target), eos_token_id)]
@@ -326,17 +336,23 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
         groups.append(("heads", heads, heads_config))
     for label, module, config in groups:
         tap_layers = config.tap_layers if config.kind != "medusa" else None
-        for tree, info in heads_trees(config, tree_nodes):
-            decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers,
-                                         entropy_threshold=info.get("entropy_threshold"), **engine_kwargs(fallback))
+        for index, (tree, info) in enumerate(heads_trees(config, tree_nodes)):
             kind = {"heads-dir-tuned": "tuned"}.get(info["source"], info["source"])
             kind = "stored" if kind.startswith("heads-dir") else kind
-            name = f"engine-{label}[{kind},{info['num_draft_nodes']}]"
-            if any(m.name == name for m in methods):
-                continue
-            method = engine_method(name, "engine-heads", decoder, eos_token_id, dict(info, heads=label,
-                                                                                       head_kind=config.kind))
-            methods.append(method)
+            variants = [("", None, "engine-heads")] + ([("+lookup", lookup, "engine-heads+lookup")]
+                                                        if lookup is not None and index == 0 else [])
+            for suffix, with_lookup, method_kind in variants:
+                name = f"engine-{label}{suffix}[{kind},{info['num_draft_nodes']}]"
+                if any(m.name == name for m in methods):
+                    continue
+                decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers, lookup=with_lookup,
+                                             entropy_threshold=info.get("entropy_threshold"), **engine_kwargs(fallback))
+                methods.append(engine_method(name, method_kind, decoder, eos_token_id,
+                                             dict(info, heads=label, head_kind=config.kind,
+                                                  lookup_num_tokens=lookup_num_tokens if with_lookup else 0)))
+    if lookup is not None:
+        methods.append(engine_method(f"engine-lookup[{lookup_num_tokens}]", "engine-lookup",
+                                     SpeculativeDecoder(target, lookup=lookup, **engine_kwargs(fallback)), eos_token_id))
     if prompt_lookup_num_tokens > 0:
         methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target.model,
                                  eos_token_id, prompt_lookup_num_tokens=prompt_lookup_num_tokens))

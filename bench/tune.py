@@ -20,6 +20,11 @@ processes hits all settings alike, until the time budget is spent (at least one 
 Per setting: tokens/s, tau, alpha and the cost of one step (draft + verify + accept) in
 plain-step units (plain decoding without heads runs as the reference).
 
+N-gram lookup (serving/lookup.py): then the winner is measured again, interleaved with
+itself plus lookup drafts of `lookup_num_tokens` tokens, on the prompts the sweep got to;
+when lookup is faster (and still identical) the stored tree records it
+(`"lookup": {"num_tokens": N}`), and `generate`/`serve` use it unless told otherwise.
+
 The winner (best tokens/s) is written into the heads directory's config `tree` field and
 the sweep into tuning.json beside it (heads.heads_dir.update_tree), atomically; `generate`,
 `serve` and `bench` then use it by default.
@@ -139,12 +144,31 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
     return sorted(static, key=lambda s: (s.max_depth, s.num_nodes)) + dynamic
 
 
-def _decoder(target, heads, heads_config, tree):
+def _decoder(target, heads, heads_config, tree, lookup=None):
     from specheads.serving.decode import SpeculativeDecoder
 
     tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
     # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
-    return SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers, fallback=None)
+    return SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers, fallback=None, lookup=lookup)
+
+
+def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
+                   num_tokens: int, max_new_tokens: int, eos_token_id) -> dict:
+    """The winning setting without and with n-gram lookup drafts, interleaved on `prompts`
+    (those plain decoding was measured on) -> {"num_tokens", "chosen", "without", "with"}."""
+    from specheads.serving.lookup import LookupConfig
+
+    decoders = {"without": _decoder(target, heads, heads_config, setting.tree),
+                "with": _decoder(target, heads, heads_config, setting.tree, LookupConfig(num_tokens=num_tokens))}
+    measured = {name: Measured() for name in decoders}
+    for decoder in decoders.values():
+        decoder.generate(prompts[0], max_new_tokens=min(8, max_new_tokens), eos_token_id=eos_token_id)
+    for prompt in prompts:
+        for name, decoder in decoders.items():
+            measured[name].add(*_timed(decoder, prompt, max_new_tokens, eos_token_id))
+    rows = {name: summary(m, plain, plain.outputs) for name, m in measured.items()}
+    chosen = rows["with"]["identical"] and rows["with"]["tokens_per_s"] > rows["without"]["tokens_per_s"]
+    return {"num_tokens": num_tokens, "chosen": chosen, **rows}
 
 
 def _timed(decoder, prompt: list[int], max_new_tokens: int, eos_token_id):
@@ -172,7 +196,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
          budget_s: float = 120.0, eos_token_id: int | None = None, max_settings: int = 16,
          depths: list[int] | None = None, node_budgets: tuple[int, ...] = NODE_BUDGETS,
          settings: list[Setting] | None = None, progress: bool = True,
-         log: Callable[[str], None] | None = None) -> dict:
+         log: Callable[[str], None] | None = None, lookup_num_tokens: int = 10) -> dict:
     """Measure every setting on `prompts` within `budget_s`; -> the tuning report (winner first).
 
     Settings that fail to build (a dynamic config the decoder does not take yet) are
@@ -231,11 +255,17 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     if winner is None:
         raise ValueError("no tree setting reproduced plain greedy decoding token for token; not storing a tree "
                          f"(settings: {[r['name'] for r in rows]})")
+    lookup = None
+    if lookup_num_tokens > 0:
+        setting = next(s for s in active if s.name == winner["name"])
+        lookup = measure_lookup(target, heads, heads_config, setting, prompts[:num_prompts], plain,
+                                lookup_num_tokens, max_new_tokens, eos_token_id)
     plain_row = summary(plain, plain, plain.outputs)
     device = str(getattr(target, "device", "cpu"))
     return {"schema": SCHEMA, "winner": winner["name"], "device": device, "torch_threads": torch.get_num_threads(),
             "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "budget_s": budget_s,
-            "seconds": time.perf_counter() - start, "plain": plain_row, "settings": rows, "skipped": skipped}
+            "seconds": time.perf_counter() - start, "plain": plain_row, "settings": rows, "skipped": skipped,
+            "lookup": lookup}
 
 
 def stored_tree(report: dict) -> dict:
@@ -247,6 +277,10 @@ def stored_tree(report: dict) -> dict:
     tree["tuned"] = {"setting": winner["name"], "device": report["device"], "torch_threads": report["torch_threads"],
                      "tokens_per_s": winner["tokens_per_s"], "speedup_vs_plain": winner["speedup_vs_plain"],
                      "tau": winner["tau"], "step_cost": winner["step_cost"], "sweep": "tuning.json"}
+    lookup = report.get("lookup")
+    if lookup and lookup["chosen"]:
+        tree["lookup"] = {"num_tokens": lookup["num_tokens"]}
+        tree["tuned"]["tokens_per_s_with_lookup"] = lookup["with"]["tokens_per_s"]
     return tree
 
 
@@ -266,6 +300,12 @@ def format_tuning(report: dict) -> str:
                      f"{'yes' if r['identical'] else 'NO'} |")
     for s in report["skipped"]:
         lines.append(f"| {s['name']} (skipped: {s['error']}) | | | | | | | | | |")
+    lookup = report.get("lookup")
+    if lookup:
+        lines += ["", f"n-gram lookup ({lookup['num_tokens']} tokens) on {report['winner']}, measured again side by "
+                      f"side: {lookup['with']['tokens_per_s']:.1f} tok/s (tau {fmt(lookup['with']['tau'], '.2f')}) "
+                      f"with, {lookup['without']['tokens_per_s']:.1f} tok/s without: "
+                      f"{'stored (generate/serve use it; --lookup 0 turns it off)' if lookup['chosen'] else 'not used'}"]
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ Shape legend: T tree nodes of the heads' draft, L lookup tokens, D max depth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -119,3 +119,15 @@ def with_lookup_chain(tree: DraftTree, length: int) -> DraftTree:
     chain_paths = tuple((first_rank,) + (0,) * i for i in range(length))
     return DraftTree(rank_paths=tree.rank_paths + chain_paths, parents=parents, depths=depths, ranks=ranks,
                      tree_mask=tree_mask, position_offsets=depths.clone(), leaf_paths=leaf_paths)
+
+
+def lookup_from_tree_field(tree: dict | None) -> LookupConfig | None:
+    """The lookup a heads directory's `tree` records (`{"lookup": {"num_tokens": 10, ...}}`,
+    written by `specheads tune` when lookup made the tuned tree faster), or None."""
+    spec = (tree or {}).get("lookup")
+    if spec is None:
+        return None
+    allowed = [f.name for f in fields(LookupConfig)]
+    if not isinstance(spec, dict) or set(spec) - set(allowed):
+        raise ValueError(f"the heads tree's 'lookup' must be an object with keys from {allowed}, got {spec!r}")
+    return LookupConfig(**spec)

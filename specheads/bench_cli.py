@@ -1,7 +1,7 @@
 """`specheads bench`: vanilla vs speculative vs peer decoding on one prompt set, one process.
 
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
-                    [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N]
+                    [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
                     [--json OUT.json] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D] [--device D]
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
@@ -14,7 +14,9 @@ calibrated tree), engine-heads[calibrated,N] per --tree-nodes entry (N draft nod
 calibrated accuracy; "prior" when the heads carry no calibration). Several heads
 directories (--heads A --heads B, or --heads A,B) are benched side by side in the same run
 and named engine-<kind>[...] (engine-medusa[tuned,3], engine-eagle3[tuned,5]);
-hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
+engine-lookup[N] (the engine's own n-gram lookup drafts, no heads) and engine-<heads>+lookup[...]
+(each heads directory's first tree plus lookup; serving/lookup.py), both off with
+--lookup-num-tokens 0; hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
 which must share the target's tokenizer). How each metric is measured: bench/harness.py.
 
 JSON (--json), schema "specheads.bench/1":
@@ -25,10 +27,12 @@ JSON (--json), schema "specheads.bench/1":
      "reference": "hf-greedy",
      "tuning": {label: tuning.json of that heads dir (bench/tune.py) or null},
      "methods": [{
-        "name": str, "kind": "hf-greedy" | "engine-plain" | "engine-heads" | "hf-prompt-lookup" | "hf-assisted",
+        "name": str, "kind": "hf-greedy" | "engine-plain" | "engine-heads" | "engine-heads+lookup"
+                | "engine-lookup" | "hf-prompt-lookup" | "hf-assisted",
         "tree": null | {"source": "heads-dir-tuned" | "heads-dir" | "heads-dir-default" | "calibrated" | "prior",
                         "num_nodes": int, "num_draft_nodes": int, "max_depth": int,
-                        "heads": str, "head_kind": str},   # heads label and kind
+                        "heads": str, "head_kind": str,    # heads label and kind
+                        "lookup_num_tokens": int},         # 0 unless engine-heads+lookup
         "overall": SUMMARY, "by_category": {category: SUMMARY},
         "prompts": [{"question_id", "category", "num_prompt_tokens", "num_tokens", "seconds", "steps",
                      "accepted_tokens", "identical": bool}]}]}
@@ -39,7 +43,8 @@ JSON (--json), schema "specheads.bench/1":
                "alpha": float | null,        # null: no drafting, or not observable (HF peers)
                "tau": float | null, "acceptance_by_depth": [float, ...],
                "num_identical": int, "identical": bool,   # token-for-token vs hf-greedy
-               "num_fallbacks": int}   # requests the engine switched to plain decoding (--no-fallback: 0)
+               "num_fallbacks": int,   # requests the engine switched to plain decoding (--no-fallback: 0)
+               "lookup_accepted": int} # accepted draft tokens that came from n-gram lookup chains
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ def add_parser(subparsers) -> None:
                    help="also bench calibrated trees of N draft nodes (repeatable or comma-separated)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                    help="HF prompt-lookup draft length (0: skip prompt lookup)")
+    p.add_argument("--lookup-num-tokens", type=int, default=10,
+                   help="the engine's n-gram lookup draft length, benched alone (engine-lookup) and with each "
+                        "heads directory (engine-<heads>+lookup); 0: skip")
     p.add_argument("--draft-model", help="small draft model for HF assisted generation (same tokenizer)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
     p.add_argument("--plot", metavar="OUT.png", help="write PNG plots (acceptance by depth; speedup vs tree size)")
@@ -138,7 +146,8 @@ def run(args) -> int:
                        log=lambda msg: print(msg, file=sys.stderr, flush=True), heads_list=heads_list,
                        tree_nodes=tree_nodes, fallback=not args.no_fallback,
                        eos_token_id=tokenizer.eos_token_id,
-                       prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, draft_model=draft_model)
+                       prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                       lookup_num_tokens=args.lookup_num_tokens, draft_model=draft_model)
     report["tuning"] = tuning
     print(format_report(report))
     if args.json_out:

@@ -42,6 +42,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with heads")
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="also draft up to N tokens by n-gram lookup in the context (greedy only; 0: off; "
+                        "default: what `specheads tune` stored in the heads directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -80,8 +83,10 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.lookup is not None and args.lookup < 0:
+        raise UserError(f"--lookup must be >= 0 (0: off), got {args.lookup}")
     decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
-                                      trust_remote_code=args.trust_remote_code)
+                                      trust_remote_code=args.trust_remote_code, lookup_num_tokens=args.lookup)
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not prompt_ids:
         raise UserError("--prompt is empty after tokenization; give at least one token of text")
@@ -105,10 +110,12 @@ def cmd_generate(args) -> int:
     text, result = "".join(pieces), stream.result
     stats = result.stats
     report = {"text": text, "num_tokens": len(result.tokens), "finish_reason": result.finish_reason,
-              "speculative": args.heads is not None and not args.no_speculate, "alpha": stats.alpha,
+              "speculative": (args.heads is not None or bool(args.lookup)) and not args.no_speculate,
+              "alpha": stats.alpha,
               "tau": stats.tau, "tokens_per_s": stats.tokens_per_s, "steps": stats.steps,
               "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
-              "fallback": stats.fallback, "fallback_reason": stats.fallback_reason}
+              "fallback": stats.fallback, "fallback_reason": stats.fallback_reason,
+              "lookup_accepted": stats.lookup_accepted}
     if args.json:
         print(json.dumps(report))
     else:

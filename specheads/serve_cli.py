@@ -19,6 +19,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the target (+ heads) over an OpenAI-compatible HTTP API")
     p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
     p.add_argument("--heads", help="heads directory; omit to serve with plain decoding")
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="also draft up to N tokens by n-gram lookup in the context (greedy requests; 0: off; "
+                        "default: what `specheads tune` stored in the heads directory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -64,7 +67,8 @@ def run(args) -> int:
         raise UserError(f"--heads {args.heads!r} is not a directory (expected config.json + model.safetensors)")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECHEADS_API_KEY") or None
     for flag, value, minimum in (("--max-concurrency", args.max_concurrency, 1), ("--max-queue", args.max_queue, 0),
-                                 ("--max-model-len", args.max_model_len, 2), ("--max-body-bytes", args.max_body_bytes, 1)):
+                                 ("--max-model-len", args.max_model_len, 2), ("--max-body-bytes", args.max_body_bytes, 1),
+                                 ("--lookup", args.lookup, 0)):
         if value is not None and value < minimum:
             raise UserError(f"{flag} must be >= {minimum}, got {value}")
     if args.torch_threads is not None:
@@ -83,7 +87,8 @@ def run(args) -> int:
 
     def loader():
         decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
-                                          trust_remote_code=args.trust_remote_code, progress=False)
+                                          trust_remote_code=args.trust_remote_code, progress=False,
+                                          lookup_num_tokens=args.lookup)
         if chat_template is None:
             # The same documented fallback that training renders chats with (data/chat.py),
             # so chat requests to a template-less target see the format the heads were trained on.

@@ -1,11 +1,13 @@
 """`specheads tune`: measure draft trees on this hardware and store the fastest in the heads dir.
 
     specheads tune --target T --heads H [--prompts FILE.jsonl] [--max-new-tokens N] [--budget-s S]
-                   [--max-settings N] [--depths 1,2,3] [--node-budgets 4,8,16] [--json OUT]
+                   [--max-settings N] [--depths 1,2,3] [--node-budgets 4,8,16] [--lookup-num-tokens N]
+                   [--json OUT]
 
 Prompts are Spec-Bench `question.jsonl` records (default: the shipped bench set). The
 winner goes into HEADS/config.json's `tree` (used by generate, serve and bench by
-default) and the whole sweep into HEADS/tuning.json. How settings are chosen and
+default) and the whole sweep into HEADS/tuning.json. The winner is then measured with and
+without n-gram lookup drafts (--lookup-num-tokens, 0: skip); lookup is stored when faster. How settings are chosen and
 measured: bench/tune.py.
 """
 
@@ -36,6 +38,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-settings", type=int, default=16, help="most tree settings measured")
     p.add_argument("--depths", help="depth limits to sweep, e.g. 1,2,3 (default: 1..heads' depth)")
     p.add_argument("--node-budgets", help="draft-node budgets to sweep, e.g. 4,8,16")
+    p.add_argument("--lookup-num-tokens", type=int, default=10,
+                   help="also measure the winner with n-gram lookup drafts of N tokens and store lookup when it "
+                        "is faster (0: skip)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="also write the sweep report here")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu")
@@ -51,6 +56,8 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.budget_s <= 0:
         raise ValueError(f"--budget-s must be > 0 seconds, got {args.budget_s}")
+    if args.lookup_num_tokens < 0:
+        raise ValueError(f"--lookup-num-tokens must be >= 0 (0: skip), got {args.lookup_num_tokens}")
     depths = _int_list(args.depths, "--depths") if args.depths else None
     budgets = tuple(_int_list(args.node_budgets, "--node-budgets")) if args.node_budgets else NODE_BUDGETS
     prompts = load_prompts(args.prompts, limit=args.limit)  # a bad file fails before any model loads
@@ -70,7 +77,7 @@ def run(args) -> int:
     encoded = [p.input_ids for p in encode_prompts(tokenizer, prompts)]
     report = tune_heads_dir(target, args.heads, encoded, max_new_tokens=args.max_new_tokens, budget_s=args.budget_s,
                             eos_token_id=tokenizer.eos_token_id, max_settings=args.max_settings, depths=depths,
-                            node_budgets=budgets, progress=not args.quiet,
+                            node_budgets=budgets, progress=not args.quiet, lookup_num_tokens=args.lookup_num_tokens,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_tuning(report))
     print(f"\nstored tree {report['winner']!r} in {args.heads}/config.json (sweep: {args.heads}/tuning.json)",

@@ -88,8 +88,12 @@ def test_run_bench_python_api(bench_setup, tmp_path):
     report = run_bench(target, prompts, 10, heads=heads, heads_config=config, tree_nodes=[2, 6],
                        eos_token_id=None, warmup=False, draft_model=draft_model)
     kinds = [m["kind"] for m in report["methods"]]
-    assert kinds == ["hf-greedy", "engine-plain", "engine-heads", "engine-heads", "engine-heads", "hf-prompt-lookup",
-                     "hf-assisted"]
+    assert kinds == ["hf-greedy", "engine-plain", "engine-heads", "engine-heads+lookup", "engine-heads", "engine-heads",
+                     "engine-lookup", "hf-prompt-lookup", "hf-assisted"]
+    names = [m["name"] for m in report["methods"]]
+    assert "engine-heads+lookup[stored,4]" in names and "engine-lookup[10]" in names
+    hybrid = next(m for m in report["methods"] if m["kind"] == "engine-heads+lookup")
+    assert hybrid["tree"]["lookup_num_tokens"] == 10 and hybrid["tree"]["num_draft_nodes"] == 4
     trees = [m["tree"] for m in report["methods"] if m["kind"] == "engine-heads"]
     assert [t["num_draft_nodes"] for t in trees] == [4, 2, 6]
     assert [t["source"] for t in trees] == ["heads-dir", "calibrated", "calibrated"]
@@ -126,7 +130,8 @@ def test_bench_cli_json(bench_setup, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["schema"] == "specheads.bench/1"
     assert report["categories"] == CATEGORIES
-    assert {m["kind"] for m in report["methods"]} == {"hf-greedy", "engine-plain", "engine-heads", "hf-prompt-lookup"}
+    assert {m["kind"] for m in report["methods"]} == {"hf-greedy", "engine-plain", "engine-heads", "engine-heads+lookup",
+                                                      "engine-lookup", "hf-prompt-lookup"}
     for m in report["methods"]:
         assert set(m["by_category"]) == set(CATEGORIES)
         assert m["overall"]["identical"], m["name"]
@@ -164,7 +169,8 @@ def test_bench_cli_several_heads_side_by_side_with_tuning(bench_setup, tmp_path,
     for heads_args in (["--heads", str(heads_dir), "--heads", str(second)], ["--heads", f"{heads_dir},{second}"]):
         args = parser.parse_args(["bench", "--target", str(target_dir), *heads_args, "--prompts", str(prompts),
                                   "--max-new-tokens", "5", "--json", str(out), "--plot", str(tmp_path / "p.png"),
-                                  "--no-warmup", "--prompt-lookup-num-tokens", "0", "--no-fallback"])
+                                  "--no-warmup", "--prompt-lookup-num-tokens", "0", "--lookup-num-tokens", "0",
+                                  "--no-fallback"])
         assert bench_cli.run(args) == 0
         report = json.loads(out.read_text())
         names = [m["name"] for m in report["methods"]]

@@ -137,6 +137,16 @@ def test_cli_generate_matches_hf_and_reports_metrics(embedded, embedded_target_d
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith(prompt + expected)
     assert "tau=1.00" in plain.stderr
+    # Prompt lookup without heads: the same text, drafted from the prompt's own n-grams.
+    repeated = prompt * 4
+    looked_up = run_cli("generate", "--target", str(embedded_target_dir), "--prompt", repeated, "--max-new-tokens",
+                        "32", "--lookup", "8", "--json")
+    assert looked_up.returncode == 0, looked_up.stderr
+    report = json.loads(looked_up.stdout)
+    ids = tokenizer(repeated, add_special_tokens=False)["input_ids"]
+    assert report["text"] == tokenizer.decode(hf_greedy(target.model, ids, 32, tokenizer.eos_token_id),
+                                              skip_special_tokens=True)
+    assert report["speculative"] and report["lookup_accepted"] > 0 and report["steps"] < 32
 
 
 def test_cli_missing_target_fails_clearly(tmp_path):
@@ -187,7 +197,7 @@ def test_demo_trains_tunes_and_benches_both_heads(embedded_target_dir, tmp_path,
         heads_dir = tmp_path / "demo" / kind / "heads"
         config = read_heads_config(heads_dir)
         assert config.kind == kind and config.tree["tuned"]["setting"] == read_tuning(heads_dir)["winner"]
-        assert f"engine-{kind}[tuned," in out
+        assert f"engine-{kind}[tuned," in out and f"engine-{kind}+lookup[tuned," in out
     assert "hf-prompt-lookup" in out and "specheads serve --target embedded:tiny --heads" in out
     assert "every output identical to HF greedy" in out
     # A second run reuses the distilled data, both heads and their tuned trees.

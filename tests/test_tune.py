@@ -86,6 +86,45 @@ def test_tune_stores_a_loadable_tree_and_one_sweep_entry_per_setting(setup):
     assert config.calibration == {"accuracy": ACCURACY}  # only the tree changed
     assert "(chosen)" in format_tuning(report)
     assert not [p for p in heads_dir.iterdir() if p.name.startswith(".")], "temp files left behind"
+    # The winner measured again without and with n-gram lookup; stored only when it was faster.
+    lookup = report["lookup"]
+    assert lookup["num_tokens"] == 10 and lookup["without"]["identical"] and lookup["with"]["identical"]
+    assert lookup["chosen"] == (lookup["with"]["tokens_per_s"] > lookup["without"]["tokens_per_s"])
+    assert ("lookup" in config.tree) == lookup["chosen"]
+    assert "n-gram lookup (10 tokens)" in format_tuning(report)
+
+
+def test_tuned_lookup_is_stored_and_used_by_default(tmp_path):
+    from test_server_support import build_tiny_setup
+
+    from specheads.bench.tune import stored_tree
+    from specheads.runner import load_decoder
+    from specheads.serving.lookup import LookupConfig, lookup_from_tree_field
+
+    row = {"name": "chain-2", "tree": {"paths": [[0], [0, 0]]}, "num_nodes": 2, "tokens_per_s": 10.0,
+           "speedup_vs_plain": 1.2, "tau": 1.5, "step_cost": 1.1}
+    report = {"winner": "chain-2", "device": "cpu", "torch_threads": 1, "settings": [row],
+              "lookup": {"num_tokens": 7, "chosen": True, "with": {"tokens_per_s": 12.0}, "without": {}}}
+    tree = stored_tree(report)
+    assert tree["lookup"] == {"num_tokens": 7} and tree["tuned"]["tokens_per_s_with_lookup"] == 12.0
+    assert "lookup" not in stored_tree(dict(report, lookup=dict(report["lookup"], chosen=False)))
+    assert "lookup" not in stored_tree(dict(report, lookup=None))
+    assert lookup_from_tree_field(tree) == LookupConfig(num_tokens=7)
+    assert lookup_from_tree_field({"paths": [[0]]}) is None and lookup_from_tree_field(None) is None
+    with pytest.raises(ValueError, match="num_tokens"):
+        lookup_from_tree_field({"lookup": {"num_tokens": 0}})
+    with pytest.raises(ValueError, match="keys from"):
+        lookup_from_tree_field({"lookup": {"tokens": 7}})
+    target_dir, heads_dir = build_tiny_setup(tmp_path)
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False)[0].lookup is None
+    update_tree(heads_dir, tree)
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False)[0].lookup == LookupConfig(num_tokens=7)
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False, lookup_num_tokens=0)[0].lookup is None
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False,
+                        lookup_num_tokens=3)[0].lookup == LookupConfig(num_tokens=3)
+    assert load_decoder(str(target_dir), None, progress=False, lookup_num_tokens=4)[0].lookup.num_tokens == 4
+    with pytest.raises(ValueError, match="--lookup must be >= 0"):
+        load_decoder(str(target_dir), str(heads_dir), progress=False, lookup_num_tokens=-1)
 
 
 def test_bench_uses_the_tuned_tree(setup):
@@ -100,7 +139,7 @@ def test_bench_uses_the_tuned_tree(setup):
     (tree, info), = heads_trees(config, None)
     assert info["source"] == "heads-dir-tuned" and tree.max_depth == 2 and tree.is_chain
     report = run_bench(target, [EncodedPrompt(0, "a", [5, 6, 7])], 6, heads=heads, heads_config=config,
-                       warmup=False, prompt_lookup_num_tokens=0)
+                       warmup=False, prompt_lookup_num_tokens=0, lookup_num_tokens=0)
     assert [m["name"] for m in report["methods"]] == ["hf-greedy", "engine-plain", "engine-heads[tuned,2]"]
     assert all(m["overall"]["identical"] for m in report["methods"])
 
