@@ -88,11 +88,11 @@ class Job:
 class _Running:
     """Worker-side state of one admitted sequence."""
 
-    def __init__(self, job: Job, choice: Choice, detok: IncrementalDetokenizer, depth: int):
+    def __init__(self, job: Job, choice: Choice, detok: IncrementalDetokenizer, speculative: bool):
         self.job = job
         self.choice = choice
         self.detok = detok
-        self.depth = depth  # draft tokens per speculative step (0: plain decoding)
+        self.speculative = speculative  # drafts (heads or n-gram lookup); False: plain decoding
         self.num_tokens = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -243,9 +243,9 @@ class Engine:
                     if self._waiting and self._waiting[0] is job:
                         self._waiting.popleft()
                 continue
-            depth = self.decoder.plan.max_depth if choice.request.speculate and self.decoder.drafter is not None \
-                else 0
-            self._running[seq_id] = _Running(job, choice, detok, depth)
+            speculative = choice.request.speculate and (self.decoder.drafter is not None
+                                                        or self.decoder.lookup is not None)
+            self._running[seq_id] = _Running(job, choice, detok, speculative)
             self._admitting = None
 
     def _on_update(self, update, now: float) -> None:
@@ -290,16 +290,17 @@ class Engine:
         job, choice = running.job, running.choice
         drafts = stats.steps - stats.plain_steps  # speculative verify steps
         speculation = {
-            "enabled": running.depth > 0, "steps": stats.steps, "drafts": drafts,
+            "enabled": running.speculative, "steps": stats.steps, "drafts": drafts,
             "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
             "accepted_per_position": list(stats.accepted_per_position), "alpha": stats.alpha,
-            "tau": (stats.accepted_tokens + drafts) / drafts if drafts else 0.0, "fallback": stats.fallback}
+            "tau": (stats.accepted_tokens + drafts) / drafts if drafts else 0.0, "fallback": stats.fallback,
+            "lookup_accepted_tokens": stats.lookup_accepted}
         if job.done:
             return
         first = running.first_token_at if running.first_token_at is not None else now
         self.metrics.observe_finished(reason, first - job.arrival, now - job.arrival, len(choice.request.input_ids),
                                       running.num_tokens, drafts, stats.drafted_tokens, stats.accepted_tokens,
-                                      list(stats.accepted_per_position))
+                                      list(stats.accepted_per_position), stats.lookup_accepted)
         job.post(Event("finish", index=choice.index, text=text, num_tokens=running.num_tokens,
                        finish_reason=reason, stats=speculation))
         job.pending -= 1

@@ -47,7 +47,8 @@ def aggregate_speculation(stats: list[dict]) -> dict:
     return {"enabled": any(s["enabled"] for s in stats), "steps": steps, "drafts": drafts,
             "drafted_tokens": drafted, "accepted_tokens": accepted, "accepted_per_position": per_position,
             "alpha": accepted / drafted if drafted else 0.0, "tau": (accepted + drafts) / drafts if drafts else 0.0,
-            "fallback": any(s["fallback"] for s in stats)}
+            "fallback": any(s["fallback"] for s in stats),
+            "lookup_accepted_tokens": sum(s["lookup_accepted_tokens"] for s in stats)}
 
 
 def _usage(meta: ResponseMeta, completion_tokens: int) -> dict:

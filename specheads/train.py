@@ -17,13 +17,18 @@ SIGTERM (a scheduler's preemption, `kill PID`) stops training cleanly: the step 
 finishes, a whole checkpoint is saved at that step, a message names it, and the process
 exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try again"), not 0, so `train && serve`
 does not go on without heads. Re-running the same command resumes from that checkpoint.
+
+After a run that finished or stopped cleanly each rank unlinks its DeepSpeed CPU
+shared-memory allreduce buffer, which DeepSpeed leaves in /dev/shm (66 MB a rank a run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 
 EXIT_STOPPED = 75
@@ -43,6 +48,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def release_shm_buffer() -> None:
+    """Unlink this rank's /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>.
+
+    DeepSpeed's CPU comm (ops/csrc/cpu/comm/shm.cpp) creates one per rank when the process
+    group starts and never unlinks it, so every multi-rank CPU run left 66 MB a rank in
+    /dev/shm until it was full. Every rank maps every buffer while the group starts, and a
+    mapping outlives its name, so after a run that got past its first collective this is
+    safe; a run that failed earlier keeps its buffers (a peer may still be opening them).
+    """
+    port, rank = os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if port is None or rank is None:
+        return
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{port}_{rank}"
+    with contextlib.suppress(FileNotFoundError):
+        (Path("/dev/shm") / name).unlink()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from specheads.data.text import DataError
@@ -60,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run(recipe)
         except TrainingStopped as stopped:
+            release_shm_buffer()
             print(f"specheads train: {stopped}", file=sys.stderr, flush=True)
             return EXIT_STOPPED
+        release_shm_buffer()
     except (RecipeError, DataError, CheckpointError, FileNotFoundError) as err:
         rank = os.environ.get("RANK", "0")
         prefix = "" if os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] "

@@ -51,12 +51,20 @@ def launcher_env() -> dict:
 
 
 def launch(recipe: Path, *overrides: str) -> subprocess.Popen:
-    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "specheads.train",
+    port = free_port()
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "specheads.train",
                str(recipe)]
     for override in overrides:
         command += ["--set", override]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=launcher_env(), start_new_session=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=launcher_env(), start_new_session=True)
+    process.master_port = port
+    return process
+
+
+def shm_buffers(port: int) -> list[Path]:
+    """DeepSpeed's CPU allreduce buffers of the run on `port` still in /dev/shm."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def finish(process: subprocess.Popen) -> str:
@@ -92,7 +100,9 @@ OVERRIDES = (f"train.steps={STEPS}", f"train.save_every={SAVE_EVERY}", "train.ze
 @pytest.fixture(scope="module")
 def uninterrupted(setup) -> tuple[Path, str]:
     recipe, output_dir = recipe_for(setup, "uninterrupted")
-    out = finish(launch(recipe, *OVERRIDES))
+    process = launch(recipe, *OVERRIDES)
+    out = finish(process)
+    assert shm_buffers(process.master_port) == [], "the ranks left their shared-memory buffers in /dev/shm"
     return output_dir, out
 
 
@@ -122,6 +132,8 @@ def test_killed_run_resumes_and_finishes_at_the_configured_step(setup, uninterru
     assert process.poll() is None, "the run ended before it could be killed:\n" + process.communicate()[0][-3000:]
     os.killpg(process.pid, signal.SIGKILL)  # launcher and both ranks, mid-run
     process.communicate()
+    for buffer in shm_buffers(process.master_port):  # a killed rank cannot unlink its own
+        buffer.unlink()
     killed_at = int(latest.read_text().strip().split("-")[1])
     assert 0 < killed_at < STEPS
     assert not (output_dir / "heads").exists()

@@ -32,6 +32,7 @@ from specheads.serving.lookup import LookupConfig, NgramIndex, with_lookup_chain
 from specheads.serving.sampling import SamplingParams
 from specheads.serving.tree import DraftTree
 
+from test_batch import run_session
 from test_eagle3 import random_head
 
 NUM_NEW = 40
@@ -426,18 +427,7 @@ def test_batch_mixing_greedy_and_seeded_sampling(setup, kind):
     requests.insert(1, SequenceRequest(sampled[0][0], sampled[0][1], sampling=sampled[0][2]))
     requests.insert(4, SequenceRequest(sampled[1][0], sampled[1][1], sampling=sampled[1][2]))
     greedy_rows = [0, 2, 3, 5]
-    session = BatchSession(decoder, max_batch_size=3, max_cache_len=128)
-    pending = list(enumerate(requests))
-    ids, tokens, results, batched_steps = {}, {}, {}, 0
-    while pending or session.num_active:
-        while pending and session.has_capacity:
-            index, request = pending.pop(0)
-            ids[session.add(request)] = index
-        batched_steps += session.num_active > 1
-        for update in session.step():
-            tokens.setdefault(ids[update.seq_id], []).extend(update.new_tokens)
-            if update.finished:
-                results[ids[update.seq_id]] = update.result
+    tokens, results, batched_steps = run_session(decoder, requests)
     assert batched_steps > 5
     for row, (reference, max_new) in zip(greedy_rows, zip(references, greedy_new)):
         assert tokens[row] == results[row].tokens == reference[:max_new], row

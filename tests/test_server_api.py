@@ -216,3 +216,18 @@ def test_metrics_agree_with_finished_requests(server, client):
     assert per_pos == accepted
     assert values["specheads_num_requests_running"] == 0
     assert 0 <= values["specheads_spec_decode_acceptance_rate"] <= 1
+
+
+def test_lookup_only_server_is_lossless_and_counts_lookup_tokens(tiny_setup):  # noqa: F811
+    """`specheads serve --lookup N` without heads: prompt-lookup decoding on the engine."""
+    target_dir, _ = tiny_setup
+    prompt = "def f(x):\n" * 4  # this seeded target repeats part of it: a lookup chain gets accepted
+    with running_server(target_dir, None, lookup_num_tokens=8) as server:
+        response = openai_client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                            temperature=0)
+        metrics = scrape(server)
+    assert response.choices[0].text == hf_greedy_text(target_dir, prompt, MAX_TOKENS)[0]
+    spec = response.model_extra["speculation"]
+    assert spec["enabled"] and spec["lookup_accepted_tokens"] >= 1
+    assert spec["lookup_accepted_tokens"] <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+    assert metrics["specheads_spec_decode_num_lookup_accepted_tokens_total"] == spec["lookup_accepted_tokens"]

@@ -52,11 +52,13 @@ def tiny_setup(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_server(target_dir, heads_dir, **config):
-    """A started ServerThread over the tiny setup; stopped (gracefully) on exit."""
+def running_server(target_dir, heads_dir, lookup_num_tokens: int | None = None, **config):
+    """A started ServerThread over the tiny setup (heads_dir None: no heads); stopped
+    (gracefully) on exit."""
     config.setdefault("model_name", MODEL)
-    thread = ServerThread(ServeConfig(**config), lambda: load_decoder(str(target_dir), str(heads_dir),
-                                                                      progress=False))
+    heads = None if heads_dir is None else str(heads_dir)
+    thread = ServerThread(ServeConfig(**config), lambda: load_decoder(str(target_dir), heads, progress=False,
+                                                                      lookup_num_tokens=lookup_num_tokens))
     thread.start()
     try:
         yield thread
