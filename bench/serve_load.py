@@ -2,7 +2,7 @@
 concurrencies, with speculation on and off (the per-request `speculate` switch, one server).
 
     python -m specheads.bench.serve_load --target embedded:tiny --heads runs/demo/heads \\
-        [--concurrency 1,4,16] [--requests 16] [--max-tokens 64] [--torch-threads 1] [--json OUT.json]
+        [--concurrency 1,4,16] [--requests 16] [--max-tokens 64] [--torch-threads 1] [--lookup N] [--json OUT.json]
     python -m specheads.bench.serve_load --url http://127.0.0.1:8000 --model NAME ...   # a running server
 
 Without --url the script starts `specheads serve` as a subprocess on a free port (so the
@@ -138,6 +138,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         command += ["--heads", args.heads]
     if args.torch_threads is not None:
         command += ["--torch-threads", str(args.torch_threads)]
+    if args.lookup is not None:
+        command += ["--lookup", str(args.lookup)]
     process = subprocess.Popen(command, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=16, help="the started server's batch size")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="the started server's torch threads (1 avoids OpenMP oversubscription on a busy machine)")
+    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+                        help="the started server's --lookup (default: what the heads directory stores; 0: off)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     try:
