@@ -8,8 +8,7 @@
 5. tune both (bench/tune.py): measure tree sizes on this machine, store the fastest;
 6. bench (bench/harness.py) HF greedy, the engine without heads, both heads (alone and with
    the engine's n-gram lookup drafts), that lookup alone and HF prompt lookup on the shipped
-   prompt set, check outputs are identical, print the table and how
-   to serve the result.
+   prompt set, check outputs are identical, print the table and how to serve the fastest.
 
 Every step reuses its output from an earlier run in --workdir unless --retrain.
 """
