@@ -44,7 +44,7 @@ so the output equals the target's own greedy decoding (up to fp ties, see the te
 Without heads the tree is the root alone and the same loop is plain greedy decoding, one
 token per step: the "speculation off" baseline.
 
-N-gram lookup (`lookup=LookupConfig(...)`, serving/lookup.py; greedy requests only): a
+N-gram lookup (`lookup=LookupConfig(...)`, serving/lookup.py; greedy and sampled): a
 chain copied from the context's last n-gram match is verified alone (a long match, the
 heads' draft skipped) or as one more branch beside the heads' tree; it also works without
 heads (plain prompt-lookup decoding in this engine).

@@ -12,7 +12,7 @@ part in the batched decode step:
   the root alone (speculation off, or fallen back). Medusa sequences are drafted in one
   batched head call; EAGLE heads keep one head cache per sequence (a step the head skips
   leaves its rows for the head's next run). With n-gram lookup (serving/lookup.py) a
-  greedy sequence's chain from its own context is verified alone or as one more branch.
+  sequence's chain from its own context is verified alone or as one more branch.
 - verify: trees are padded to the largest T in the batch. A padding node sees only itself
   and is never accepted. Node i of sequence b sits at position S_b + depth(i) and attends
   to b's S_b committed keys plus its own ancestors (a [n, 1, T, max S + T] bool mask, or
@@ -92,7 +92,7 @@ class _Sequence:
     spec_accepted: int = 0
     spec_seconds: float = 0.0  # wall time of the window's speculative steps
     plain_run: int = 0  # plain steps since the last fallback (retried after policy.retry_after)
-    lookup: NgramIndex | None = None  # the context's n-gram index (greedy requests of a lookup decoder)
+    lookup: NgramIndex | None = None  # the context's n-gram index (speculating requests of a lookup decoder)
 
     def close(self) -> GenerationResult:
         """Stop here: the result so far, finish_reason "stop" unless it had finished."""
@@ -177,7 +177,7 @@ class BatchEngine:
             may_fall_back=speculating and policy is not None and not seeded,
             generator=None if greedy else make_generator(request.sampling, self.target.device),
             lookup=NgramIndex(self.decoder.lookup, prompt_1P[0].tolist())
-            if speculating and greedy and self.decoder.lookup is not None else None,
+            if speculating and self.decoder.lookup is not None else None,
             stats=DecodeStats(accepted_per_position=[0] * (self.decoder.max_depth if speculating else 0),
                               lossless=request.acceptance == "rejection"))
 

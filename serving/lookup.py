@@ -10,8 +10,12 @@ the other way round. The engine combines them per step (`LookupConfig`):
   skips the heads' draft (on a CPU an EAGLE draft costs about a target step);
 - a shorter match: the heads' tree plus the lookup chain as one more branch under the root;
 - no match: the heads' tree alone (or, without heads, a plain step).
-Verification and acceptance are unchanged, so the output is still the target's own greedy
-output. Lookup drafts only for greedy requests: sampled ones need draft probabilities.
+Verification and acceptance are unchanged, so greedy output is still the target's own.
+Sampled requests use it too: a lookup token is a candidate fixed in advance (a point-mass
+draft), exactly like the heads' top-k candidates, so the tree's recursive rejection
+sampling (serving/sampling.py) keeps the target's distribution; the chain is the root's
+last child, tried after the heads' candidates. The proposal depends only on the tokens, so
+a seed still gives the same output.
 
 `NgramIndex` keeps, per n-gram (n <= max_ngram) of the context, where its most recent
 continuation starts, updated as tokens arrive (O(max_ngram) per token). A proposal copies

@@ -43,7 +43,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with heads")
     p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="also draft up to N tokens by n-gram lookup in the context (greedy only; 0: off; "
+                   help="also draft up to N tokens by n-gram lookup in the context (0: off; "
                         "default: what `specheads tune` stored in the heads directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 

@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
     p.add_argument("--heads", help="heads directory; omit to serve with plain decoding")
     p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="also draft up to N tokens by n-gram lookup in the context (greedy requests; 0: off; "
+                   help="also draft up to N tokens by n-gram lookup in the context (0: off; "
                         "default: what `specheads tune` stored in the heads directory)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -7,7 +7,8 @@ processing (serving.sampling.target_probs). Many seeded runs of the engine with 
 Medusa heads on a branching tree must match it by a chi-square test at a conservative
 level; the first two tokens come from the prefill's sample and the first verify step,
 which exercises acceptance, sibling rejection and the recovered / bonus token. The same
-holds for an EAGLE head drafting a dynamic (EAGLE-2) tree anew each step. A negative
+holds for an EAGLE head drafting a dynamic (EAGLE-2) tree anew each step, and with n-gram
+lookup chains (serving/lookup.py): beside the heads' tree, and alone without heads. A negative
 control (Medusa-2's lossy typical acceptance) must fail the same test, and is reported as
 lossy.
 """
@@ -23,6 +24,7 @@ from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode import SpeculativeDecoder
 from specheads.serving.dynamic_tree import DynamicTreeConfig
+from specheads.serving.lookup import LookupConfig
 from specheads.serving.sampling import SamplingParams, target_probs
 from specheads.serving.tree import DraftTree
 
@@ -68,7 +70,8 @@ def exact_joint(target: TargetAdapter, params: SamplingParams) -> torch.Tensor:
 
 
 def empirical_counts(decoder: SpeculativeDecoder, params: SamplingParams, acceptance: str = "rejection",
-                     num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, int, bool]:
+                     num_samples: int = NUM_SAMPLES, stats: dict | None = None) -> tuple[torch.Tensor, int, bool]:
+    """stats (optional) collects the summed lookup_steps and lookup_accepted."""
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     accepted, lossless = 0, True
     for seed in range(num_samples):
@@ -78,6 +81,9 @@ def empirical_counts(decoder: SpeculativeDecoder, params: SamplingParams, accept
         counts[t1, t2] += 1
         accepted += result.stats.accepted_tokens
         lossless = lossless and result.lossless
+        if stats is not None:
+            for name in ("lookup_steps", "lookup_accepted"):
+                stats[name] = stats.get(name, 0) + getattr(result.stats, name)
     return counts, accepted, lossless
 
 
@@ -118,6 +124,25 @@ def test_first_two_tokens_follow_the_target(setup, dynamic_decoder, params, tree
     assert lossless
     assert accepted > NUM_SAMPLES // 10, "the heads' drafts were (almost) never accepted: the test would be vacuous"
     assert chi_square_p_value(counts, joint) > P_VALUE
+
+
+@pytest.mark.parametrize("with_heads", [True, False], ids=["medusa+lookup", "lookup-alone"])
+def test_first_two_tokens_follow_the_target_with_lookup(setup, with_heads):
+    """Lookup tokens are candidates fixed in advance, like the heads' top-k: the chain rides
+    as the root's last child (beside the heads' tree), or is the whole tree (no heads,
+    alone_at_ngram=1). A second token that occurs in the prompt makes the first verify step
+    look up (the prompt's own continuation of it)."""
+    target, decoder = setup
+    params = SamplingParams(temperature=1.0)
+    lookup = LookupConfig(num_tokens=3, alone_at_ngram=None if with_heads else 1)
+    heads = decoder.drafter.heads if with_heads else None
+    looked_up = SpeculativeDecoder(target, heads, DraftTree.from_paths(TREE_PATHS) if with_heads else None,
+                                   lookup=lookup)
+    stats: dict = {}
+    counts, accepted, lossless = empirical_counts(looked_up, params, stats=stats)
+    assert lossless
+    assert stats["lookup_steps"] > NUM_SAMPLES // 4 and stats["lookup_accepted"] > NUM_SAMPLES // 20, stats
+    assert chi_square_p_value(counts, exact_joint(target, params)) > P_VALUE
 
 
 def test_typical_acceptance_is_detected_and_reported_lossy(setup):

@@ -8,8 +8,9 @@ heads, random Medusa heads, a random EAGLE-3 head on a static and on a dynamic t
 and without `alone_at_ngram`) equals HF greedy `generate`, and lookup chains really are
 accepted on prompts whose greedy continuation loops. The EAGLE head's own cache stays
 aligned with the target's committed positions across steps that skipped the head. In a
-batch, greedy rows equal decoding alone and seeded sampled rows get no lookup and equal
-the same seeded request alone.
+batch, greedy rows equal decoding alone and seeded sampled rows (which look up too) equal
+the same seeded request alone. (That sampling with lookup keeps the target's distribution
+is tested by chi-square in test_decode_sampling.py.)
 
 Tiny random models loop only from some contexts, so the fixture picks, among short random
 patterns repeated, the prompts whose greedy continuation repeats most.
@@ -436,11 +437,10 @@ def test_batch_mixing_greedy_and_seeded_sampling(setup, kind):
     assert sum(results[row].stats.lookup_accepted for row in greedy_rows[:NUM_REPETITIVE]) > 0
     for row, (prompt, max_new, sampling) in zip([1, 4], sampled):
         result = results[row]
-        assert result.stats.lookup_steps == 0 and result.stats.lookup_accepted == 0
         assert len(result.tokens) == max_new
         alone = decoder.generate(prompt, max_new, sampling=sampling)
         assert tokens[row] == result.tokens == alone.tokens, row
-        assert alone.stats.lookup_steps == 0
+        assert alone.stats.lookup_steps == result.stats.lookup_steps
 
 
 def test_tree_attention_path_with_lookup_is_lossless(setup, tiny_llama_dir):
