@@ -94,6 +94,10 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for flag, value in (("--lookup-num-tokens", args.lookup_num_tokens),
+                        ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 (0: skip that method), got {value}")
     tree_nodes = [n for text in args.tree_nodes for n in _int_list(text)]
     heads_dirs = [part for text in args.heads for part in text.split(",") if part.strip()]
     if tree_nodes and not heads_dirs:

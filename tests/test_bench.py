@@ -147,6 +147,10 @@ def test_bench_cli_rejects_tree_nodes_without_heads(bench_setup):
     args = parser.parse_args(["bench", "--target", str(bench_setup[0]), "--tree-nodes", "4"])
     with pytest.raises(ValueError, match="--tree-nodes needs --heads"):
         bench_cli.run(args)
+    for flag in ("--lookup-num-tokens", "--prompt-lookup-num-tokens"):
+        args = parser.parse_args(["bench", "--target", str(bench_setup[0]), flag, "-1"])
+        with pytest.raises(ValueError, match=f"{flag} must be >= 0"):
+            bench_cli.run(args)
 
 
 def test_bench_cli_several_heads_side_by_side_with_tuning(bench_setup, tmp_path, capsys):
