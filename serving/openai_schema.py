@@ -67,10 +67,8 @@ class _Sampling(_Strict):
 
     @field_validator("max_tokens")
     @classmethod
-    def _max_tokens(cls, value):
-        if value is not None and value < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {value}")
-        return value
+    def _max_tokens(cls, value, info):
+        return _at_least_one(value, info)
 
     @field_validator("temperature")
     @classmethod
@@ -137,6 +135,13 @@ class _Sampling(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _at_least_one(value, info):
+    """A token count that is None (the default) or >= 1."""
+    if value is not None and value < 1:
+        raise ValueError(f"{info.field_name} must be at least 1, got {value}")
+    return value
 
 
 def _refuse_unsupported(value, info):
@@ -213,10 +218,8 @@ class ChatCompletionRequest(_Sampling):
 
     @field_validator("max_completion_tokens")
     @classmethod
-    def _max_completion_tokens(cls, value):
-        if value is not None and value < 1:
-            raise ValueError(f"max_completion_tokens must be at least 1, got {value}")
-        return value
+    def _max_completion_tokens(cls, value, info):
+        return _at_least_one(value, info)
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod
