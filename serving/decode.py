@@ -369,6 +369,11 @@ class SpeculativeDecoder:
             if getattr(target.model.config, "_attn_implementation", None) != name:
                 target.model.set_attn_implementation(name)
 
+    @property
+    def speculates(self) -> bool:
+        """Whether requests draft at all (heads, n-gram lookup, or both), unless they opt out."""
+        return self.drafter is not None or self.lookup is not None
+
     # --- drafting (called by the engine) ----------------------------------------------------
 
     def draft(self, state: DecodeState) -> torch.Tensor:

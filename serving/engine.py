@@ -167,7 +167,7 @@ class BatchEngine:
             raise ValueError(f"prompt ({prompt_1P.shape[1]} tokens) + max_new_tokens ({request.max_new_tokens}) "
                              f"+ one tree ({self.decoder.max_tree_nodes}) = {needed} positions, more than this "
                              f"engine's max_cache_len {self.max_cache_len}")
-        speculating = request.speculate and (self.decoder.drafter is not None or self.decoder.lookup is not None)
+        speculating = request.speculate and self.decoder.speculates
         policy = self.decoder.fallback
         seeded = not greedy and request.sampling.seed is not None
         return _Sequence(
@@ -328,15 +328,13 @@ class BatchEngine:
         for index, seq in enumerate(batch):
             if seq.stats.fallback and not seq.speculating and seq.plain_run >= decoder.fallback.retry_after:
                 seq.speculating = True  # try speculating again: the text may have become predictable
-            if not seq.speculating or (plain and seq.may_fall_back):
-                drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree, heads_drafted=False)
-                continue
-            alone = False
-            if seq.lookup is not None:
+            skip_heads = not seq.speculating or (plain and seq.may_fall_back)
+            if not skip_heads and seq.lookup is not None:
                 seq.lookup.extend(seq.tokens[len(seq.lookup.tokens) - int(seq.prompt_1P.shape[1]):])
                 chains[index], matched = seq.lookup.propose()
-                alone = decoder.lookup.alone_at_ngram is not None and matched >= decoder.lookup.alone_at_ngram
-            if alone or decoder.drafter is None:
+                alone_at = decoder.lookup.alone_at_ngram
+                skip_heads = alone_at is not None and matched >= alone_at  # the chain alone
+            if skip_heads or decoder.drafter is None:
                 drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree, heads_drafted=False)
             elif decoder.is_medusa:
                 medusa.append(index)

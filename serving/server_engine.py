@@ -243,9 +243,7 @@ class Engine:
                     if self._waiting and self._waiting[0] is job:
                         self._waiting.popleft()
                 continue
-            speculative = choice.request.speculate and (self.decoder.drafter is not None
-                                                        or self.decoder.lookup is not None)
-            self._running[seq_id] = _Running(job, choice, detok, speculative)
+            self._running[seq_id] = _Running(job, choice, detok, choice.request.speculate and self.decoder.speculates)
             self._admitting = None
 
     def _on_update(self, update, now: float) -> None:
