@@ -247,6 +247,11 @@ async def _next_event(job: Job) -> Event:
                      code="timeout")
 
 
+def _unknown_model(asked: str, served: str) -> APIError:
+    return APIError(404, f"The model `{asked}` does not exist; this server serves `{served}`.", "not_found_error",
+                    param="model", code="model_not_found")
+
+
 def _event_error(event: Event) -> APIError:
     err_type = {400: "invalid_request_error", 503: "service_unavailable", 504: "timeout_error"}.get(event.status,
                                                                                                    "server_error")
@@ -258,8 +263,7 @@ async def _handle(state: ServerState, request: Request, chat: bool):
     raw = await _read_body(request, config.max_body_bytes)
     req = validate_request(ChatCompletionRequest if chat else CompletionRequest, parse_json_body(raw))
     if req.model != config.model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{config.model_name}`.",
-                       "not_found_error", param="model", code="model_not_found")
+        raise _unknown_model(req.model, config.model_name)
     if state.status != "ready" or state.engine is None:
         raise APIError(503, f"the model is not ready ({state.status}); retry shortly", "service_unavailable",
                        code="model_loading", headers={"Retry-After": str(config.retry_after_s)})
@@ -367,9 +371,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != state.config.model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist; this server serves "
-                                f"`{state.config.model_name}`.", "not_found_error", param="model",
-                           code="model_not_found")
+            raise _unknown_model(model_id, state.config.model_name)
         return model_card()
 
     @app.get("/health")
