@@ -124,7 +124,7 @@ def engine_method(name: str, kind: str, decoder, eos_token_id: int | None, tree:
         return PromptRun(tokens=out.tokens, seconds=end - start, events=events, steps=stats.steps,
                          drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
                          accepted_per_position=list(stats.accepted_per_position),
-                         fell_back=bool(getattr(stats, "fallback", False)), lookup_accepted=stats.lookup_accepted)
+                         fell_back=stats.fallback, lookup_accepted=stats.lookup_accepted)
 
     return Method(name, kind, generate, tree)
 
