@@ -53,11 +53,15 @@ import json
 import sys
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str, option: str, example: str) -> list[int]:
+    """A comma- or space-separated list of positive integers given to `option`."""
     try:
-        return [int(part) for part in text.replace(" ", ",").split(",") if part]
+        values = [int(part) for part in text.replace(" ", ",").split(",") if part]
     except ValueError as err:
-        raise ValueError(f"--tree-nodes expects comma-separated integers like 8,16,32, got {text!r}") from err
+        raise ValueError(f"{option} expects comma-separated integers like {example}, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise ValueError(f"{option} expects positive integers, got {text!r}")
+    return values
 
 
 def add_parser(subparsers) -> None:
@@ -98,7 +102,7 @@ def run(args) -> int:
                         ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0 (0: skip that method), got {value}")
-    tree_nodes = [n for text in args.tree_nodes for n in _int_list(text)]
+    tree_nodes = [n for text in args.tree_nodes for n in int_list(text, "--tree-nodes", "8,16,32")]
     heads_dirs = [part for text in args.heads for part in text.split(",") if part.strip()]
     if tree_nodes and not heads_dirs:
         raise ValueError("--tree-nodes needs --heads")

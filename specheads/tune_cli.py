@@ -17,16 +17,6 @@ import json
 import sys
 
 
-def _int_list(text: str, option: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.replace(" ", ",").split(",") if part]
-    except ValueError as err:
-        raise ValueError(f"{option} expects comma-separated integers like 1,2,3, got {text!r}") from err
-    if not values or min(values) < 1:
-        raise ValueError(f"{option} expects positive integers, got {text!r}")
-    return values
-
-
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("tune", help="sweep draft trees on this hardware; store the fastest in the heads dir")
     p.add_argument("--target", required=True, help="model dir, hub id, or 'embedded:tiny'")
@@ -51,6 +41,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from specheads.bench.prompts import encode_prompts, load_prompts
     from specheads.bench.tune import NODE_BUDGETS
+    from specheads.bench_cli import int_list
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -58,8 +49,8 @@ def run(args) -> int:
         raise ValueError(f"--budget-s must be > 0 seconds, got {args.budget_s}")
     if args.lookup_num_tokens < 0:
         raise ValueError(f"--lookup-num-tokens must be >= 0 (0: skip), got {args.lookup_num_tokens}")
-    depths = _int_list(args.depths, "--depths") if args.depths else None
-    budgets = tuple(_int_list(args.node_budgets, "--node-budgets")) if args.node_budgets else NODE_BUDGETS
+    depths = int_list(args.depths, "--depths", "1,2,3") if args.depths else None
+    budgets = tuple(int_list(args.node_budgets, "--node-budgets", "4,8,16")) if args.node_budgets else NODE_BUDGETS
     prompts = load_prompts(args.prompts, limit=args.limit)  # a bad file fails before any model loads
 
     from transformers import AutoTokenizer
