@@ -305,16 +305,24 @@ def load_text_data(data, tokenizer_path: str | None, seed: int, eos_token_id: in
         train_records, eval_records = shuffled_records(records, seed), shuffled_records(load_records(data.source, "heldout"), seed)
     else:
         train_records, eval_records = split_records(records, data.eval_fraction, seed)
+    return train_and_eval_blocks(data, data.source, train_records, data.eval_source or f"{data.source} (held-out)",
+                                 eval_records, tokenizer_path, eos_token_id, vocab_size, trust_remote_code)
+
+
+def train_and_eval_blocks(data, train_name: str, train_records: list, eval_name: str, eval_records: list,
+                          tokenizer_path: str | None, eos_token_id: int | None, vocab_size: int | None,
+                          trust_remote_code: bool) -> tuple[PackedBlocks, PackedBlocks]:
+    """Shuffled or split records -> (train blocks, held-out blocks): data.max_records applied to
+    each side, an empty held-out side refused."""
     if data.max_records is not None:
         train_records, eval_records = train_records[:data.max_records], eval_records[:data.max_records]
     build = dict(text_field=data.text_field, seq_len=data.seq_len, tokenizer_path=data.tokenizer or tokenizer_path,
                  eos_token_id=eos_token_id, vocab_size=vocab_size, trust_remote_code=trust_remote_code,
                  truncate=data.truncate)
-    train = build_blocks(data.source, train_records, **build)
-    eval_source = data.eval_source or (f"{data.source} (held-out)")
+    train = build_blocks(train_name, train_records, **build)
     if not eval_records:
-        raise DataError(f"evaluation data {eval_source!r} is empty: no records to calibrate the heads on")
-    return train, build_blocks(eval_source, eval_records, **build)
+        raise DataError(f"evaluation data {eval_name!r} is empty: no records to calibrate the heads on")
+    return train, build_blocks(eval_name, eval_records, **build)
 
 
 def shuffled_records(records: list, seed: int) -> list:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specheads.data.text import (EMBEDDED_STDLIB, LOCAL_FORMATS, DataError, PackedBlocks, build_blocks,
-                                 extract_documents, load_records, load_text_data, shuffled_records,
-                                 split_records)
+from specheads.data.text import (EMBEDDED_STDLIB, LOCAL_FORMATS, DataError, PackedBlocks, extract_documents,
+                                 load_records, load_text_data, shuffled_records, split_records,
+                                 train_and_eval_blocks)
 
 
 def load_split_records(source: str, split: str) -> list:
@@ -65,12 +65,5 @@ def load_training_data(data, tokenizer_path: str | None, seed: int, eos_token_id
     else:
         train_records, eval_records = split_records(records, data.eval_fraction, seed)
         eval_name = f"{data.source} [{data.split}] (held-out)"
-    if data.max_records is not None:
-        train_records, eval_records = train_records[:data.max_records], eval_records[:data.max_records]
-    build = dict(text_field=data.text_field, seq_len=data.seq_len, tokenizer_path=data.tokenizer or tokenizer_path,
-                 eos_token_id=eos_token_id, vocab_size=vocab_size, trust_remote_code=trust_remote_code,
-                 truncate=data.truncate)
-    train = build_blocks(f"{data.source} [{data.split}]", train_records, **build)
-    if not eval_records:
-        raise DataError(f"evaluation data {eval_name!r} is empty: no records to calibrate the heads on")
-    return train, build_blocks(eval_name, eval_records, **build)
+    return train_and_eval_blocks(data, f"{data.source} [{data.split}]", train_records, eval_name, eval_records,
+                                 tokenizer_path, eos_token_id, vocab_size, trust_remote_code)
