@@ -25,7 +25,7 @@ from specheads.data.feature_cache import FeatureCache
 from specheads.heads.eagle3 import next_token_embeddings
 from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
-from specheads.training.losses import DistillOutput, eagle_ttt_loss, medusa_distill_loss
+from specheads.training.losses import DistillOutput, heads_loss
 
 
 def open_cache(directory: str, target: TargetAdapter, taps: list[int], seq_len: int) -> FeatureCache:
@@ -45,12 +45,9 @@ def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: T
         taps_BTnH = torch.cat([batch[f"tap_{layer}"] for layer in tap_layers], dim=-1).to(device, dtype)
         with torch.no_grad():
             next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
-        logits_JBTV, features_JBTH = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
-        regress = heads_spec.kind == "eagle"
-        result = eagle_ttt_loss(logits_JBTV, teacher_BTV, loss_mask_BT, engine.module.draft_to_target(),
-                                heads_spec.ttt_step_weight, features_JBTH if regress else None,
-                                taps_BTnH if regress else None, heads_spec.feature_loss_weight)
+        result = heads_loss(heads_spec, engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps), teacher_BTV,
+                            loss_mask_BT, engine.module.draft_to_target(), taps_BTnH)
     else:
         hidden_BTH = batch[f"tap_{target.num_layers}"].to(device, dtype)
-        result = medusa_distill_loss(engine(hidden_BTH), teacher_BTV, loss_mask_BT)
+        result = heads_loss(heads_spec, engine(hidden_BTH), teacher_BTV, loss_mask_BT)
     return result, loss_mask_BT

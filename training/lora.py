@@ -145,19 +145,13 @@ def lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, loss_mask_BT: 
 
 def joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec, lora_cfg, adapter_on: bool):
     """-> (DistillOutput of the heads, LM loss or None, the objective to backward)."""
-    from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
+    from specheads.training.losses import heads_loss
 
-    joint = engine.module
     logits_BTV, heads_out, taps = engine(input_ids_BT, adapter_on)
-    teacher_BTV = logits_BTV.detach()
-    if heads_spec.kind in EAGLE_KINDS:
-        logits_JBTV, features_JBTH = heads_out
-        regress = heads_spec.kind == "eagle"
-        result = eagle_ttt_loss(logits_JBTV, teacher_BTV, loss_mask_BT, joint.heads.draft_to_target(),
-                                heads_spec.ttt_step_weight, features_JBTH if regress else None,
-                                taps.detach() if regress else None, heads_spec.feature_loss_weight)
-    else:
-        result = medusa_distill_loss(heads_out, teacher_BTV, loss_mask_BT)
+    eagle = heads_spec.kind in EAGLE_KINDS
+    result = heads_loss(heads_spec, heads_out, logits_BTV.detach(), loss_mask_BT,
+                        engine.module.heads.draft_to_target() if eagle else None,
+                        taps.detach() if eagle else None)
     if not adapter_on:
         return result, None, result.loss
     lm = lm_loss(logits_BTV, input_ids_BT, loss_mask_BT)

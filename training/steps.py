@@ -18,7 +18,7 @@ from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
 from specheads.training import lora as lora_mode
 from specheads.training.cached import cached_micro_step
-from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
+from specheads.training.losses import heads_loss, medusa_distill_loss
 
 
 def _medusa_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec):
@@ -33,11 +33,8 @@ def _eagle_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT,
         out = target(input_ids_BT, tap_layers)
         taps_BTnH = torch.cat(out.taps, dim=-1).to(dtype)
         next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
-    logits_JBTV, features_JBTH = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
-    regress = heads_spec.kind == "eagle"  # EAGLE-1/2: the single tap is also the regression target
-    return eagle_ttt_loss(logits_JBTV, out.logits, loss_mask_BT, engine.module.draft_to_target(),
-                          heads_spec.ttt_step_weight, features_JBTH if regress else None,
-                          taps_BTnH if regress else None, heads_spec.feature_loss_weight)
+    heads_out = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
+    return heads_loss(heads_spec, heads_out, out.logits, loss_mask_BT, engine.module.draft_to_target(), taps_BTnH)
 
 
 @dataclass
