@@ -35,13 +35,11 @@ import httpx
 
 
 def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """bench.harness.percentile with q in 0..1; NaN for no values (the table prints it)."""
+    from specheads.bench.harness import percentile
+
+    value = percentile(values, 100 * q)
+    return float("nan") if value is None else value
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
