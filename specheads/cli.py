@@ -83,8 +83,6 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.lookup is not None and args.lookup < 0:
-        raise UserError(f"--lookup must be >= 0 (0: off), got {args.lookup}")
     decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
                                       trust_remote_code=args.trust_remote_code, lookup_num_tokens=args.lookup)
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
