@@ -113,7 +113,7 @@ def run(args) -> int:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specheads.bench.harness import format_report, run_bench
+    from specheads.bench.harness import format_report, heads_label, run_bench
     from specheads.heads.heads_dir import load_heads, read_heads_config, read_tuning
     from specheads.heads.target import TargetAdapter
     from specheads.runner import resolve_target_name
@@ -125,20 +125,13 @@ def run(args) -> int:
                                            trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     heads_list, tuning = [], {}
-    if len(heads_dirs) == 1:  # one directory keeps the short names engine-heads[...]
-        module, heads_config = load_heads(heads_dirs[0], target=target.identity, device=args.device,
-                                          dtype=target.dtype)
-        heads_list.append(("heads", module, heads_config))
-        tuning["heads"] = read_tuning(heads_dirs[0])
-    else:
-        from specheads.bench.harness import heads_label
-
-        for directory in heads_dirs:
-            module, heads_config = load_heads(directory, target=target.identity, device=args.device,
-                                              dtype=target.dtype)
-            label = heads_label(heads_config, directory, {label for label, _, _ in heads_list})
-            heads_list.append((label, module, heads_config))
-            tuning[label] = read_tuning(directory)
+    for directory in heads_dirs:
+        module, heads_config = load_heads(directory, target=target.identity, device=args.device, dtype=target.dtype)
+        # One directory keeps the short names engine-heads[...]; several are named by kind.
+        label = "heads" if len(heads_dirs) == 1 else heads_label(heads_config, directory,
+                                                                  {label for label, _, _ in heads_list})
+        heads_list.append((label, module, heads_config))
+        tuning[label] = read_tuning(directory)
     draft_model = None
     if args.draft_model:
         draft_path = resolve_target_name(args.draft_model)
