@@ -31,8 +31,9 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens else None
     path = resolve_target_name(target, progress=progress)
     adapter = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    decoder = SpeculativeDecoder(adapter, lookup=lookup)
-    if heads is not None:  # checked against the target before anything else is loaded
+    if heads is None:
+        decoder = SpeculativeDecoder(adapter, lookup=lookup)
+    else:  # checked against the target before anything else is loaded
         head_module, config = load_heads(heads, target=adapter.identity, device=device, dtype=adapter.dtype)
         tree, entropy_threshold = tree_from_heads_config(config)
         if lookup_num_tokens is None:
