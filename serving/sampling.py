@@ -51,7 +51,17 @@ tests/test_sampling.py shows the statistical test detects both.
 Numerical guard: a rejection has probability zero when the residual mass is zero; if
 rounding produces one anyway the residual is undefined and p_i is kept.
 
-Greedy (temperature 0) is exactly serving/decode.py's rule: a drafted node is correct when
+Tiny temperatures. A temperature below `GREEDY_BELOW_TEMPERATURE` (1e-5, vLLM's
+`_SAMPLING_EPS`) decodes greedily: `SamplingParams.is_greedy` is true, so no random number is
+drawn and the output is the target's greedy output. Dividing fp32 logits by such a
+temperature overflows (1e-300 rounds to 0.0 in fp32, 1e-40 is a denormal and 30 / 1e-40 is
+inf) and the softmax turns into NaN; the limit of softmax(logits / T) as T -> 0 is the argmax
+one-hot anyway (up to exact ties). From 1e-5 up, |logits| / T stays far inside fp32 for any
+logits a model produces. Logits that give no distribution (NaN, +inf, every one -inf: a
+broken target) raise ValueError from `target_probs` instead of reaching `torch.multinomial`;
+the engine ends that one sequence with the error (serving/engine.py, "Faults").
+
+Greedy is exactly serving/decode.py's rule: a drafted node is correct when
 its token equals the target's logits argmax at its parent; the longest root-to-leaf run of
 correct nodes is accepted (the first leaf wins ties); the argmax at its last node follows.
 No random numbers are drawn.
@@ -81,11 +91,12 @@ from specheads.serving.tree import DraftTree
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Medusa's defaults for typical acceptance
 DEFAULT_POSTERIOR_ALPHA = 0.3
 MAX_SEED = 2 ** 64 - 1
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS; see "Tiny temperatures" in the module doc
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # >= 0; 0 = greedy
+    temperature: float = 1.0  # >= 0; below GREEDY_BELOW_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0  # in (0, 1]; 1 = off
     top_k: int = 0  # >= 0; 0 = off
     seed: int | None = None  # in [0, 2**64 - 1]; None = unseeded
@@ -105,7 +116,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or so small that sampling would overflow (see the module doc)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -146,10 +158,11 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 def target_probs(logits_NV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The processed target distribution: temperature, then top-k, then top-p. -> [N, V] float32+.
 
-    Greedy (temperature 0) gives the one-hot of the logits argmax (first index on ties).
-    top-k keeps every token tied with the k-th largest logit. top-p keeps the smallest
-    prefix of tokens, by descending probability, whose mass reaches top_p (the top token
-    always survives).
+    Greedy (temperature below GREEDY_BELOW_TEMPERATURE) gives the one-hot of the logits
+    argmax (first index on ties). top-k keeps every token tied with the k-th largest logit.
+    top-p keeps the smallest prefix of tokens, by descending probability, whose mass
+    reaches top_p (the top token always survives). Logits that give no distribution (NaN,
+    +inf, every one -inf) raise ValueError.
     """
     logits_NV = logits_NV.float() if logits_NV.dtype in (torch.float16, torch.bfloat16) else logits_NV
     if params.is_greedy:
@@ -160,6 +173,8 @@ def target_probs(logits_NV: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
     probs = scaled.softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("the target's logits give no distribution to sample from (NaN, +inf, or every logit -inf)")
     if params.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
