@@ -129,9 +129,10 @@ class DecodeStats:
 @dataclass
 class GenerationResult:
     tokens: list[int]  # new tokens only; ends with the EOS token or the stop sequence when finish_reason == "stop"
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "error" (the engine ended this sequence alone)
     stats: DecodeStats
     lossless: bool = True  # False when the output does not follow the target's distribution (typical acceptance)
+    error: str | None = None  # finish_reason "error": the exception's type and message (serving/engine.py)
 
 
 @dataclass
@@ -490,7 +491,11 @@ class DecodeStream:
         if seq.finish_reason is not None:
             self.result = seq.result()
             raise StopIteration
-        return self._engine.step()[seq.seq_id]
+        tokens = self._engine.step()[seq.seq_id]
+        if seq.error is not None:  # the engine ended it alone; a caller of one sequence gets the error itself
+            self.result = seq.result()
+            raise seq.error
+        return tokens
 
     def close(self) -> GenerationResult:
         """Stop decoding now; -> the result so far (finish_reason "stop" unless it had already

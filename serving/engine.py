@@ -41,6 +41,17 @@ batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse
 The stats say so (`DecodeStats.fallback`, `fallbacks`, `fallback_reason`). Seeded sampling
 never falls back: its random stream, hence its output, must not depend on timing.
 
+Faults (which errors are fatal: serving/faults.py). An exception raised while stepping one
+sequence (its prefill, its draft, its accept, its bookkeeping) ends that sequence alone:
+finish_reason "error", `GenerationResult.error` names it, and it leaves the batch like a
+finished one. The other rows go on; rows never see each other, so their output is what it
+would have been without it. A batched call that fails (the Medusa heads' one draft call, the
+verify forward) is run again row by row, which finds the faulty row and still advances the
+others this step. A failed forward leaves the cache whole: its entries were only pending.
+A verify forward that runs out of memory is retried once with the allocator's cache
+emptied; out of memory again, or a lost device, raises (`EngineBroken` or the device's
+error) and the caller must treat the engine as broken.
+
 Shape legend: n active sequences, T tree nodes (padded), V vocab, nH drafter tap width,
 A accepted nodes.
 """
@@ -52,8 +63,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.serving.decode import (Acceptance, DecodeState, DecodeStats, GenerationResult, TreePlan,
+from specheads.serving.decode import (DecodeState, DecodeStats, GenerationResult, TreePlan,
                                       Verification, accept, emit, prefill)
+from specheads.serving.faults import OUT_OF_MEMORY, EngineBroken, describe, is_fatal, release_memory
 from specheads.serving.lookup import NgramIndex
 from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
 from specheads.serving.static_cache import TreeStaticCache
@@ -93,6 +105,7 @@ class _Sequence:
     spec_seconds: float = 0.0  # wall time of the window's speculative steps
     plain_run: int = 0  # plain steps since the last fallback (retried after policy.retry_after)
     lookup: NgramIndex | None = None  # the context's n-gram index (speculating requests of a lookup decoder)
+    error: Exception | None = None  # what ended this sequence alone (finish_reason "error")
 
     def close(self) -> GenerationResult:
         """Stop here: the result so far, finish_reason "stop" unless it had finished."""
@@ -103,7 +116,8 @@ class _Sequence:
     def result(self) -> GenerationResult:
         self.stats.num_new_tokens = len(self.tokens)
         return GenerationResult(tokens=self.tokens, finish_reason=self.finish_reason or "length",
-                                stats=self.stats, lossless=self.stats.lossless)
+                                stats=self.stats, lossless=self.stats.lossless,
+                                error=None if self.error is None else describe(self.error))
 
 
 @dataclass
@@ -113,6 +127,15 @@ class _Draft:
     tree: object  # DraftTree
     heads_drafted: bool = True  # False: a plain step, or a lookup chain alone
     lookup_start: int | None = None  # the first lookup chain node, when the tree has one
+
+
+@dataclass
+class _Outcome:
+    """One sequence's verified step."""
+    nodes: torch.Tensor  # [A] long, accepted node indices, root first
+    root: torch.Tensor  # [1] long, the next step's root (the bonus or recovered token)
+    emitted: list[int]  # A tokens: accepted draft tokens + root
+    hidden: torch.Tensor  # [A, nH] drafter taps at the accepted nodes
 
 
 def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
@@ -155,7 +178,7 @@ class BatchEngine:
                              f"got {request.acceptance!r}")
         greedy = request.sampling is None or request.sampling.is_greedy
         if request.acceptance == "typical" and greedy:
-            raise ValueError("acceptance='typical' needs sampling with temperature > 0")
+            raise ValueError("acceptance='typical' needs sampling (a temperature of at least 1e-5)")
         stop_sequences = [list(map(int, s)) for s in request.stop_token_sequences or []]
         if any(len(s) == 0 for s in stop_sequences):
             raise ValueError("stop_token_sequences must not contain an empty sequence")
@@ -183,7 +206,8 @@ class BatchEngine:
 
     def add(self, seq: _Sequence, join: bool = True) -> list[int]:
         """Prefill a checked sequence into the next free row; -> its first token.
-        join=False: it sits out the next step (a scheduler reports its first token first)."""
+        join=False: it sits out the next step (a scheduler reports its first token first).
+        An error in the prefill leaves the batch as it was and is raised to the caller."""
         if len(self.rows) >= self.max_batch_size:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences)")
         row = len(self.rows)
@@ -191,16 +215,21 @@ class BatchEngine:
         self.cache.reset_row(row)
         self.cache.set_rows(row, row + 1)
         with torch.inference_mode():
-            seq.state = prefill(self.target, seq.prompt_1P, self.decoder.tap_layers, cache=self.cache)
-            if not seq.greedy:
-                probs_1V = target_probs(seq.state.root_logits, seq.sampling)
-                seq.state.root = torch.multinomial(probs_1V, 1, generator=seq.generator)[0]
-                seq.state.next_tokens[-1:] = seq.state.root
-            seq.state.root_logits = None
-            root = seq.state.root
+            try:
+                state = prefill(self.target, seq.prompt_1P, self.decoder.tap_layers, cache=self.cache)
+                if not seq.greedy:
+                    probs_1V = target_probs(state.root_logits, seq.sampling)
+                    state.root = torch.multinomial(probs_1V, 1, generator=seq.generator)[0]
+                    state.next_tokens[-1:] = state.root
+            except BaseException:
+                self.cache.reset_row(row)
+                raise
+            state.root_logits = None
+        seq.state = state
         seq.joined = join
         self.rows.append(seq)
-        seq.finish_reason = emit(seq.tokens, root.tolist(), seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
+        seq.finish_reason = emit(seq.tokens, state.root.tolist(), seq.max_new_tokens, seq.eos_ids,
+                                 seq.stop_sequences)
         seq.stats.prefill_s = time.perf_counter() - start
         return list(seq.tokens)
 
@@ -221,7 +250,8 @@ class BatchEngine:
 
     def step(self) -> dict[int, list[int]]:
         """One decode step over every joined, unfinished sequence -> {seq_id: new tokens}.
-        Sequences added since the last step join (they already emitted their first token)."""
+        Sequences added since the last step join (they already emitted their first token).
+        A sequence that fails ends alone with finish_reason "error" (module doc, "Faults")."""
         self._joined_first()
         batch = [seq for seq in self.rows if seq.joined and seq.finish_reason is None]
         for seq in self.rows:
@@ -229,45 +259,76 @@ class BatchEngine:
         if not batch:
             return {}
         start = time.perf_counter()
-        self.cache.set_rows(0, len(batch))
         plain = self._plain_step(batch)
         with torch.inference_mode():
             drafts = self._draft(batch, plain)
-            logits_nTV, hidden_nTH = self._verify(batch, drafts)
-            paths, roots, emitted = self._accept(batch, drafts, logits_nTV)
-            self.cache.commit(paths)
-            for index, (seq, draft) in enumerate(zip(batch, drafts)):
-                nodes = paths[index]
-                hidden, next_tokens = hidden_nTH[index, nodes], torch.cat([draft.tokens[nodes[1:]], roots[index]])
-                if not draft.heads_drafted and self._keeps_head_rows(seq):
-                    # The EAGLE head did not run this step: its next run covers these rows too.
-                    hidden = torch.cat([seq.state.hidden, hidden])
-                    next_tokens = torch.cat([seq.state.next_tokens, next_tokens])
-                if draft.lookup_start is not None:
-                    seq.stats.lookup_steps += 1
-                    seq.stats.lookup_accepted += int((nodes >= draft.lookup_start).sum())
-                seq.state = DecodeState(cache=self.cache, prefix_len=seq.state.prefix_len + int(nodes.shape[0]),
-                                        root=roots[index], hidden=hidden, next_tokens=next_tokens,
-                                        draft_cache=seq.state.draft_cache)
+            outcomes = self._verify_accept_commit(batch, drafts, first_row=0)
+            for seq, draft, outcome in zip(batch, drafts, outcomes):
+                if outcome is not None:
+                    self._guard(seq, self._advance, seq, draft, outcome)
         seconds = time.perf_counter() - start
-        num_nodes = max(int(d.tokens.shape[0]) for d in drafts)
-        self.decoder.step_costs.record(len(batch), num_nodes, seconds)
-        speculative = [len(tokens) for draft, tokens in zip(drafts, emitted) if draft.plan.max_depth > 0]
-        if speculative:
-            self.decoder.step_costs.record_tau(len(batch), sum(speculative) / len(speculative))
-            self._spec_steps_at[len(batch)] = self._spec_steps_at.get(len(batch), 0) + 1
+        done = [(seq, draft, outcome.emitted) for seq, draft, outcome in zip(batch, drafts, outcomes)
+                if seq.error is None]
+        if len(done) == len(batch):  # a step with a fault is no measure of the step cost
+            self._record(len(batch), max(int(d.tokens.shape[0]) for d in drafts), done, seconds)
         probing = self._probe_steps
-        deltas = {}
-        for seq, draft, tokens in zip(batch, drafts, emitted):
-            before = len(seq.tokens)
-            self._count(seq, draft, tokens, seconds)
-            seq.finish_reason = emit(seq.tokens, tokens, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
-            deltas[seq.seq_id] = seq.tokens[before:]
+        deltas = {seq.seq_id: self._guard(seq, self._emit, seq, draft, tokens, seconds) or []
+                  for seq, draft, tokens in done}
+        deltas.update({seq.seq_id: [] for seq in batch if seq.error is not None})
         if probing:
             self._probe_steps -= 1
-        for seq in batch:
-            self._maybe_fall_back(seq, len(batch))
+        for seq, _, _ in done:
+            self._guard(seq, self._maybe_fall_back, seq, len(batch))
         return deltas
+
+    def _emit(self, seq: _Sequence, draft: _Draft, tokens: list[int], seconds: float) -> list[int]:
+        """Count the step in seq's stats and append its tokens -> the tokens it emitted."""
+        before = len(seq.tokens)
+        self._count(seq, draft, tokens, seconds)
+        seq.finish_reason = emit(seq.tokens, tokens, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
+        return seq.tokens[before:]
+
+    def _record(self, batch_size: int, num_nodes: int, done: list, seconds: float) -> None:
+        """The step's cost and, for speculative rows, its tau, for the fallback policy."""
+        self.decoder.step_costs.record(batch_size, num_nodes, seconds)
+        speculative = [len(tokens) for _, draft, tokens in done if draft.plan.max_depth > 0]
+        if speculative:
+            self.decoder.step_costs.record_tau(batch_size, sum(speculative) / len(speculative))
+            self._spec_steps_at[batch_size] = self._spec_steps_at.get(batch_size, 0) + 1
+
+    def _advance(self, seq: _Sequence, draft: _Draft, outcome: _Outcome) -> None:
+        """The sequence's decode state after its committed step."""
+        nodes, hidden = outcome.nodes, outcome.hidden
+        next_tokens = torch.cat([draft.tokens[nodes[1:]], outcome.root])
+        if not draft.heads_drafted and self._keeps_head_rows(seq):
+            # The EAGLE head did not run this step: its next run covers these rows too.
+            hidden = torch.cat([seq.state.hidden, hidden])
+            next_tokens = torch.cat([seq.state.next_tokens, next_tokens])
+        if draft.lookup_start is not None:
+            seq.stats.lookup_steps += 1
+            seq.stats.lookup_accepted += int((nodes >= draft.lookup_start).sum())
+        seq.state = DecodeState(cache=self.cache, prefix_len=seq.state.prefix_len + int(nodes.shape[0]),
+                                root=outcome.root, hidden=hidden, next_tokens=next_tokens,
+                                draft_cache=seq.state.draft_cache)
+
+    # --- faults (module doc, "Faults") -----------------------------------------------------
+
+    def _fail(self, seq: _Sequence, err: Exception) -> None:
+        """End seq alone: it leaves the batch at the end of this step like a finished one."""
+        seq.error = err
+        seq.finish_reason = "error"
+
+    def _guard(self, seq: _Sequence, call, *args):
+        """call(*args), or None after ending seq alone when it raises a non-fatal error."""
+        if seq.error is not None:
+            return None
+        try:
+            return call(*args)
+        except Exception as err:  # noqa: BLE001 - one sequence's fault ends that sequence (serving/faults.py)
+            if is_fatal(err):
+                raise
+            self._fail(seq, err)
+            return None
 
     def _joined_first(self) -> None:
         """Reorder rows so that the sequences this step decodes (joined, unfinished) are rows
@@ -321,37 +382,69 @@ class BatchEngine:
         return drafter is not None and not self.decoder.is_medusa and (seq.speculating or seq.stats.fallback)
 
     def _draft(self, batch: list[_Sequence], plain: bool = False) -> list[_Draft]:
+        """Every sequence's draft; a sequence whose drafting fails ends, with a plain draft as
+        its placeholder in this step's verify."""
         decoder = self.decoder
         drafts: list[_Draft | None] = [None] * len(batch)
         chains: list[list[int]] = [[] for _ in batch]
         medusa = []
         for index, seq in enumerate(batch):
-            if seq.stats.fallback and not seq.speculating and seq.plain_run >= decoder.fallback.retry_after:
-                seq.speculating = True  # try speculating again: the text may have become predictable
-            skip_heads = not seq.speculating or (plain and seq.may_fall_back)
-            if not skip_heads and seq.lookup is not None:
-                seq.lookup.extend(seq.tokens[len(seq.lookup.tokens) - int(seq.prompt_1P.shape[1]):])
-                chains[index], matched = seq.lookup.propose()
-                alone_at = decoder.lookup.alone_at_ngram
-                skip_heads = alone_at is not None and matched >= alone_at  # the chain alone
-            if skip_heads or decoder.drafter is None:
-                drafts[index] = _Draft(seq.state.root, decoder.plain_plan, decoder.plain_tree, heads_drafted=False)
-            elif decoder.is_medusa:
+            planned = self._guard(seq, self._plan_draft, seq, plain)
+            if planned is None:
+                continue
+            chains[index], drafts[index] = planned
+            if drafts[index] is None:
                 medusa.append(index)
-            else:
-                tokens, tree, plan = decoder.draft_one(seq.state)
-                drafts[index] = _Draft(tokens, plan, tree)
         if medusa:
-            hidden_BH = torch.stack([batch[i].state.hidden[-1] for i in medusa])
-            roots_B = torch.cat([batch[i].state.root for i in medusa])
-            for index, (tokens, tree, plan) in zip(medusa, decoder.draft_medusa(hidden_BH, roots_B)):
-                drafts[index] = _Draft(tokens, plan, tree)
-        for index, chain in enumerate(chains):
-            if chain:
-                draft = drafts[index]
-                tokens, tree, plan = decoder.with_lookup(draft.tokens, draft.tree, chain)
-                drafts[index] = _Draft(tokens, plan, tree, draft.heads_drafted, lookup_start=draft.tree.num_nodes)
-        return drafts
+            self._draft_medusa([batch[i] for i in medusa], medusa, drafts)
+        for index, (seq, chain) in enumerate(zip(batch, chains)):
+            draft = drafts[index]
+            if chain and draft is not None:
+                drafted = self._guard(seq, decoder.with_lookup, draft.tokens, draft.tree, chain)
+                if drafted is not None:
+                    tokens, tree, plan = drafted
+                    drafts[index] = _Draft(tokens, plan, tree, draft.heads_drafted, lookup_start=draft.tree.num_nodes)
+        return [draft if draft is not None and seq.error is None else self._plain_draft(seq)
+                for seq, draft in zip(batch, drafts)]
+
+    def _plain_draft(self, seq: _Sequence) -> _Draft:
+        return _Draft(seq.state.root, self.decoder.plain_plan, self.decoder.plain_tree, heads_drafted=False)
+
+    def _plan_draft(self, seq: _Sequence, plain: bool) -> tuple[list[int], _Draft | None]:
+        """-> (its n-gram lookup chain, its draft; None: drafted in the batched Medusa call)."""
+        decoder = self.decoder
+        if seq.stats.fallback and not seq.speculating and seq.plain_run >= decoder.fallback.retry_after:
+            seq.speculating = True  # try speculating again: the text may have become predictable
+        skip_heads = not seq.speculating or (plain and seq.may_fall_back)
+        chain: list[int] = []
+        if not skip_heads and seq.lookup is not None:
+            seq.lookup.extend(seq.tokens[len(seq.lookup.tokens) - int(seq.prompt_1P.shape[1]):])
+            chain, matched = seq.lookup.propose()
+            alone_at = decoder.lookup.alone_at_ngram
+            skip_heads = alone_at is not None and matched >= alone_at  # the chain alone
+        if skip_heads or decoder.drafter is None:
+            return chain, self._plain_draft(seq)
+        if decoder.is_medusa:
+            return chain, None
+        tokens, tree, plan = decoder.draft_one(seq.state)
+        return chain, _Draft(tokens, plan, tree)
+
+    def _draft_medusa(self, seqs: list[_Sequence], indices: list[int], drafts: list) -> None:
+        """One Medusa head call for seqs (at batch positions indices); on an error, one call per
+        sequence, which finds the faulty one."""
+        def call(group):
+            hidden_BH = torch.stack([seq.state.hidden[-1] for seq in group])
+            roots_B = torch.cat([seq.state.root for seq in group])
+            return [_Draft(tokens, plan, tree) for tokens, tree, plan in self.decoder.draft_medusa(hidden_BH, roots_B)]
+
+        try:
+            results = call(seqs)
+        except Exception as err:  # noqa: BLE001 - isolated below, row by row
+            if is_fatal(err):
+                raise
+            results = [self._guard(seq, lambda one=seq: call([one])[0]) for seq in seqs]
+        for index, draft in zip(indices, results):
+            drafts[index] = draft
 
     def _pad_mask(self, num_nodes: int) -> torch.Tensor:
         """[T, T] bool: padding nodes see only themselves."""
@@ -393,27 +486,59 @@ class BatchEngine:
                           past_key_values=self.cache, use_cache=True, **attention_kwargs)
         return out.logits, torch.cat(out.taps, dim=-1)
 
-    def _accept(self, batch, drafts, logits_nTV):
-        paths, roots, emitted = [], [], []
-        for index, (seq, draft) in enumerate(zip(batch, drafts)):
-            size = draft.plan.num_nodes
-            logits_TV = logits_nTV[index, :size]
-            if seq.greedy and size == 1:  # a plain step: the target's token is the next root
-                root = logits_TV.argmax(dim=-1)
-                step = Acceptance(nodes=self._root_only, emitted=root.tolist())
-            elif seq.greedy:
-                target_tokens = logits_TV.argmax(dim=-1)
-                step = accept(draft.plan, draft.tokens, Verification(target_tokens=target_tokens, hidden=None))
-                root = target_tokens[step.nodes[-1:]]
-            else:
-                sample = accept_tree_sampling(draft.tree, draft.tokens, logits_TV, seq.sampling, seq.generator,
-                                              mode=seq.acceptance)
-                step = Acceptance(nodes=sample.nodes, emitted=sample.emitted)
-                root = torch.tensor(sample.emitted[-1:], dtype=torch.long, device=self.target.device)
-            paths.append(step.nodes)
-            roots.append(root)
-            emitted.append(step.emitted)
-        return paths, roots, emitted
+    def _verify_accept_commit(self, batch: list[_Sequence], drafts: list[_Draft],
+                              first_row: int) -> list[_Outcome | None]:
+        """Verify batch (cache rows [first_row, first_row + n)) in one forward, accept each
+        sequence's path, commit them -> one outcome per sequence (None: it failed). A failed
+        forward of several rows is run again row by row (module doc, "Faults")."""
+        self.cache.set_rows(first_row, first_row + len(batch))
+        try:
+            logits_nTV, hidden_nTH = self._verify_retrying(batch, drafts)
+        except Exception as err:  # noqa: BLE001 - isolated below, row by row
+            if is_fatal(err):
+                raise
+            if len(batch) == 1:
+                self._fail(batch[0], err)
+                return [None]
+            outcomes = []
+            for row, (seq, draft) in enumerate(zip(batch, drafts)):
+                outcomes += self._verify_accept_commit([seq], [draft], first_row + row)
+            return outcomes
+        outcomes = [self._guard(seq, self._accept_one, seq, draft, logits_nTV[index], hidden_nTH[index])
+                    for index, (seq, draft) in enumerate(zip(batch, drafts))]
+        self.cache.commit([self._root_only if outcome is None else outcome.nodes for outcome in outcomes])
+        return outcomes
+
+    def _verify_retrying(self, batch: list[_Sequence], drafts: list[_Draft]) -> tuple[torch.Tensor, torch.Tensor]:
+        """_verify, once more after out of memory with the allocator's cache emptied."""
+        try:
+            return self._verify(batch, drafts)
+        except OUT_OF_MEMORY:
+            release_memory()
+        try:
+            return self._verify(batch, drafts)
+        except OUT_OF_MEMORY as err:
+            raise EngineBroken(f"out of memory in a verify forward of {len(batch)} sequences, again after "
+                               f"emptying the allocator's cache: {describe(err)}") from err
+
+    def _accept_one(self, seq: _Sequence, draft: _Draft, logits_TV: torch.Tensor,
+                    hidden_TH: torch.Tensor) -> _Outcome:
+        """seq's accepted path (greedy, or tree rejection sampling) from its verify logits."""
+        size = draft.plan.num_nodes
+        logits_TV = logits_TV[:size]
+        if seq.greedy and size == 1:  # a plain step: the target's token is the next root
+            root = logits_TV.argmax(dim=-1)
+            nodes, emitted = self._root_only, root.tolist()
+        elif seq.greedy:
+            target_tokens = logits_TV.argmax(dim=-1)
+            step = accept(draft.plan, draft.tokens, Verification(target_tokens=target_tokens, hidden=None))
+            nodes, emitted, root = step.nodes, step.emitted, target_tokens[step.nodes[-1:]]
+        else:
+            sample = accept_tree_sampling(draft.tree, draft.tokens, logits_TV, seq.sampling, seq.generator,
+                                          mode=seq.acceptance)
+            nodes, emitted = sample.nodes, sample.emitted
+            root = torch.tensor(sample.emitted[-1:], dtype=torch.long, device=self.target.device)
+        return _Outcome(nodes=nodes, root=root, emitted=emitted, hidden=hidden_TH[nodes])
 
     # --- bookkeeping -----------------------------------------------------------------------
 

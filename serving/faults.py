@@ -1,0 +1,54 @@
+"""Which errors end one sequence and which break the engine.
+
+The engine (serving/engine.py, "Faults") ends a sequence alone when stepping it raises; the
+server worker (serving/server_engine.py) keeps serving. Only errors for which that would be
+a lie are fatal, the ones after which no step can be trusted:
+
+- the device is lost: `torch.AcceleratorError` (torch >= 2.8), or a RuntimeError carrying a
+  CUDA/HIP, cuBLAS, cuDNN or NCCL failure, an illegal memory access or a device-side
+  assert. These poison the device context: every later kernel launch fails too.
+- out of memory after a retry: `EngineBroken`, raised when a verify forward ran out of
+  memory (`torch.OutOfMemoryError` or the host's `MemoryError`), the allocator's cache was
+  emptied and the same forward ran out again.
+
+Everything else is the sequence's own: NaN logits, a drafter bug on one row's hidden
+state, a token id outside the vocabulary, a stop-sequence or detokenizer error. A
+KeyboardInterrupt or SystemExit is not an `Exception` and is never caught.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+_DEVICE_LOST = ("CUDA error", "HIP error", "CUBLAS_STATUS", "cuDNN error", "CUDNN_STATUS", "NCCL error",
+                "illegal memory access", "device-side assert", "device lost")
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot step any more (see the module docstring); the server reports unhealthy."""
+
+
+def is_fatal(err: BaseException) -> bool:
+    """True for errors that break the engine, False for those that end one sequence."""
+    if isinstance(err, EngineBroken):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(err, accelerator_error):
+        return True
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _DEVICE_LOST)
+
+
+def release_memory() -> None:
+    """Give cached allocator memory back before retrying a forward that ran out of memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def describe(err: BaseException) -> str:
+    """One line for a client: the error's type and message."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
