@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specheads.serving.batch import SequenceRequest
 from specheads.serving.metrics import ServerMetrics
@@ -108,8 +110,16 @@ class ServerState:
         return self.status == "ready" and self.engine is not None and self.engine.healthy and not self.draining
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: valid JSON whatever text a client sent and
+    an error echoes (a lone surrogate cannot be encoded as UTF-8, but escapes as \\udXXX)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return AsciiJSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 class GuardMiddleware:
@@ -146,18 +156,21 @@ class GuardMiddleware:
                 error = APIError(413, f"the request body is {int(length)} bytes; the limit is {limit}",
                                  code="request_too_large")
         if error is not None:
-            if error.status == 401:
-                self.state.metrics.rejected.inc(status=401)
+            self.state.metrics.rejected.inc(status=error.status)
             return await _error_response(error)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+    except ClientDisconnect as err:  # nobody reads the answer; counted once, as a 499 rejection
+        raise APIError(499, "the client disconnected while its request was being read",
+                       code="disconnected") from err
     return bytes(body)
 
 
@@ -253,9 +266,10 @@ def _unknown_model(asked: str, served: str) -> APIError:
 
 
 def _event_error(event: Event) -> APIError:
+    """An error the worker (or the disconnect watcher) reported; the worker counted it already."""
     err_type = {400: "invalid_request_error", 503: "service_unavailable", 504: "timeout_error"}.get(event.status,
                                                                                                    "server_error")
-    return APIError(event.status, event.message, err_type, code=event.code)
+    return APIError(event.status, event.message, err_type, code=event.code, rejected=False)
 
 
 async def _handle(state: ServerState, request: Request, chat: bool):
@@ -342,9 +356,16 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
-        if err.status >= 400 and err.status != 401:
+        if err.rejected:
             state.metrics.rejected.inc(status=err.status)
         return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception):
+        # A bug of ours: still an OpenAI-style JSON body, and counted (Starlette logs the traceback).
+        state.metrics.rejected.inc(status=500)
+        return _error_response(APIError(500, f"internal server error ({type(err).__name__})", "server_error",
+                                        code="internal_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
@@ -383,7 +404,7 @@ def create_app(state: ServerState) -> FastAPI:
             status, error = "failed", state.engine.fatal_error
         else:
             error = state.error
-        return JSONResponse({"status": status, "error": error}, status_code=503,
+        return AsciiJSONResponse({"status": status, "error": error}, status_code=503,
                             headers={"Retry-After": str(state.config.retry_after_s)})
 
     @app.get("/metrics")

@@ -7,8 +7,13 @@ posts per-choice events to the job's asyncio queue with `loop.call_soon_threadsa
 cancelled by the event loop (client gone) or past its deadline has its sequences dropped
 before the next step. Admission is capped: with `max_queue` jobs already waiting,
 `submit` refuses at once (the app answers 503 with Retry-After) instead of letting clients
-time out. An exception from the engine is fatal: every job gets an error and the server
-reports unhealthy, since the session's state is unknown afterwards.
+time out.
+
+Faults (serving/faults.py says which errors are fatal). An error that ends one sequence (its
+prefill, a step of it, detokenizing its tokens) fails that sequence's job alone with a 500
+`sequence_failed` error; its other choices are dropped and every other job goes on. Only a
+fatal error (the device lost, out of memory again after a retry) ends the worker: every job
+gets an error and the server reports unhealthy until it is restarted.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 from specheads.serving.batch import BatchSession, SequenceRequest
 from specheads.serving.decode import DecodeStats
 from specheads.serving.detokenize import IncrementalDetokenizer
+from specheads.serving.faults import describe, is_fatal
 from specheads.serving.metrics import ServerMetrics
 
 log = logging.getLogger("specheads.serve")
@@ -74,8 +80,9 @@ class Job:
         self.pending = len(choices)
 
     def cancel(self, reason: str) -> None:
-        """Ask the worker to drop this job's sequences (idempotent, any thread)."""
-        if self.cancel_reason is None:
+        """Ask the worker to drop this job's sequences (idempotent, any thread; a no-op once the
+        job is done, so that its sequences are counted under the reason it ended for)."""
+        if self.cancel_reason is None and not self.done:
             self.cancel_reason = reason
 
     def post(self, event: Event) -> None:
@@ -174,7 +181,12 @@ class Engine:
                 updates = self.session.step()
                 now = time.monotonic()
                 for update in updates:
-                    self._on_update(update, now)
+                    try:
+                        self._on_update(update, now)
+                    except Exception as err:  # noqa: BLE001 - one sequence's fault fails its job alone
+                        if is_fatal(err):
+                            raise
+                        self._fail_sequence(update.seq_id, describe(err))
         self._fail_all(503, "the server shut down before this request finished", "shutting_down")
 
     def _fail_all(self, status: int, message: str, code: str) -> None:
@@ -186,9 +198,22 @@ class Engine:
             jobs.append(self._admitting)
         for seq_id in list(self._running):
             self.session.cancel(seq_id)
+            self.metrics.aborted.inc(reason=code)
         self._running.clear()
         for job in jobs:
+            if job.next_choice == 0:  # never admitted: counted once, as a job
+                self.metrics.aborted.inc(reason=code)
             self._fail(job, status, message, code)
+
+    def _fail_sequence(self, seq_id: int, error: str) -> None:
+        """A sequence failed alone: drop it and fail its job (its other choices are reaped)."""
+        running = self._running.pop(seq_id, None)
+        self.session.cancel(seq_id)
+        if running is None:
+            return
+        log.error("sequence %d failed: %s", seq_id, error)
+        self.metrics.aborted.inc(reason="error")
+        self._fail(running.job, 500, f"generating this request failed: {error}", "sequence_failed")
 
     def _fail(self, job: Job, status: int, message: str, code: str | None) -> None:
         if not job.done:
@@ -236,9 +261,17 @@ class Engine:
             try:
                 detok = IncrementalDetokenizer(self.tokenizer, choice.request.input_ids, choice.stop)
                 seq_id = self.session.add(choice.request)
-            except ValueError as err:  # the engine refused this request
+            except Exception as err:  # noqa: BLE001 - refused (ValueError) or failed alone, unless fatal
+                if is_fatal(err):
+                    raise
                 self._admitting = None
-                self._fail(job, 400, str(err), "invalid_value")
+                if isinstance(err, ValueError):  # the engine refused this request
+                    self.metrics.rejected.inc(status=400)
+                    self._fail(job, 400, str(err), "invalid_value")
+                else:
+                    log.error("prefill failed: %s", describe(err))
+                    self.metrics.aborted.inc(reason="error")
+                    self._fail(job, 500, f"generating this request failed: {describe(err)}", "sequence_failed")
                 with self._cond:
                     if self._waiting and self._waiting[0] is job:
                         self._waiting.popleft()
@@ -249,6 +282,9 @@ class Engine:
     def _on_update(self, update, now: float) -> None:
         running = self._running.get(update.seq_id)
         if running is None:
+            return
+        if update.finished and update.result.error is not None:
+            self._fail_sequence(update.seq_id, update.result.error)
             return
         job, choice = running.job, running.choice
         tokens = list(update.new_tokens)

@@ -95,12 +95,46 @@ def test_disconnected_clients_free_their_work(tiny_setup):  # noqa: F811
         # Most clients leave before their 480 tokens (how many finish first depends on the machine).
         assert outcomes.count("timeout") >= 50
         # every cancelled sequence leaves the batch; a fresh request is served at once
-        assert wait_for(lambda: scrape(server)["specheads_num_requests_running"] == 0, 30)
-        assert scrape(server)["specheads_num_requests_waiting"] == 0
+        # (a handler whose client already left may still submit its job: wait for both to drain)
+        assert wait_for(lambda: scrape(server)["specheads_num_requests_running"] == 0
+                        and scrape(server)["specheads_num_requests_waiting"] == 0, 30)
         response = httpx.post(server.url + "/v1/completions", json=dict(LONG, max_tokens=8), timeout=20)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
         # most were still queued or decoding when their client left (a few may finish first on a fast machine)
-        assert scrape(server).get('specheads_request_aborted_total{reason="disconnect"}', 0) >= 40
+        values = scrape(server)
+        assert values.get('specheads_request_aborted_total{reason="disconnect"}', 0) >= 40
+        # each request is counted at most once (a client that left before its request reached the
+        # app is not counted): never both aborted on disconnect and rejected as a 499
+        assert values.get('specheads_request_rejected_total{status="499"}', 0) == 0
+        counted = sum(v for k, v in values.items() if k.startswith(("specheads_request_success_total",
+                                                                    "specheads_request_aborted_total",
+                                                                    "specheads_request_rejected_total")))
+        assert counted <= 101
+
+
+def test_a_client_leaving_while_its_body_is_read_is_counted_once_without_a_traceback(tiny_setup):  # noqa: F811
+    import logging
+    import socket
+
+    target_dir, heads_dir = tiny_setup
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        with running_server(target_dir, heads_dir) as server:
+            host, port = server.url.removeprefix("http://").split(":")
+            for _ in range(3):
+                with socket.create_connection((host, int(port)), timeout=10) as sock:
+                    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
+                    time.sleep(0.2)  # the server is reading the body when the client leaves
+            assert wait_for(lambda: scrape(server).get('specheads_request_rejected_total{status="499"}', 0) == 3, 10)
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
 
 
 def test_request_timeout_answers_504(tiny_setup):  # noqa: F811
@@ -171,20 +205,56 @@ def test_health_is_503_after_a_fatal_engine_error(tiny_setup):  # noqa: F811
     with running_server(target_dir, heads_dir) as server:
         model = server.state.engine.decoder.target.model
 
-        def broken_forward(module, args, output):  # a real fault inside the target's forward
-            raise RuntimeError("simulated device failure")
+        def lost_device(module, args, output):  # what a lost GPU raises inside the target's forward
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-        handle = model.register_forward_hook(broken_forward)
+        handle = model.register_forward_hook(lost_device)
         try:
             response = httpx.post(server.url + "/v1/completions", json=dict(LONG, max_tokens=4), timeout=30)
             assert response.status_code == 500
-            assert "simulated device failure" in response.json()["error"]["message"]
+            assert "illegal memory access" in response.json()["error"]["message"]
             health = httpx.get(server.url + "/health", timeout=10)
             assert health.status_code == 503 and health.json()["status"] == "failed"
             again = httpx.post(server.url + "/v1/completions", json=dict(LONG, max_tokens=4), timeout=30)
             assert again.status_code == 503
         finally:
             handle.remove()
+
+
+def test_a_request_that_fails_alone_leaves_the_others_and_the_server_running(tiny_setup, monkeypatch):  # noqa: F811
+    from specheads.serving.engine import BatchEngine
+
+    original = BatchEngine._accept_one
+
+    def faulty(self, seq, *args):
+        if seq.max_new_tokens == 7:  # the faulty request's rows only
+            raise RuntimeError("injected fault in one row")
+        return original(self, seq, *args)
+
+    target_dir, heads_dir = tiny_setup
+    with running_server(target_dir, heads_dir, max_concurrency=4) as server:
+        url = server.url + "/v1/completions"
+        good = dict(LONG, max_tokens=40)
+        expected = httpx.post(url, json=good, timeout=60).json()["choices"][0]["text"]
+        monkeypatch.setattr(BatchEngine, "_accept_one", faulty)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            slow = [pool.submit(httpx.post, url, json=dict(good, stream=stream), timeout=60) for stream in (False, True)]
+            time.sleep(0.1)  # the faulty request joins a running batch
+            bad = httpx.post(url, json=dict(LONG, max_tokens=7, n=2), timeout=60)
+            answers = [future.result() for future in slow]
+        assert bad.status_code == 500
+        error = bad.json()["error"]
+        assert error["code"] == "sequence_failed" and "injected fault in one row" in error["message"]
+        assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["text"] == expected
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in answers[1].text.splitlines()
+                           if line.startswith("data: {"))
+        assert streamed == expected
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        monkeypatch.setattr(BatchEngine, "_accept_one", original)
+        assert httpx.post(url, json=good, timeout=60).json()["choices"][0]["text"] == expected
+        values = scrape(server)
+        assert values['specheads_request_aborted_total{reason="error"}'] == 2  # both choices failed
+        assert values.get('specheads_request_rejected_total{status="500"}', 0) == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])
