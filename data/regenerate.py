@@ -16,6 +16,12 @@ original reply and is counted. Records that are not valid chats are skipped and 
 reason (data/records.py); every valid input record gives exactly one output line,
 `{"index": i, "messages": [...]}` in OpenAI shape.
 
+Records of user turns only, `{"turns": ["...", ...]}` (MT-bench's shape; data/chat_prompts.py
+writes them), become whole conversations: reply k of every conversation in a batch is
+generated in round k, conditioned on the target's own earlier replies (multi-turn
+self-distillation). A reply that comes out empty ends its conversation before that turn
+(counted); a conversation left without any reply is skipped as "empty reply".
+
 Resumable: output lines are appended one batch of conversations at a time (flushed and
 fsynced), then OUTPUT.progress.json is replaced atomically with the next input record and
 the output's byte length. A rerun truncates the output to that length (dropping a partial
@@ -50,11 +56,13 @@ class Progress:
     num_written: int = 0
     num_turns: int = 0
     num_empty_kept: int = 0  # generations that came out empty; the original reply was kept
+    num_empty_ended: int = 0  # user-turn records: empty replies that ended their conversation early
     skipped: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         text = (f"{self.next_record}/{self.num_input_records} records done, {self.num_written} written, "
-                f"{self.num_turns} assistant turns regenerated ({self.num_empty_kept} empty, original kept)")
+                f"{self.num_turns} assistant turns generated ({self.num_empty_kept} empty, original kept; "
+                f"{self.num_empty_ended} empty, conversation ended)")
         if self.skipped:
             reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(self.skipped.items()))
             text += f"; skipped {sum(self.skipped.values())} ({reasons})"
@@ -144,12 +152,54 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
             for ids in greedy_continuations(model, tokenizer, prompts, max_new_tokens, batch_size)]
 
 
+def _user_turns(record) -> list[str] | None:
+    """The user turns of a `{"turns": [...]}` record (see the module doc); None for other shapes."""
+    # (datasets' json loader gives every record every key, None where it had none)
+    if not isinstance(record, dict) or record.get("turns") is None or record.get("messages") is not None:
+        return None
+    turns = record["turns"]
+    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
+        return turns
+    return []
+
+
+def _converse(model, tokenizer, turn_lists: list[list[str]], progress: Progress, max_new_tokens: int,
+              batch_size: int) -> list[list[dict]]:
+    """User turns -> conversations with the target's replies, one round of replies at a time."""
+    conversations: list[list[dict]] = [[] for _ in turn_lists]
+    ended: set[int] = set()
+    for round_index in range(max(len(turns) for turns in turn_lists)):
+        active = [c for c, turns in enumerate(turn_lists) if round_index < len(turns) and c not in ended]
+        if not active:
+            break
+        for c in active:
+            conversations[c].append({"role": "user", "content": turn_lists[c][round_index]})
+        prompts = [generation_prompt_ids(tokenizer, conversations[c]) for c in active]
+        for c, reply in zip(active, generate_replies(model, tokenizer, prompts, max_new_tokens, batch_size)):
+            progress.num_turns += 1
+            if reply:
+                conversations[c].append({"role": "assistant", "content": reply})
+            else:
+                conversations[c].pop()
+                ended.add(c)
+                progress.num_empty_ended += 1
+    return conversations
+
+
 def _regenerate_batch(model, tokenizer, records: list, first_index: int, progress: Progress,
                       max_new_tokens: int, batch_size: int) -> list[str]:
     """-> output lines for the valid records of one batch; counts skips into `progress`."""
     conversations, prompts, slots = [], [], []  # slots[k] = (conversation, turn) prompt k replaces
+    turn_records: list[tuple[int, list[str]]] = []  # (index, user turns) of user-turn records
     skipped = Counter(progress.skipped)
     for offset, record in enumerate(records):
+        turns = _user_turns(record)
+        if turns is not None:
+            if turns:
+                turn_records.append((first_index + offset, turns))
+            else:
+                skipped["'turns' is not a non-empty list of non-empty strings"] += 1
+            continue
         document, reason = normalize_record(record)
         if not isinstance(document, Conversation):
             skipped[reason or "not a chat record"] += 1
@@ -168,9 +218,18 @@ def _regenerate_batch(model, tokenizer, records: list, first_index: int, progres
         else:
             progress.num_empty_kept += 1
     progress.num_turns += len(replies)
+    out = list(zip([index for index, _ in conversations], regenerated))
+    if turn_records:
+        conversed = _converse(model, tokenizer, [turns for _, turns in turn_records], progress, max_new_tokens,
+                              batch_size)
+        for (index, _), messages in zip(turn_records, conversed):
+            if messages:
+                out.append((index, messages))
+            else:
+                skipped["empty reply"] += 1
     progress.skipped = dict(skipped)
     return [json.dumps({"index": index, "messages": messages}, ensure_ascii=False) + "\n"
-            for (index, _), messages in zip(conversations, regenerated)]
+            for index, messages in sorted(out, key=lambda item: item[0])]
 
 
 def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path: str | None = None,

@@ -269,6 +269,31 @@ def test_regenerate_writes_one_output_per_valid_input(chat_tok, target_512, tmp_
     assert blocks.report.num_documents == 5
 
 
+def test_regenerate_turns_records_into_multi_turn_conversations_with_the_targets_own_replies(
+        chat_tok, target_512, tmp_path):
+    from specheads.data.chat import generation_prompt_ids
+    from specheads.data.regenerate import generate_replies, regenerate
+    from specheads.heads.target import load_target
+
+    records = [{"id": "a", "turns": ["hello there", "and then?"]}, {"id": "b", "turns": ["one turn"]},
+               {"id": "c", "turns": []}, openai(CHATS[0])]
+    source = write_jsonl(tmp_path / "in.jsonl", records)
+    output = tmp_path / "out.jsonl"
+    progress = regenerate(str(target_512), str(source), str(output), tokenizer_path=str(chat_tok),
+                          batch_size=3, max_new_tokens=6, log=lambda _: None)
+    lines = {line["index"]: line["messages"] for line in read_lines(output)}
+    assert progress.skipped == {"'turns' is not a non-empty list of non-empty strings": 1}
+    tokenizer, model = load_tok(chat_tok), load_target(str(target_512))
+    for index in (0, 1):
+        messages = lines[index]
+        assert [m["content"] for m in messages if m["role"] == "user"] == records[index]["turns"][:len(messages) // 2]
+        for turn in range(1, len(messages), 2):  # every reply is the target's, given its own earlier replies
+            assert messages[turn]["role"] == "assistant"
+            prompt = generation_prompt_ids(tokenizer, messages[:turn])
+            assert generate_replies(model, tokenizer, [prompt], 6, 1) == [messages[turn]["content"]]
+    assert len(lines[0]) + progress.num_empty_ended * 2 >= 4 and 3 in lines
+
+
 def test_regenerate_resumes_after_an_interruption_without_duplicates(chat_tok, target_512, tmp_path):
     from specheads.data.regenerate import progress_path, regenerate
 
