@@ -8,7 +8,7 @@ user cache (`default_cache_dir() / "targets"`). Nothing is downloaded.
 
 The first `build_tiny_target()` takes a few minutes on 2 CPU cores; later calls return
 the cached directory. Builds are atomic (temp dir + rename) and guarded by a file lock,
-so concurrent processes build once. `resolve_target("embedded:tiny")` is how the CLI,
+so concurrent processes build once. `resolve_target(name)` is how the CLI,
 the demo and the tests turn the name into a local path.
 
 Shape legend: N token-stream length, B batch, T block (context) length, V vocab size.
@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_TARGET_NAME = "embedded:tiny"
+SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/gguf.py)
+EMBEDDED_TARGETS = (DEFAULT_TARGET_NAME, SMOLLM2_TARGET_NAME)
 EOS_TOKEN = "<|endoftext|>"  # also the BOS token: documents are separated by it
 PAD_TOKEN = "<|pad|>"
 BUILD_INFO_FILE = "build_info.json"
@@ -126,9 +128,25 @@ def _swap_into_place(staging: Path, final: Path) -> None:
 
 
 def resolve_target(name_or_path: str, progress: bool = True) -> str:
-    """`embedded:tiny` -> the cached build's path (building it if needed); anything else as is."""
+    """What a target name stands for, as a local HF directory or a hub id: the one place every
+    command (generate, bench, tune, serve, train, demo, data) turns `--target` /
+    `target.name_or_path` into something `from_pretrained` loads.
+
+    `embedded:tiny` -> the cached build (built if needed); `embedded:smollm2` -> SmolLM2-135M-Instruct
+    from its PyPI wheel, converted and cached (heads/gguf.py); a `.gguf` file, or a directory holding
+    exactly one and no config.json -> its cached HF conversion; anything else as is.
+    """
+    from specheads.heads import gguf
+
     if name_or_path == DEFAULT_TARGET_NAME:
         return str(build_tiny_target(progress=progress))
+    if name_or_path == SMOLLM2_TARGET_NAME:
+        return str(gguf.smollm2_target(default_cache_dir(), progress=progress))
+    if name_or_path.startswith("embedded:"):
+        raise FileNotFoundError(f"unknown embedded target {name_or_path!r}; expected one of {list(EMBEDDED_TARGETS)}")
+    gguf_file = gguf.find_gguf_file(name_or_path)
+    if gguf_file is not None:
+        return str(gguf.convert_gguf(gguf_file, default_cache_dir(), progress=progress))
     return name_or_path
 
 

@@ -92,7 +92,8 @@ def _required(check: Check, help: str = ""):
 
 @dataclass
 class TargetConfig:
-    name_or_path: str = _required(NON_EMPTY_STR, "a local model directory, a hub id, or embedded:tiny")
+    name_or_path: str = _required(NON_EMPTY_STR, "a local model directory, a hub id, a .gguf file (or a "
+                                                 "directory holding one), embedded:tiny or embedded:smollm2")
     dtype: str = _field("float32", one_of("float32", "bfloat16", "float16"))
     trust_remote_code: bool = _field(False, BOOL)
 

@@ -5,8 +5,10 @@ Builds the frozen target and the heads from the target's config.json on the meta
 then prints the parameter counts, a per-GPU memory estimate and the DeepSpeed JSON the
 real run would use, and returns 0.
 
-The target's config comes from, in order: the tiny embedded target's spec (`embedded:*`;
-its cached build when present), a local directory with config.json, a local .json file,
+The target's config comes from, in order: the embedded targets' (`embedded:tiny`: its
+cached build, else its spec; `embedded:smollm2`: its cached conversion, else the shipped
+config), a GGUF file's metadata (a `.gguf` target or a directory holding exactly one), a
+local directory with config.json, a local .json file,
 or the config shipped for a known hub id in `recipes/configs/<name>.json` (`<name>` is the
 hub id's last part, lower-cased: meta-llama/Llama-3.1-8B-Instruct ->
 llama-3.1-8b-instruct.json). Any other hub id is an error: a dry run never goes online.
@@ -53,6 +55,7 @@ from typing import TextIO
 
 import torch
 
+from specheads.heads.gguf import GGUFError, find_gguf_file, read_gguf_config, smollm2_target_dir
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.ds_config import build_ds_config
 
@@ -80,6 +83,9 @@ def load_target_config(name_or_path: str, trust_remote_code: bool = False):
 
     if name_or_path.startswith("embedded:"):
         return _embedded_config(name_or_path)
+    gguf_file = find_gguf_file(name_or_path)
+    if gguf_file is not None:  # its metadata only: nothing is dequantized or converted
+        return read_gguf_config(gguf_file), str(gguf_file)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -99,10 +105,15 @@ def load_target_config(name_or_path: str, trust_remote_code: bool = False):
 def _embedded_config(name: str):
     from transformers import AutoConfig, LlamaConfig
 
-    from specheads.data.tiny_target import DEFAULT_SPEC, DEFAULT_TARGET_NAME, target_dir
+    from specheads.data.tiny_target import (DEFAULT_SPEC, DEFAULT_TARGET_NAME, EMBEDDED_TARGETS, SMOLLM2_TARGET_NAME,
+                                            default_cache_dir, target_dir)
 
+    if name == SMOLLM2_TARGET_NAME:  # its conversion when cached, else the config shipped for it
+        converted = smollm2_target_dir(default_cache_dir()) / "config.json"
+        source = converted if converted.is_file() else shipped_config_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+        return AutoConfig.from_pretrained(str(source)), str(source)
     if name != DEFAULT_TARGET_NAME:
-        raise FileNotFoundError(f"unknown embedded target {name!r}; expected {DEFAULT_TARGET_NAME!r}")
+        raise FileNotFoundError(f"unknown embedded target {name!r}; expected one of {list(EMBEDDED_TARGETS)}")
     built = target_dir() / "config.json"
     if built.is_file():
         return AutoConfig.from_pretrained(str(built.parent)), str(built)
@@ -208,7 +219,10 @@ def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | No
     if world_size is not None and world_size < 1:
         raise RecipeError(f"--world-size: expected a positive int, got {world_size}")
     world, world_source = resolve_world_size(recipe, recipe_path, world_size)
-    config, config_source = load_target_config(recipe.target.name_or_path, recipe.target.trust_remote_code)
+    try:
+        config, config_source = load_target_config(recipe.target.name_or_path, recipe.target.trust_remote_code)
+    except GGUFError as err:
+        raise RecipeError(f"target.name_or_path: {err}") from err
     target, heads, heads_config = build_on_meta(recipe, config)
     num_lora = 0
     if recipe.lora is not None:

@@ -162,11 +162,14 @@ def _say(dist: Dist, message: str) -> None:
 
 
 def _resolve_target(name_or_path: str) -> str:
-    if name_or_path.startswith("embedded:"):
-        from specheads.data.tiny_target import resolve_target
+    """The one resolution path (data/tiny_target.py): embedded names, GGUF files and directories."""
+    from specheads.data.tiny_target import resolve_target
+    from specheads.heads.gguf import GGUFError
 
+    try:
         return resolve_target(name_or_path, progress=True)
-    return name_or_path
+    except GGUFError as err:
+        raise RecipeError(f"target.name_or_path: {err}") from err
 
 
 def _recorded_name(name_or_path: str) -> str:
