@@ -1,5 +1,6 @@
 """`specheads data ...`: data preparation commands.
 
+    specheads data prompts --output FILE [--num N] [--seed S]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
 
@@ -18,8 +19,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("data", help="prepare training data: self-distillation, hidden-state cache")
     sub = parser.add_subparsers(dest="data_command", required=True)
 
+    p = sub.add_parser("prompts", help="write chat prompts built locally (data/chat_prompts.py) for regenerate")
+    p.add_argument("--output", required=True, help="output .jsonl of {id, category, turns} records")
+    p.add_argument("--num", type=int, default=2000, help="number of prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--follow-up-fraction", type=float, default=0.5,
+                   help="fraction of prompts with a second user turn (multi-turn replies)")
+
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
-    p.add_argument("--target", required=True, help="model dir or hub id")
+    p.add_argument("--target", required=True,
+                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
     p.add_argument("--input", required=True, help="chat records: .jsonl/.json/.parquet or a datasets name")
     p.add_argument("--output", required=True, help="output .jsonl (a rerun resumes it)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
@@ -31,7 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
 
     p = sub.add_parser("cache", help="cache target hidden states + logits over packed blocks (safetensors shards)")
-    p.add_argument("--target", required=True, help="model dir or hub id")
+    p.add_argument("--target", required=True,
+                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
     p.add_argument("--data", required=True, help="data source, as in a recipe's data.source")
     p.add_argument("--taps", required=True, help="comma-separated tap layers, e.g. 2,5,8")
     p.add_argument("--out", required=True, help="output directory")
@@ -49,10 +59,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _prompts(args) -> int:
+    from specheads.data.chat_prompts import write_prompts
+
+    path = write_prompts(args.output, args.num, seed=args.seed, follow_up_fraction=args.follow_up_fraction)
+    print(f"prompts: wrote {args.num} prompt records to {path}")
+    return 0
+
+
 def _regenerate(args) -> int:
     from specheads.data.regenerate import regenerate
+    from specheads.runner import resolve_target_name
 
-    progress = regenerate(args.target, args.input, args.output, tokenizer_path=args.tokenizer,
+    progress = regenerate(resolve_target_name(args.target), args.input, args.output, tokenizer_path=args.tokenizer,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                           device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches)
     print(f"regenerate: {args.output}: {progress.summary()}")
@@ -63,16 +82,18 @@ def _cache(args) -> int:
     from specheads.data.feature_cache import write_cache
     from specheads.data.text import build_blocks, load_records
     from specheads.heads.target import TargetAdapter
+    from specheads.runner import resolve_target_name
 
     try:
         taps = [int(t) for t in args.taps.split(",") if t.strip()]
     except ValueError:
         raise ValueError(f"--taps: expected comma-separated layer numbers like 2,5,8, got {args.taps!r}") from None
-    target = TargetAdapter.from_pretrained(args.target, dtype=args.dtype, device=args.device,
+    path = resolve_target_name(args.target)
+    target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
                                            trust_remote_code=args.trust_remote_code)
     records = load_records(args.data)[:args.max_records]
     eos = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else None
-    blocks = build_blocks(args.data, records, args.text_field, args.seq_len, args.tokenizer or args.target,
+    blocks = build_blocks(args.data, records, args.text_field, args.seq_len, args.tokenizer or path,
                           eos_token_id=eos, vocab_size=target.vocab_size, trust_remote_code=args.trust_remote_code)
     print(f"cache data {blocks.report.summary()}")
     manifest = write_cache(target, blocks, taps, args.out, top_k=args.top_k, batch_size=args.batch_size,
@@ -83,6 +104,8 @@ def _cache(args) -> int:
 
 def run(args) -> int:
     try:
+        if args.data_command == "prompts":
+            return _prompts(args)
         if args.data_command == "regenerate":
             return _regenerate(args)
         if args.data_command == "cache":
