@@ -1,0 +1,111 @@
+"""What one speculative step costs on this machine: verify forwards of T tree tokens against
+one decode step, and the heads' draft cost per depth. These numbers decide which trees can
+pay (a tree of T nodes must emit more than cost(T) / cost(1) tokens per step).
+
+    python -m specheads.bench.step_costs --target embedded:smollm2 [--prefix 300] [--trees 1,4,8,16,32,64]
+
+Everything runs through the serving path: the target adapter over a `TreeStaticCache` after
+a prefill of `--prefix` tokens, a 4-D tree mask, and the real drafters (an EAGLE-3 head and
+Medusa heads of the sizes a recipe trains, randomly initialised: their cost does not depend
+on their weights). Each figure is the median of `--repeats` timed calls after one warm-up.
+Run it alone: two busy cores make every figure meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def median_ms(call, repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, float]:
+    """ms of one verify forward of T chain tokens (a 4-D mask, as for a tree) per T."""
+    target, cache = decoder.target, state.cache
+    costs = {}
+    for num_nodes in trees:
+        tokens_1T = torch.full((1, num_nodes), int(state.root), dtype=torch.long)
+        mask = cache.attention_mask(torch.ones(num_nodes, num_nodes, dtype=torch.bool).tril())
+        positions = (torch.arange(num_nodes) + state.prefix_len)[None]
+        with torch.inference_mode():
+            costs[num_nodes] = median_ms(lambda: target(tokens_1T, decoder.tap_layers, attention_mask=mask,
+                                                        position_ids=positions, past_key_values=cache,
+                                                        use_cache=True), repeats)
+    return costs
+
+
+def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeats: int) -> dict[int, float]:
+    """ms of one EAGLE-3 chain draft of each depth (one head run per level), in steady state."""
+    from specheads.heads.eagle3 import default_tap_layers
+    from specheads.heads.heads_dir import HeadsConfig, build_heads
+    from specheads.serving.decode import SpeculativeDecoder, prefill
+    from specheads.serving.tree import DraftTree
+
+    text = target.text_config
+    config = HeadsConfig(kind="eagle3", hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=1,
+                         num_layers=1, tap_layers=default_tap_layers(target.num_layers), target=target.identity,
+                         num_attention_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads,
+                         intermediate_size=text.intermediate_size, draft_vocab_size=min(8192, target.vocab_size),
+                         rope_theta=float(getattr(text, "rope_theta", 10000.0)), rms_norm_eps=text.rms_norm_eps)
+    head = build_heads(config).eval()
+    costs = {}
+    for depth in depths:
+        decoder = SpeculativeDecoder(target, head, DraftTree.chain(depth), tap_layers=config.tap_layers)
+        with torch.inference_mode():
+            state = prefill(target, prompt_1P, decoder.tap_layers, max_cache_len=prompt_1P.shape[1] + 128)
+            decoder.draft_one(state)  # the head's first run covers the whole prompt
+            # Steady state: one new committed position per step (a step that accepted nothing).
+            state.hidden, state.next_tokens = state.hidden[-1:], state.next_tokens[-1:]
+            costs[depth] = median_ms(lambda: decoder.draft_one(state), repeats)
+    return costs
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specheads.heads.medusa import MedusaHeads
+    from specheads.runner import load_decoder
+    from specheads.serving.decode import SpeculativeDecoder, prefill
+    from specheads.serving.tree import DraftTree
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="embedded:smollm2")
+    p.add_argument("--prefix", type=int, default=300)
+    p.add_argument("--trees", default="1,4,8,16,32,64")
+    p.add_argument("--depths", default="1,2,3,4,5,6")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    plain, _ = load_decoder(args.target)
+    target = plain.target
+    prompt_1P = torch.randint(10, target.vocab_size, (1, args.prefix), generator=torch.Generator().manual_seed(0))
+    trees = [int(t) for t in args.trees.split(",")]
+    with torch.inference_mode():
+        state = prefill(target, prompt_1P, plain.tap_layers, max_cache_len=args.prefix + max(trees) + 8)
+    verify = verify_costs(plain, state, trees, args.repeats)
+    print(f"verify after a {args.prefix}-token prefix, {torch.get_num_threads()} threads:")
+    for num_nodes, ms in verify.items():
+        print(f"  T={num_nodes:3d}  {ms:8.1f} ms  {ms / verify[trees[0]]:5.2f}x T={trees[0]}")
+    depths = [int(d) for d in args.depths.split(",")]
+    print("EAGLE-3 draft (one decoder layer, chain):")
+    for depth, ms in eagle_draft_costs(target, prompt_1P, depths, args.repeats).items():
+        print(f"  depth {depth}  {ms:7.1f} ms")
+    medusa = SpeculativeDecoder(target, MedusaHeads(target.hidden_size, target.vocab_size, max(depths)),
+                                DraftTree.chain(max(depths)))
+    hidden_1H, root_1 = state.hidden[-1:], state.root
+    with torch.inference_mode():
+        ms = median_ms(lambda: medusa.drafter.draft_with_logits(hidden_1H, root_1), args.repeats)
+    print(f"Medusa draft ({max(depths)} heads with their own lm_heads, one call): {ms:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
