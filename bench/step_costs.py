@@ -73,7 +73,8 @@ def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeat
 
 def main(argv: list[str] | None = None) -> int:
     from specheads.heads.medusa import MedusaHeads
-    from specheads.runner import load_decoder
+    from specheads.heads.target import TargetAdapter
+    from specheads.runner import resolve_target_name
     from specheads.serving.decode import SpeculativeDecoder, prefill
     from specheads.serving.tree import DraftTree
 
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", default="1,2,3,4,5,6")
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
-    plain, _ = load_decoder(args.target)
-    target = plain.target
+    target = TargetAdapter.from_pretrained(resolve_target_name(args.target))
+    plain = SpeculativeDecoder(target)
     prompt_1P = torch.randint(10, target.vocab_size, (1, args.prefix), generator=torch.Generator().manual_seed(0))
     trees = [int(t) for t in args.trees.split(",")]
     with torch.inference_mode():
