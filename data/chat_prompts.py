@@ -1,6 +1,7 @@
 """Chat prompts for distilling heads of an instruction-tuned target, built locally (no hub).
 
     specheads data prompts --output prompts.jsonl [--num N] [--seed S] [--follow-up-fraction F]
+    (in a recipe) data.source: embedded:chat   # prompts + the target's replies, generated once and cached
 
 Heads learn to predict the target's own replies, so the prompts only have to make the
 target talk the way it does for real users: many kinds of request, on many subjects. They
@@ -12,16 +13,24 @@ condition on a first one. `specheads data regenerate` turns each record into a
 conversation with the target's own replies.
 
 Records are `{"id": "p00042", "category": "...", "turns": ["...", ...]}` (MT-bench's
-shape). They are disjoint from MT-bench and Spec-Bench, the evaluation sets: no template or
+shape). `self_distilled_chat` (the recipe source `embedded:chat`) builds them and has the
+target reply, once per target and settings, into the specheads cache: resumable (data
+regenerate's progress file) and lock-guarded, so several ranks or runs generate once.
+
+They are disjoint from MT-bench and Spec-Bench, the evaluation sets: no template or
 subject was taken from them, and tests/test_chat_prompts.py checks that no evaluation
 prompt (or its first 60 characters) appears among them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
+
+EMBEDDED_CHAT = "embedded:chat"
+CHAT_DATA_VERSION = 1  # bump when the prompts or their generation change: cached replies are rebuilt
 
 SUBJECTS = [
     "bees", "volcanoes", "the water cycle", "compound interest", "sourdough bread", "public libraries",
@@ -168,3 +177,29 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
     records = build_prompts(num, seed, follow_up_fraction)
     atomic_write_text(Path(output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return Path(output)
+
+
+def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int = 16,
+                        seed: int = 0, cache_dir: str | Path | None = None, log=print) -> Path:
+    """The `embedded:chat` data of a target: `num_prompts` prompts (build_prompts) with the
+    target's own greedy replies (data/regenerate.py), as OpenAI-messages JSON lines in the
+    specheads cache; generated on first use, resumed if interrupted, then reused."""
+    from specheads.data.regenerate import _target_fingerprint, regenerate, write_json_atomic
+    from specheads.data.tiny_target import _file_lock, default_cache_dir
+
+    settings = {"version": CHAT_DATA_VERSION, "target": _target_fingerprint(target_path), "num": num_prompts,
+                "max_new_tokens": max_new_tokens, "seed": seed}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    directory = Path(cache_dir or default_cache_dir()) / "chat" / f"{Path(target_path).name}-{key}"
+    replies, done = directory / "replies.jsonl", directory / "done.json"
+    directory.mkdir(parents=True, exist_ok=True)
+    with _file_lock(directory.with_name(directory.name + ".lock")):
+        if not done.exists():
+            prompts = directory / "prompts.jsonl"
+            if not prompts.exists():
+                write_prompts(prompts, num_prompts, seed=seed)
+            log(f"{EMBEDDED_CHAT}: the target replies to {num_prompts} prompts (once; cached in {directory})")
+            progress = regenerate(target_path, str(prompts), str(replies), batch_size=batch_size,
+                                  max_new_tokens=max_new_tokens, log=log)
+            write_json_atomic(done, {**settings, "summary": progress.summary()})
+    return replies

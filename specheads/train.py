@@ -1,6 +1,6 @@
 """`specheads train`: train speculative-decoding heads from a recipe.
 
-    python -m specheads.train RECIPE.yaml [--set dotted.key=value ...]
+    python -m specheads.train RECIPE.yaml [--profile cpu|gpu] [--set dotted.key=value ...]
     deepspeed --num_gpus 2 --module specheads.train RECIPE.yaml [--set ...]
     python -m specheads.train RECIPE.yaml --dry-run [--world-size N]
 
@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny-medusa.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe value by its dotted key, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--profile", default="auto",
+                        help="the recipe profile to apply (e.g. cpu, gpu); auto: gpu when CUDA is available")
     parser.add_argument("--dry-run", action="store_true",
                         help="print parameter counts, a per-GPU memory estimate and the DeepSpeed config; "
                              "load no weights, start nothing")
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from specheads.training.config import RecipeError, load_recipe
 
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, profile=args.profile)
         if args.dry_run:
             from specheads.training.dry_run import dry_run
 

@@ -65,3 +65,33 @@ def check_disjoint(prompts: list[dict], turns: list[str]) -> None:
     for turn in map(normal, turns):
         assert turn not in train, turn
         assert turn[:60] not in train_heads, turn
+
+
+def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monkeypatch):
+    import dataclasses
+
+    import specheads.data.regenerate as regenerate_module
+    from specheads.data.chat_prompts import self_distilled_chat
+    from specheads.training.config import load_recipe
+    from specheads.training.trainer import _materialize_chat_source
+    from test_server_support import build_tiny_setup
+
+    target_dir, _ = build_tiny_setup(tmp_path)
+    cache = tmp_path / "cache"
+    replies = self_distilled_chat(str(target_dir), 4, 4, cache_dir=cache, log=lambda _: None)
+    lines = [json.loads(line) for line in replies.read_text().splitlines()]
+    assert len(lines) == 4 and all(m["messages"][0]["role"] == "user" for m in lines)
+    assert [m["messages"][0]["content"] for m in lines] == [p["turns"][0] for p in build_prompts(4)]
+
+    def no_second_generation(*args, **kwargs):
+        raise AssertionError("the cached replies were generated again")
+
+    monkeypatch.setattr(regenerate_module, "regenerate", no_second_generation)
+    assert self_distilled_chat(str(target_dir), 4, 4, cache_dir=cache, log=lambda _: None) == replies
+    with pytest.raises(AssertionError, match="generated again"):  # other settings: another cache entry
+        self_distilled_chat(str(target_dir), 5, 4, cache_dir=cache, log=lambda _: None)
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(cache))
+    recipe = load_recipe(ROOT / "recipes" / "smollm2-135m-eagle3.yaml", profile="cpu")
+    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, chat_prompts=4, chat_max_new_tokens=4))
+    assert _materialize_chat_source(recipe, str(target_dir)).data.source == str(replies)

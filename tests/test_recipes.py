@@ -18,7 +18,7 @@ from specheads.training.dry_run import estimate_memory, launch_world_size
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 LAUNCH_LINE = re.compile(r"# deepspeed (--hostfile \S+ --num_nodes \d+ )?--num_gpus \d+ "
-                         r"--module specheads\.train recipes/(?P<name>\S+\.yaml)$")
+                         r"--module specheads\.train recipes/(?P<name>\S+\.yaml)( --profile gpu)?$")
 # Parameter counts of the meta-built targets, cross-checked with the model cards: Llama-3.1-8B's
 # well-known 8,030,261,248; Qwen3-8B's card says 8.2B total and 6.95B non-embedding (this minus
 # 2 x 151936 x 4096 untied embeddings = 6,946,075,648); Llama-3.3-70B's 70.6B.
@@ -73,6 +73,41 @@ def test_recipe_loads_and_starts_with_its_launch_command(path):
     match = LAUNCH_LINE.match(first)
     assert match, f"{path.name}: first line must be its deepspeed launch command, got {first!r}"
     assert match.group("name") == path.name
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_profile_of_a_recipe_loads(path):
+    import yaml
+
+    profiles = yaml.safe_load(path.read_text()).get("profiles") or {}
+    for name in profiles:
+        load_recipe(path, profile=name)
+    if profiles:
+        assert set(profiles) == {"cpu", "gpu"}, path.name
+        assert load_recipe(path, profile="gpu").train.precision == "bf16"
+
+
+def test_profiles_are_strict(tmp_path):
+    from specheads.training.config import RecipeError
+
+    path = tmp_path / "r.yaml"
+    path.write_text("target:\n  name_or_path: x\nprofiles:\n  cpu:\n    train.steps: 7\n  gpu:\n    train.stepz: 1\n")
+    assert load_recipe(path, profile="cpu").train.steps == 7
+    assert load_recipe(path, ["train.steps=9"], profile="cpu").train.steps == 9  # --set wins
+    with pytest.raises(RecipeError, match="train.stepz"):
+        load_recipe(path, profile="gpu")
+    with pytest.raises(RecipeError, match="no profile 'tpu'; choose one of \\['cpu', 'gpu'\\]"):
+        load_recipe(path, profile="tpu")
+    path.write_text("target:\n  name_or_path: x\n")
+    with pytest.raises(RecipeError, match="has no profiles"):
+        load_recipe(path, profile="cpu")
+
+
+def test_the_smollm2_recipes_train_on_the_targets_own_chat_replies():
+    for kind in ("eagle3", "medusa"):
+        recipe = load_recipe(RECIPES_DIR / f"smollm2-135m-{kind}.yaml", profile="cpu")
+        assert (recipe.target.name_or_path, recipe.data.source) == ("embedded:smollm2", "embedded:chat")
+        assert recipe.train.output_dir == f"runs/smollm2-135m-{kind}"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

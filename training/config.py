@@ -125,7 +125,10 @@ class HeadsSpec:
 @dataclass
 class DataConfig:
     source: str = _field("embedded:stdlib", NON_EMPTY_STR,
-                         "embedded:stdlib, a local .jsonl/.json/.parquet file, or a datasets name")
+                         "embedded:stdlib, embedded:chat (built chat prompts + the target's own replies, "
+                         "cached), a local .jsonl/.json/.parquet file, or a datasets name")
+    chat_prompts: int = _field(1000, POSITIVE_INT, "embedded:chat: prompts the target replies to")
+    chat_max_new_tokens: int = _field(256, POSITIVE_INT, "embedded:chat: the longest reply generated")
     text_field: str = _field("text", NON_EMPTY_STR)
     tokenizer: str | None = _field(None, OPTIONAL_STR, "tokenizer path or hub id; null = the target's")
     seq_len: int = _field(256, POSITIVE_INT)
@@ -344,7 +347,32 @@ def apply_override(raw: dict, dotted: str, value) -> None:
         cls, node = section, child
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+def apply_profile(raw: dict, profile: str | None, where: str) -> None:
+    """Pop the recipe's `profiles:` (name -> {dotted.key: value}) and apply the chosen one.
+
+    A recipe with profiles (e.g. `cpu` and `gpu`) needs one named; "auto" picks `gpu` when
+    CUDA is available and the recipe has it, else `cpu`. Profile keys are checked like
+    --set overrides, which are applied after them."""
+    profiles = raw.pop("profiles", None)
+    if profiles is None:
+        if profile not in (None, "auto"):
+            raise RecipeError(f"--profile {profile}: recipe {where!r} has no profiles")
+        return
+    if not isinstance(profiles, dict) or not all(isinstance(p, dict) for p in profiles.values()):
+        raise RecipeError("profiles: expected a mapping of profile names to mappings of dotted.key: value")
+    if profile in (None, "auto"):
+        import torch
+
+        profile = "gpu" if torch.cuda.is_available() and "gpu" in profiles else "cpu"
+    if profile not in profiles:
+        raise RecipeError(f"profiles: recipe {where!r} has no profile {profile!r}; choose one of {sorted(profiles)}")
+    for dotted, value in profiles[profile].items():
+        apply_override(raw, str(dotted), value)
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
+                profile: str | None = "auto") -> Recipe:
+    """A recipe file -> Recipe: its chosen profile (apply_profile), then `overrides`."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe {str(path)!r} does not exist (expected a YAML file, e.g. recipes/tiny-medusa.yaml)")
@@ -356,6 +384,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         raw = {}
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {str(path)!r}: expected a mapping at the top level, got {type(raw).__name__}")
+    apply_profile(raw, profile, str(path))
     for text in overrides:
         apply_override(raw, *parse_override(text))
     return recipe_from_dict(raw)

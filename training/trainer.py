@@ -172,6 +172,20 @@ def _resolve_target(name_or_path: str) -> str:
         raise RecipeError(f"target.name_or_path: {err}") from err
 
 
+def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
+    """data.source embedded:chat -> the cached file of the target's own chat replies, generated
+    here on first use (every rank waits on the same lock; data/chat_prompts.py)."""
+    from specheads.data.chat_prompts import EMBEDDED_CHAT, self_distilled_chat
+
+    if EMBEDDED_CHAT not in (recipe.data.source, recipe.data.eval_source):
+        return recipe
+    replies = str(self_distilled_chat(target_path, recipe.data.chat_prompts, recipe.data.chat_max_new_tokens,
+                                      seed=recipe.train.seed))
+    data = dataclasses.replace(recipe.data, **{name: replies for name in ("source", "eval_source")
+                                               if getattr(recipe.data, name) == EMBEDDED_CHAT})
+    return dataclasses.replace(recipe, data=data)
+
+
 def _recorded_name(name_or_path: str) -> str:
     """What the heads directory records: embedded/hub names as given, local paths absolute."""
     path = Path(name_or_path).expanduser()
@@ -241,6 +255,7 @@ def run(recipe: Recipe) -> Path:
                           f"(head k scores position t against t+k+1), got {recipe.data.seq_len}")
     target_path = _resolve_target(recipe.target.name_or_path)
     check_target_exists(target_path)  # fail before starting DeepSpeed
+    recipe = _materialize_chat_source(recipe, target_path)
     dist = init_distributed()
     train_cfg, output_dir = recipe.train, Path(recipe.train.output_dir)
     random.seed(train_cfg.seed)
