@@ -185,7 +185,8 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     target's own greedy replies (data/regenerate.py), as OpenAI-messages JSON lines in the
     specheads cache; generated on first use, resumed if interrupted, then reused."""
     from specheads.data.regenerate import _target_fingerprint, regenerate, write_json_atomic
-    from specheads.data.tiny_target import _file_lock, default_cache_dir
+    from specheads.data.tiny_target import default_cache_dir
+    from specheads.heads.gguf import file_lock
 
     settings = {"version": CHAT_DATA_VERSION, "target": _target_fingerprint(target_path), "num": num_prompts,
                 "max_new_tokens": max_new_tokens, "seed": seed}
@@ -193,7 +194,7 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     directory = Path(cache_dir or default_cache_dir()) / "chat" / f"{Path(target_path).name}-{key}"
     replies, done = directory / "replies.jsonl", directory / "done.json"
     directory.mkdir(parents=True, exist_ok=True)
-    with _file_lock(directory.with_name(directory.name + ".lock")):
+    with file_lock(directory.with_name(directory.name + ".lock")):
         if not done.exists():
             prompts = directory / "prompts.jsonl"
             if not prompts.exists():

@@ -16,9 +16,7 @@ Shape legend: N token-stream length, B batch, T block (context) length, V vocab 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
@@ -33,6 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from specheads.heads.gguf import file_lock
 
 DEFAULT_TARGET_NAME = "embedded:tiny"
 SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/gguf.py)
@@ -103,7 +103,7 @@ def build_tiny_target(cache_dir: Path | None = None, spec: TinyTargetSpec = DEFA
     if final.is_dir() and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.with_name(final.name + ".lock")):
+    with file_lock(final.with_name(final.name + ".lock")):
         if final.is_dir() and not force:  # another process built it while we waited
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -152,16 +152,6 @@ def resolve_target(name_or_path: str, progress: bool = True) -> str:
 
 def read_build_info(path: str | os.PathLike) -> dict:
     return json.loads((Path(path) / BUILD_INFO_FILE).read_text())
-
-
-@contextlib.contextmanager
-def _file_lock(lock_path: Path):
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build_into(directory: Path, spec: TinyTargetSpec, progress: bool, name: str) -> dict:

@@ -297,7 +297,7 @@ def _build_once(final: Path, build) -> Path:
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.with_name(final.name + ".lock")):
+    with file_lock(final.with_name(final.name + ".lock")):
         if final.is_dir():  # another process built it while we waited
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -311,7 +311,8 @@ def _build_once(final: Path, build) -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: Path):
+def file_lock(lock_path: Path):
+    """An exclusive fcntl lock on lock_path for the block (the cache's build-once guard)."""
     with open(lock_path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
