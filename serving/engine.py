@@ -24,7 +24,8 @@ Each sequence's greedy output is the target's greedy output for it alone (the ro
 see each other: padding keys and other rows are masked), up to fp ties between batch
 shapes.
 
-Fallback (`FallbackPolicy`, serving/fallback.py). The engine measures the wall time of every decode step,
+Fallback (`FallbackPolicy`, serving/fallback.py). The engine measures the wall time of every decode step
+(with `StepCosts.clock`, which tests replace),
 keyed by (batch size, padded tree size), and the tokens per speculative step (tau) per
 batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse them).
 - One sequence: at the end of every window of `warmup_steps` speculative steps it falls
@@ -58,7 +59,6 @@ A accepted nodes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -211,7 +211,8 @@ class BatchEngine:
         if len(self.rows) >= self.max_batch_size:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences)")
         row = len(self.rows)
-        start = time.perf_counter()
+        clock = self.decoder.step_costs.clock
+        start = clock()
         self.cache.reset_row(row)
         self.cache.set_rows(row, row + 1)
         with torch.inference_mode():
@@ -230,7 +231,7 @@ class BatchEngine:
         self.rows.append(seq)
         seq.finish_reason = emit(seq.tokens, state.root.tolist(), seq.max_new_tokens, seq.eos_ids,
                                  seq.stop_sequences)
-        seq.stats.prefill_s = time.perf_counter() - start
+        seq.stats.prefill_s = clock() - start
         return list(seq.tokens)
 
     # --- leaving ---------------------------------------------------------------------------
@@ -258,7 +259,8 @@ class BatchEngine:
             seq.joined = True
         if not batch:
             return {}
-        start = time.perf_counter()
+        clock = self.decoder.step_costs.clock
+        start = clock()
         plain = self._plain_step(batch)
         with torch.inference_mode():
             drafts = self._draft(batch, plain)
@@ -266,7 +268,7 @@ class BatchEngine:
             for seq, draft, outcome in zip(batch, drafts, outcomes):
                 if outcome is not None:
                     self._guard(seq, self._advance, seq, draft, outcome)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         done = [(seq, draft, outcome.emitted) for seq, draft, outcome in zip(batch, drafts, outcomes)
                 if seq.error is None]
         if len(done) == len(batch):  # a step with a fault is no measure of the step cost

@@ -7,7 +7,9 @@ a batch speculates or not as a whole, by `StepCosts.predicted_gain`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -27,25 +29,46 @@ class FallbackPolicy:
 
 class StepCosts:
     """EMAs of measured decode-step seconds per (batch size, padded tree size), and of the
-    tokens a speculative step gave per sequence (tau) per batch size, over all requests."""
+    tokens a speculative step gave per sequence (tau) per batch size, over all requests.
 
-    def __init__(self, smoothing: float = 0.2):
+    The engine times its steps with `clock` (default time.perf_counter). Tests inject their
+    own clock, or `StepCosts.fixed(...)` costs that measurements never overwrite, so that a
+    fallback decision never depends on how fast or busy the machine is."""
+
+    def __init__(self, smoothing: float = 0.2, clock: Callable[[], float] = time.perf_counter):
         self.smoothing = smoothing
+        self.clock = clock
+        self.frozen = False  # True: record() and record_tau() keep the given costs
         self.seconds: dict[tuple[int, int], float] = {}
         self.taus: dict[int, float] = {}
         self.spec_nodes: dict[int, int] = {}  # batch size -> padded tree size of its last speculative step
+
+    @classmethod
+    def fixed(cls, seconds: dict[tuple[int, int], float], taus: dict[int, float],
+              clock: Callable[[], float] = time.perf_counter) -> "StepCosts":
+        """Costs as given ({(batch size, tree size): seconds}, {batch size: tau}), never updated."""
+        costs = cls(clock=clock)
+        for (batch_size, num_nodes), value in seconds.items():
+            costs.record(batch_size, num_nodes, value)
+        for batch_size, tau in taus.items():
+            costs.record_tau(batch_size, tau)
+        costs.frozen = True
+        return costs
 
     def _ema(self, table: dict, key, value: float) -> None:
         old = table.get(key)
         table[key] = value if old is None else old + self.smoothing * (value - old)
 
     def record(self, batch_size: int, num_nodes: int, seconds: float) -> None:
+        if self.frozen:
+            return
         self._ema(self.seconds, (batch_size, num_nodes), seconds)
         if num_nodes > 1:
             self.spec_nodes[batch_size] = num_nodes
 
     def record_tau(self, batch_size: int, tau: float) -> None:
-        self._ema(self.taus, batch_size, tau)
+        if not self.frozen:
+            self._ema(self.taus, batch_size, tau)
 
     def get(self, batch_size: int, num_nodes: int) -> float | None:
         return self.seconds.get((batch_size, num_nodes))

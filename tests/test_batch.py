@@ -26,7 +26,7 @@ from specheads.heads.target import TargetAdapter
 from specheads.serving.batch import BatchSession, SequenceRequest
 from specheads.serving.decode import SpeculativeDecoder
 from specheads.serving.dynamic_tree import DynamicTreeConfig
-from specheads.serving.fallback import FallbackPolicy
+from specheads.serving.fallback import FallbackPolicy, StepCosts
 from specheads.serving.tree import DraftTree
 
 from test_eagle3 import random_head
@@ -207,6 +207,17 @@ def test_bad_requests_are_refused_before_admission(setup):
         session.add(SequenceRequest(prompts[2], 3))
 
 
+class TickClock:
+    """A clock that advances 1 s per reading: every timed step costs the same."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
 def test_fallback_engages_when_heads_never_match(setup):
     target, prompts, references, long = setup
     wrong = MultiOracle(target, long, PROMPT_LENGTHS, wrong=True)
@@ -232,6 +243,7 @@ def test_fallback_stays_off_when_heads_match(setup):
     oracle = MultiOracle(target, long, PROMPT_LENGTHS)
     decoder = SpeculativeDecoder(target, oracle, DraftTree.chain(NUM_HEADS),
                                  fallback=FallbackPolicy(warmup_steps=2, probe_steps=1))
+    decoder.step_costs = StepCosts(clock=TickClock())  # every step "takes" 1 s, however busy the machine
     for index in (2, 5, 0):  # the first request times plain steps; the later ones reuse the costs
         result = decoder.generate(prompts[index], MAX_NEW[index])
         assert result.tokens == references[index]
@@ -275,10 +287,12 @@ def test_a_batch_falls_back_as_a_whole_when_speculation_is_predicted_not_to_pay(
     oracle = MultiOracle(target, long, PROMPT_LENGTHS)
     decoder = SpeculativeDecoder(target, oracle, DraftTree.from_paths(TREE_PATHS),
                                  fallback=FallbackPolicy(retry_after=1000))
-    for size in (2, 3):  # as if measured: plain 1 ms, a tree step 10 ms, tau 2
-        decoder.step_costs.record(size, 1, 0.001)
-        decoder.step_costs.record(size, len(TREE_PATHS) + 1, 0.010)
-        decoder.step_costs.record_tau(size, 2.0)
+    # As if measured, and never overwritten by this machine's real timings: plain 1 ms, a tree
+    # step 10 ms, tau 2.
+    sizes = (2, 3)
+    decoder.step_costs = StepCosts.fixed({**{(n, 1): 0.001 for n in sizes},
+                                          **{(n, len(TREE_PATHS) + 1): 0.010 for n in sizes}},
+                                         {n: 2.0 for n in sizes})
     tokens, results, _ = run_session(decoder, greedy_requests(prompts), max_batch_size=3)
     assert tokens == references
     assert all(r.stats.fallback and "in a batch of" in r.stats.fallback_reason for r in results[:3])
