@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 DEFAULT_PROMPTS = "default.jsonl"
+MT_BENCH_PROMPTS = "mt_bench_question.jsonl"
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,11 @@ class EncodedPrompt:
 
 def default_prompts_path() -> Path:
     return Path(str(resources.files("specheads.bench") / "prompts" / DEFAULT_PROMPTS))
+
+
+def mt_bench_path() -> Path:
+    """The 80 MT-bench questions (bench/prompts/README.md has their source and licence)."""
+    return Path(str(resources.files("specheads.bench") / "prompts" / MT_BENCH_PROMPTS))
 
 
 def _parse_line(line: str, where: str) -> BenchPrompt:

