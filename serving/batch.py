@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from specheads.serving.decode import GenerationResult, SpeculativeDecoder
 from specheads.serving.engine import BatchEngine, SequenceRequest
+from specheads.serving.faults import SequenceFailed, describe, is_fatal
 
 __all__ = ["BatchSession", "SequenceRequest", "SequenceUpdate"]
 
@@ -65,11 +66,18 @@ class BatchSession:
 
     def add(self, request: SequenceRequest) -> int:
         """Admit a sequence and run its prefill; -> its seq_id. Bad requests raise ValueError
-        before admission; its first token is reported by the next step()."""
+        before admission; a prefill that fails (not fatally, serving/faults.py) raises
+        SequenceFailed, the batch unchanged. Its first token is reported by the next step()."""
         if not self.has_capacity:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences); wait for one to finish")
         seq = self.engine.check(request, next(self._ids))
-        self._first.append((seq.seq_id, self.engine.add(seq, join=False)))
+        try:
+            first = self.engine.add(seq, join=False)
+        except Exception as err:  # noqa: BLE001 - a valid request the engine failed on: never a refusal
+            if is_fatal(err):
+                raise
+            raise SequenceFailed(describe(err)) from err
+        self._first.append((seq.seq_id, first))
         self._sequences[seq.seq_id] = seq
         return seq.seq_id
 

@@ -31,6 +31,11 @@ class EngineBroken(RuntimeError):
     """The engine cannot step any more (see the module docstring); the server reports unhealthy."""
 
 
+class SequenceFailed(RuntimeError):
+    """A sequence's prefill raised a non-fatal error (the cause is chained): the request was
+    valid, the engine failed on it. Never a ValueError, which means the request was refused."""
+
+
 def is_fatal(err: BaseException) -> bool:
     """True for errors that break the engine, False for those that end one sequence."""
     if isinstance(err, EngineBroken):

@@ -206,14 +206,18 @@ class Engine:
             self._fail(job, status, message, code)
 
     def _fail_sequence(self, seq_id: int, error: str) -> None:
-        """A sequence failed alone: drop it and fail its job (its other choices are reaped)."""
+        """A running sequence failed alone: drop it and fail its job."""
         running = self._running.pop(seq_id, None)
         self.session.cancel(seq_id)
-        if running is None:
-            return
-        log.error("sequence %d failed: %s", seq_id, error)
+        if running is not None:
+            self._fail_alone(running.job, error)
+
+    def _fail_alone(self, job: Job, error: str) -> None:
+        """One of job's sequences failed (not fatally): a 500 for the job alone; its other
+        choices are reaped before the next step."""
+        log.error("a sequence failed: %s", error)
         self.metrics.aborted.inc(reason="error")
-        self._fail(running.job, 500, f"generating this request failed: {error}", "sequence_failed")
+        self._fail(job, 500, f"generating this request failed: {error}", "sequence_failed")
 
     def _fail(self, job: Job, status: int, message: str, code: str | None) -> None:
         if not job.done:
@@ -268,10 +272,8 @@ class Engine:
                 if isinstance(err, ValueError):  # the engine refused this request
                     self.metrics.rejected.inc(status=400)
                     self._fail(job, 400, str(err), "invalid_value")
-                else:
-                    log.error("prefill failed: %s", describe(err))
-                    self.metrics.aborted.inc(reason="error")
-                    self._fail(job, 500, f"generating this request failed: {describe(err)}", "sequence_failed")
+                else:  # its prefill (SequenceFailed) or its detokenizer failed
+                    self._fail_alone(job, describe(err))
                 with self._cond:
                     if self._waiting and self._waiting[0] is job:
                         self._waiting.popleft()

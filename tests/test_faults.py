@@ -189,7 +189,7 @@ def test_a_prefill_fault_leaves_the_batch_as_it_was(setup):
     first = session.add(SequenceRequest(prompts[0], MAX_NEW))
     handle = target.model.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("injected")))
     try:
-        with pytest.raises(RuntimeError, match="injected"):
+        with pytest.raises(RuntimeError, match="injected"):  # SequenceFailed, never a ValueError (a refusal)
             session.add(SequenceRequest(prompts[1], MAX_NEW))
     finally:
         handle.remove()
