@@ -294,8 +294,9 @@ def _check_values(body: dict) -> None:
                                         "Unicode (a lone UTF-16 surrogate escape)", param=path or None,
                                    code="invalid_value")
                 stack.append((item, f"{path}.{key}" if path else key, depth + 1))
-        else:
-            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        else:  # only what can hold text: a long token-id prompt costs one isinstance per id
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))
 
 
 def _is_unicode(text: str) -> bool:
