@@ -47,17 +47,11 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
 
 def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeats: int) -> dict[int, float]:
     """ms of one EAGLE-3 chain draft of each depth (one head run per level), in steady state."""
-    from specheads.heads.eagle3 import default_tap_layers
-    from specheads.heads.heads_dir import HeadsConfig, build_heads
+    from specheads.heads.heads_dir import build_heads, eagle_heads_config
     from specheads.serving.decode import SpeculativeDecoder, prefill
     from specheads.serving.tree import DraftTree
 
-    text = target.text_config
-    config = HeadsConfig(kind="eagle3", hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=1,
-                         num_layers=1, tap_layers=default_tap_layers(target.num_layers), target=target.identity,
-                         num_attention_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads,
-                         intermediate_size=text.intermediate_size, draft_vocab_size=min(8192, target.vocab_size),
-                         rope_theta=float(getattr(text, "rope_theta", 10000.0)), rms_norm_eps=text.rms_norm_eps)
+    config = eagle_heads_config(target, num_steps=max(depths), draft_vocab_size=8192)
     head = build_heads(config).eval()
     costs = {}
     for depth in depths:

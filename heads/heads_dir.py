@@ -107,6 +107,38 @@ EAGLE_FIELDS = ("num_attention_heads", "num_kv_heads", "intermediate_size", "dra
                 "rms_norm_eps")
 
 
+def eagle_heads_config(target, kind: str = "eagle3", *, num_steps: int, tap_layers: list[int] | None = None,
+                       draft_vocab_size: int, num_attention_heads: int | None = None,
+                       num_kv_heads: int | None = None, intermediate_size: int | None = None,
+                       identity: TargetIdentity | None = None) -> HeadsConfig:
+    """The HeadsConfig of an EAGLE head for `target` (a heads/target.py TargetAdapter): its
+    attention and MLP sizes, rope and norm from the target's config unless given; EAGLE-3
+    taps default to default_tap_layers, EAGLE-1/2 ("eagle") reads the final hidden state over
+    the full vocab. num_steps: the draft depths it is trained and calibrated for."""
+    from specheads.heads.eagle3 import default_tap_layers
+
+    text = target.text_config
+    if kind == "eagle":
+        taps, draft_vocab_size = [target.num_layers], target.vocab_size
+    else:
+        taps = list(tap_layers) if tap_layers else default_tap_layers(target.num_layers)
+        draft_vocab_size = min(draft_vocab_size, target.vocab_size)
+    return HeadsConfig(
+        kind=kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=num_steps,
+        num_layers=1, tap_layers=taps, target=identity or target.identity,
+        num_attention_heads=num_attention_heads or text.num_attention_heads,
+        num_kv_heads=num_kv_heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        intermediate_size=intermediate_size or text.intermediate_size, draft_vocab_size=draft_vocab_size,
+        rope_theta=float(rope_theta(text)), rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)))
+
+
+def rope_theta(text_config) -> float:
+    theta = getattr(text_config, "rope_theta", None)
+    if theta is None:  # transformers 5 keeps it in rope_parameters
+        theta = (getattr(text_config, "rope_parameters", None) or {}).get("rope_theta")
+    return theta or 10000.0
+
+
 def build_heads(config: HeadsConfig) -> nn.Module:
     if config.kind == "medusa":
         from specheads.heads.medusa import MedusaHeads

@@ -55,9 +55,8 @@ from transformers.utils import logging as transformers_logging
 from specheads.data.text import BlockSampler, PackedBlocks
 from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import build_draft_vocab
-from specheads.heads.eagle3 import default_tap_layers
 from specheads.heads.export import ADAPTER_SUBDIR
-from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, save_heads
+from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, eagle_heads_config, save_heads
 from specheads.heads.target import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
 from specheads.training import lora as lora_mode
@@ -402,30 +401,15 @@ def _heads_config(recipe: Recipe, target: TargetAdapter) -> HeadsConfig:
         return HeadsConfig(kind=spec.kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                            num_heads=spec.num_heads, num_layers=spec.num_layers,
                            tap_layers=[target.num_layers], target=identity)
-    text = target.text_config
-    if spec.kind == "eagle":  # EAGLE-1/2: the final hidden state, the full vocab
-        taps, draft_vocab_size = [target.num_layers], target.vocab_size
-    else:
-        taps = list(spec.tap_layers) if spec.tap_layers else default_tap_layers(target.num_layers)
-        draft_vocab_size = min(spec.draft_vocab_size, target.vocab_size)
+    config = eagle_heads_config(target, spec.kind, num_steps=spec.ttt_steps, tap_layers=spec.tap_layers,
+                                draft_vocab_size=spec.draft_vocab_size,
+                                num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_kv_heads,
+                                intermediate_size=spec.intermediate_size, identity=identity)
     try:
-        target.check_taps(taps)
+        target.check_taps(config.tap_layers)
     except ValueError as err:
         raise RecipeError(f"heads.tap_layers: {err}") from None
-    return HeadsConfig(
-        kind=spec.kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=spec.ttt_steps,
-        num_layers=1, tap_layers=taps, target=identity,
-        num_attention_heads=spec.num_attention_heads or text.num_attention_heads,
-        num_kv_heads=spec.num_kv_heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        intermediate_size=spec.intermediate_size or text.intermediate_size, draft_vocab_size=draft_vocab_size,
-        rope_theta=float(_rope_theta(text)), rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)))
-
-
-def _rope_theta(text_config) -> float:
-    theta = getattr(text_config, "rope_theta", None)
-    if theta is None:  # transformers 5 keeps it in rope_parameters
-        theta = (getattr(text_config, "rope_parameters", None) or {}).get("rope_theta")
-    return theta or 10000.0
+    return config
 
 
 def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dist: Dist) -> tuple[int, dict | None]:
