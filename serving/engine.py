@@ -24,23 +24,8 @@ Each sequence's greedy output is the target's greedy output for it alone (the ro
 see each other: padding keys and other rows are masked), up to fp ties between batch
 shapes.
 
-Fallback (`FallbackPolicy`, serving/fallback.py). The engine measures the wall time of every decode step
-(with `StepCosts.clock`, which tests replace),
-keyed by (batch size, padded tree size), and the tokens per speculative step (tau) per
-batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse them).
-- One sequence: at the end of every window of `warmup_steps` speculative steps it falls
-  back to plain decoding when no draft token was accepted in the window, or when its
-  tokens per second over the window are below (1 - margin) x plain decoding's (1 / the
-  cost of a T = 1 step, timed by `probe_steps` plain steps when none was yet). After
-  `retry_after` plain steps it speculates again for another window: text often turns
-  predictable later.
-- A batch speculates or not as a whole (a plain row in a speculating batch still pays for
-  the padded tree): when the measured costs and tau at this batch size predict
-  speculation below (1 - margin) x plain, the step is plain for every sequence that may
-  fall back, except one speculative step every `retry_after` that refreshes the estimate.
-  The no-acceptance rule still applies per sequence.
-The stats say so (`DecodeStats.fallback`, `fallbacks`, `fallback_reason`). Seeded sampling
-never falls back: its random stream, hence its output, must not depend on timing.
+Fallback to plain decoding when speculation does not pay: serving/fallback.py (its module
+doc); the engine asks its `BatchFallback` before each step and tells it after.
 
 Faults (which errors are fatal: serving/faults.py). An exception raised while stepping one
 sequence (its prefill, its draft, its accept, its bookkeeping) ends that sequence alone:
@@ -65,7 +50,8 @@ import torch
 
 from specheads.serving.decode import (DecodeState, DecodeStats, GenerationResult, TreePlan,
                                       Verification, accept, emit, prefill)
-from specheads.serving.faults import OUT_OF_MEMORY, EngineBroken, describe, is_fatal, release_memory
+from specheads.serving.fallback import BatchFallback
+from specheads.serving.faults import describe, is_fatal, retry_out_of_memory
 from specheads.serving.lookup import NgramIndex
 from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
 from specheads.serving.static_cache import TreeStaticCache
@@ -161,9 +147,7 @@ class BatchEngine:
         self.cache = TreeStaticCache(self.target.config, max_cache_len=max_cache_len, batch_size=max_batch_size)
         self.rows: list[_Sequence] = []  # row i holds rows[i]
         self._pad_cache: dict[int, torch.Tensor] = {}
-        self._probe_steps = 0  # steps left in which every sequence that may fall back decodes plainly
-        self._spec_steps_at: dict[int, int] = {}  # batch size -> speculative steps run at it
-        self._gated_steps_at: dict[int, int] = {}  # batch size -> steps the batch gate made plain
+        self.fallback = BatchFallback(decoder)
         self._root_only = torch.zeros(1, dtype=torch.long, device=self.target.device)  # accepted nodes of a plain step
 
     # --- admission -------------------------------------------------------------------------
@@ -261,7 +245,7 @@ class BatchEngine:
             return {}
         clock = self.decoder.step_costs.clock
         start = clock()
-        plain = self._plain_step(batch)
+        plain = self.fallback.plain_step(batch)
         with torch.inference_mode():
             drafts = self._draft(batch, plain)
             outcomes = self._verify_accept_commit(batch, drafts, first_row=0)
@@ -272,15 +256,14 @@ class BatchEngine:
         done = [(seq, draft, outcome.emitted) for seq, draft, outcome in zip(batch, drafts, outcomes)
                 if seq.error is None]
         if len(done) == len(batch):  # a step with a fault is no measure of the step cost
-            self._record(len(batch), max(int(d.tokens.shape[0]) for d in drafts), done, seconds)
-        probing = self._probe_steps
+            self.fallback.record(len(batch), max(int(d.tokens.shape[0]) for d in drafts),
+                                 [len(tokens) for _, draft, tokens in done if draft.plan.max_depth > 0], seconds)
         deltas = {seq.seq_id: self._guard(seq, self._emit, seq, draft, tokens, seconds) or []
                   for seq, draft, tokens in done}
         deltas.update({seq.seq_id: [] for seq in batch if seq.error is not None})
-        if probing:
-            self._probe_steps -= 1
+        self.fallback.end_step()
         for seq, _, _ in done:
-            self._guard(seq, self._maybe_fall_back, seq, len(batch))
+            self._guard(seq, self.fallback.after_step, seq, len(batch))
         return deltas
 
     def _emit(self, seq: _Sequence, draft: _Draft, tokens: list[int], seconds: float) -> list[int]:
@@ -289,14 +272,6 @@ class BatchEngine:
         self._count(seq, draft, tokens, seconds)
         seq.finish_reason = emit(seq.tokens, tokens, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
         return seq.tokens[before:]
-
-    def _record(self, batch_size: int, num_nodes: int, done: list, seconds: float) -> None:
-        """The step's cost and, for speculative rows, its tau, for the fallback policy."""
-        self.decoder.step_costs.record(batch_size, num_nodes, seconds)
-        speculative = [len(tokens) for _, draft, tokens in done if draft.plan.max_depth > 0]
-        if speculative:
-            self.decoder.step_costs.record_tau(batch_size, sum(speculative) / len(speculative))
-            self._spec_steps_at[batch_size] = self._spec_steps_at.get(batch_size, 0) + 1
 
     def _advance(self, seq: _Sequence, draft: _Draft, outcome: _Outcome) -> None:
         """The sequence's decode state after its committed step."""
@@ -343,39 +318,6 @@ class BatchEngine:
                         self.cache.swap_rows(front, index)
                         self.rows[front], self.rows[index] = self.rows[index], self.rows[front]
                     front += 1
-
-    def _plain_step(self, batch: list[_Sequence]) -> bool:
-        """Whether the sequences that may fall back decode plainly this step: while probing the
-        plain-step cost, or (batch > 1) when speculation is predicted not to pay at this batch
-        size. A batch speculates or not as a whole: a plain row in a speculating batch still
-        pays for the padded tree. One speculative step every retry_after keeps the estimate
-        fresh."""
-        policy = self.decoder.fallback
-        if self._probe_steps:
-            return True
-        size = len(batch)
-        if policy is None or size == 1 or not any(s.may_fall_back and s.speculating for s in batch):
-            return False
-        costs = self.decoder.step_costs
-        gain = costs.predicted_gain(size)
-        if gain is None:
-            if costs.get(size, 1) is None and self._spec_steps_at.get(size, 0) >= policy.warmup_steps:
-                self._probe_steps = policy.probe_steps
-                return True
-            return False
-        if gain >= 1 - policy.margin:
-            return False
-        gated = self._gated_steps_at[size] = self._gated_steps_at.get(size, 0) + 1
-        if gated % policy.retry_after == 0:
-            return False
-        for seq in batch:
-            if seq.may_fall_back and seq.speculating and not seq.stats.fallback:
-                seq.stats.fallback = True
-                seq.stats.fallback_reason = (f"in a batch of {size} speculation was predicted at {gain:.2f}x plain "
-                                             f"decoding's tokens/s (measured step costs and tau)")
-                seq.stats.fallback_step = seq.stats.steps
-                seq.stats.fallbacks += 1
-        return True
 
     def _keeps_head_rows(self, seq: _Sequence) -> bool:
         """Whether seq's committed rows must wait for its EAGLE head's next run (the head's
@@ -495,7 +437,8 @@ class BatchEngine:
         forward of several rows is run again row by row (module doc, "Faults")."""
         self.cache.set_rows(first_row, first_row + len(batch))
         try:
-            logits_nTV, hidden_nTH = self._verify_retrying(batch, drafts)
+            logits_nTV, hidden_nTH = retry_out_of_memory(lambda: self._verify(batch, drafts),
+                                                         f"a verify forward of {len(batch)} sequences")
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
             if is_fatal(err):
                 raise
@@ -510,18 +453,6 @@ class BatchEngine:
                     for index, (seq, draft) in enumerate(zip(batch, drafts))]
         self.cache.commit([self._root_only if outcome is None else outcome.nodes for outcome in outcomes])
         return outcomes
-
-    def _verify_retrying(self, batch: list[_Sequence], drafts: list[_Draft]) -> tuple[torch.Tensor, torch.Tensor]:
-        """_verify, once more after out of memory with the allocator's cache emptied."""
-        try:
-            return self._verify(batch, drafts)
-        except OUT_OF_MEMORY:
-            release_memory()
-        try:
-            return self._verify(batch, drafts)
-        except OUT_OF_MEMORY as err:
-            raise EngineBroken(f"out of memory in a verify forward of {len(batch)} sequences, again after "
-                               f"emptying the allocator's cache: {describe(err)}") from err
 
     def _accept_one(self, seq: _Sequence, draft: _Draft, logits_TV: torch.Tensor,
                     hidden_TH: torch.Tensor) -> _Outcome:
@@ -562,39 +493,3 @@ class BatchEngine:
         seq.spec_steps += 1
         seq.spec_accepted += num_accepted
         seq.spec_seconds += seconds
-
-    def _maybe_fall_back(self, seq: _Sequence, batch_size: int) -> None:
-        """At the end of each window of warmup_steps speculative steps: keep speculating or fall
-        back (see the module docstring); a fallen-back request retries after retry_after steps.
-        In a batch only the no-acceptance rule is per request (see _plain_step)."""
-        policy = self.decoder.fallback
-        if not seq.may_fall_back or not seq.speculating or self._probe_steps or seq.finish_reason is not None \
-                or seq.spec_steps < policy.warmup_steps:
-            return
-        if seq.spec_accepted == 0:
-            self._fall_back(seq, f"no draft token accepted in {seq.spec_steps} speculative steps")
-            return
-        if batch_size > 1:  # a batch speculates or not as a whole (_plain_step)
-            seq.spec_steps, seq.spec_accepted, seq.spec_seconds = 0, 0, 0.0
-            return
-        plain_cost = self.decoder.step_costs.get(batch_size, 1)
-        if plain_cost is None:
-            self._probe_steps = policy.probe_steps  # time plain steps at this batch size, then decide
-            return
-        tau = (seq.spec_accepted + seq.spec_steps) / seq.spec_steps
-        spec_rate, plain_rate = (seq.spec_accepted + seq.spec_steps) / seq.spec_seconds, 1.0 / plain_cost
-        seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
-        if spec_rate < (1 - policy.margin) * plain_rate:
-            self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
-                                 f"decoding's {plain_rate:.1f} tokens/s")
-        else:
-            seq.spec_steps, seq.spec_accepted, seq.spec_seconds = 0, 0, 0.0  # a new window
-
-    def _fall_back(self, seq: _Sequence, reason: str) -> None:
-        seq.speculating = False
-        seq.spec_steps, seq.spec_accepted, seq.spec_seconds, seq.plain_run = 0, 0, 0.0, 0
-        seq.stats.fallback = True
-        seq.stats.fallback_reason = reason
-        if seq.stats.fallback_step is None:
-            seq.stats.fallback_step = seq.stats.steps
-        seq.stats.fallbacks += 1

@@ -46,11 +46,20 @@ def is_fatal(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _DEVICE_LOST)
 
 
-def release_memory() -> None:
-    """Give cached allocator memory back before retrying a forward that ran out of memory."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def retry_out_of_memory(call, what: str):
+    """call(); after out of memory, once more with the allocator's cache given back; out of
+    memory again is EngineBroken (fatal). `what` names the call in that error."""
+    try:
+        return call()
+    except OUT_OF_MEMORY:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    try:
+        return call()
+    except OUT_OF_MEMORY as err:
+        raise EngineBroken(f"out of memory in {what}, again after emptying the allocator's cache: "
+                           f"{describe(err)}") from err
 
 
 def describe(err: BaseException) -> str:
