@@ -112,7 +112,7 @@ def time_ms(fn, device: torch.device, warmup: int, repeats: int, inner: int = 1)
 
 
 def merged_stats(results):
-    from specheads.serving.decode import DecodeStats
+    from specheads.serving.stats import DecodeStats
 
     return functools.reduce(DecodeStats.merge, (result.stats for result in results), DecodeStats())
 

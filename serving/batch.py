@@ -17,9 +17,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from specheads.serving.decode import GenerationResult, SpeculativeDecoder
+from specheads.serving.decode import SpeculativeDecoder
 from specheads.serving.engine import BatchEngine, SequenceRequest
 from specheads.serving.faults import SequenceFailed, describe, is_fatal
+from specheads.serving.stats import GenerationResult
 
 __all__ = ["BatchSession", "SequenceRequest", "SequenceUpdate"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from specheads.serving.decode import GenerationResult
+from specheads.serving.stats import GenerationResult
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as left context for the first generated tokens (leading-space rules).

@@ -48,13 +48,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.serving.decode import (DecodeState, DecodeStats, GenerationResult, TreePlan,
-                                      Verification, accept, emit, prefill)
+from specheads.serving.decode import DecodeState, TreePlan, Verification, accept, emit, prefill
 from specheads.serving.fallback import BatchFallback
 from specheads.serving.faults import describe, is_fatal, retry_out_of_memory
 from specheads.serving.lookup import NgramIndex
 from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
 from specheads.serving.static_cache import TreeStaticCache
+from specheads.serving.stats import DecodeStats, GenerationResult
 
 
 @dataclass

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from specheads.serving.batch import BatchSession, SequenceRequest
-from specheads.serving.decode import DecodeStats
+from specheads.serving.stats import DecodeStats
 from specheads.serving.detokenize import IncrementalDetokenizer
 from specheads.serving.faults import describe, is_fatal
 from specheads.serving.metrics import ServerMetrics

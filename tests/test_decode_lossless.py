@@ -27,7 +27,8 @@ from transformers import DynamicCache
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import DecodeStats, SpeculativeDecoder
+from specheads.serving.decode import SpeculativeDecoder
+from specheads.serving.stats import DecodeStats
 from dynamic_cache_reference import commit_path
 from specheads.serving.tree import DraftTree
 
