@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specheads.heads.gguf import file_lock
+from specheads.heads import gguf
 
 DEFAULT_TARGET_NAME = "embedded:tiny"
 SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/gguf.py)
@@ -103,7 +103,7 @@ def build_tiny_target(cache_dir: Path | None = None, spec: TinyTargetSpec = DEFA
     if final.is_dir() and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(final.with_name(final.name + ".lock")):
+    with gguf.file_lock(final.with_name(final.name + ".lock")):
         if final.is_dir() and not force:  # another process built it while we waited
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -136,8 +136,6 @@ def resolve_target(name_or_path: str, progress: bool = True) -> str:
     from its PyPI wheel, converted and cached (heads/gguf.py); a `.gguf` file, or a directory holding
     exactly one and no config.json -> its cached HF conversion; anything else as is.
     """
-    from specheads.heads import gguf
-
     if name_or_path == DEFAULT_TARGET_NAME:
         return str(build_tiny_target(progress=progress))
     if name_or_path == SMOLLM2_TARGET_NAME:

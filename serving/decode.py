@@ -57,7 +57,7 @@ D max depth, H hidden, V vocab, A accepted nodes (root included).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
