@@ -5,6 +5,7 @@ online, for Medusa and EAGLE-3 heads; a cache that does not fit the run is refus
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from specheads.train import main
 from specheads.training.config import load_recipe
 from specheads.training.data_split import load_training_data
 
+from conftest import TINY_VOCAB
 from test_training import markov_walks, write_jsonl, write_recipe
 
 STEPS = 5
@@ -94,6 +96,30 @@ def test_a_top_k_cache_trains_with_losses_close_to_online(tiny_llama_dir, walks,
     # The tiny random target's distributions are peaked (init spread 0.3); top-64 of 256 holds
     # nearly all their mass, so the KL moves by little but not by nothing.
     assert torch.allclose(cached_losses, online_losses, rtol=0.05, atol=0.05)
+
+
+def test_feature_cache_auto_is_built_once_from_the_training_blocks_then_reused(tiny_llama_dir, walks, tmp_path,
+                                                                              capsys, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "specheads-cache"))
+    extra = EAGLE
+    online = recipe_for(tmp_path, tiny_llama_dir, walks, "online", extra)
+    auto = recipe_for(tmp_path, tiny_llama_dir, walks, "auto", extra)
+    online_losses = torch.tensor(run_and_read_losses(online, capsys))
+    first = run_and_read_losses(auto, capsys, "data.feature_cache=auto")
+    # The tiny target's vocab is small enough for full logits: the same losses as online.
+    assert torch.allclose(torch.tensor(first), online_losses, rtol=2e-3, atol=2e-3)
+    features = tmp_path / "specheads-cache" / "features"
+    built = [p for p in features.iterdir() if p.is_dir()]
+    assert len(built) == 1 and (built[0] / "manifest.json").exists()  # one whole cache, no temp dir left
+    cache = FeatureCache(built[0])
+    recipe = load_recipe(auto)
+    train, _ = load_training_data(recipe.data, str(tiny_llama_dir), recipe.train.seed, 2, TINY_VOCAB)
+    assert torch.equal(cache.blocks().input_ids, train.input_ids)  # the training split, not the eval blocks
+
+    shutil.rmtree(tmp_path / "auto" / "run")
+    second = run_and_read_losses(auto, capsys, "data.feature_cache=auto")
+    assert second == first  # the same cache, read back
+    assert [p for p in features.iterdir() if p.is_dir()] == built
 
 
 def test_teacher_logits_from_top_k_put_zero_mass_outside_the_k():

@@ -19,16 +19,60 @@ Shape legend: B micro batch, T seq_len, H hidden, V vocab, J draft steps.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
 import torch
 
-from specheads.data.feature_cache import FeatureCache
+from specheads.data.feature_cache import MANIFEST, FeatureCache, write_cache
+from specheads.data.text import PackedBlocks
 from specheads.heads.eagle3 import next_token_embeddings
 from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
 from specheads.training.losses import DistillOutput, heads_loss
 
 
-def open_cache(directory: str, target: TargetAdapter, taps: list[int], seq_len: int) -> FeatureCache:
+AUTO = "auto"
+
+
+def auto_cache_dir(target_path: str, blocks: PackedBlocks, taps: list[int], dtype: torch.dtype) -> Path:
+    """Where `data.feature_cache: auto` keeps the cache of these exact blocks: keyed by the
+    target's fingerprint, the taps, the dtype and the blocks' token ids and loss masks."""
+    from specheads.data.regenerate import _target_fingerprint
+    from specheads.data.tiny_target import default_cache_dir
+
+    digest = hashlib.sha256(f"{_target_fingerprint(target_path)}|{sorted(taps)}|{dtype}".encode())
+    digest.update(blocks.input_ids.numpy().tobytes())
+    digest.update(blocks.loss_mask.numpy().tobytes())
+    return default_cache_dir() / "features" / f"{Path(target_path).name}-{digest.hexdigest()[:12]}"
+
+
+def build_auto_cache(target: TargetAdapter, target_path: str, blocks: PackedBlocks, taps: list[int],
+                     batch_size: int, log=print) -> Path:
+    """`data.feature_cache: auto`: cache the target's taps + top-k logits over the training
+    blocks once (one target forward per block), then reuse it on every later run of the same
+    data. Built in a temporary directory and renamed whole, under a lock every rank waits on."""
+    from specheads.heads.gguf import file_lock
+
+    directory = auto_cache_dir(target_path, blocks, taps, target.dtype)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(directory.with_name(directory.name + ".lock")):
+        if (directory / MANIFEST).exists():
+            log(f"feature cache: reusing {directory}")
+            return directory
+        tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            write_cache(target, blocks, sorted(set(taps)), tmp, batch_size=batch_size, log=log)
+            os.replace(tmp, directory)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def open_cache(directory: str | Path, target: TargetAdapter, taps: list[int], seq_len: int) -> FeatureCache:
     cache = FeatureCache(directory)
     cache.check_fits(target.identity, taps, seq_len)
     return cache

@@ -147,8 +147,9 @@ class DataConfig:
                                     "datasets split held out for eval/calibration (of eval_source if set, "
                                     "else of source); null = eval_source / eval_fraction as before")
     feature_cache: str | None = _field(None, OPTIONAL_STR,
-                                       "directory written by `specheads data cache`: train from the cached "
-                                       "target taps + logits instead of running the target")
+                                       "directory written by `specheads data cache`, or `auto` (built from "
+                                       "the training blocks on first use, in the specheads cache): train from "
+                                       "the cached target taps + logits instead of running the target")
 
 
 @dataclass

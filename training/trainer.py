@@ -29,7 +29,7 @@ most frequent training tokens (data/vocab_counts.py, heads/draft_vocab.py).
 
 LoRA joint mode (recipe section `lora`, training/lora.py): the engine wraps a JointModel of
 the heads and the adapted target; checkpoints add the adapter; the run also writes
-`<output_dir>/adapter`. Feature-cache mode (`data.feature_cache`, training/cached.py): the
+`<output_dir>/adapter`. Feature-cache mode (`data.feature_cache: DIR` or `auto`, training/cached.py): the
 step loop reads cached taps + logits instead of running the target. Data splits
 (`data.split`, `data.eval_split`): training/data_split.py.
 
@@ -60,7 +60,7 @@ from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, eag
 from specheads.heads.target import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
 from specheads.training import lora as lora_mode
-from specheads.training.cached import open_cache
+from specheads.training.cached import AUTO as AUTO_CACHE, build_auto_cache, open_cache
 from specheads.training.calibrate import calibrate, measure_accuracy
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.data_split import load_training_data
@@ -267,7 +267,12 @@ def run(recipe: Recipe) -> Path:
     tap_layers = _heads_config(recipe, target).tap_layers
     mode = StepMode(lora=recipe.lora)
     if recipe.data.feature_cache is not None:
-        mode.cache = open_cache(recipe.data.feature_cache, target, tap_layers, recipe.data.seq_len)
+        directory = recipe.data.feature_cache
+        if directory == AUTO_CACHE:
+            cache_taps = tap_layers if recipe.heads.kind in EAGLE_KINDS else [target.num_layers]
+            directory = build_auto_cache(target, target_path, train_blocks, cache_taps,
+                                         train_cfg.micro_batch_size, log=lambda message: _say(dist, message))
+        mode.cache = open_cache(directory, target, tap_layers, recipe.data.seq_len)
         train_blocks = mode.cache.blocks()  # the cache's blocks are the training data
     _say(dist, f"train data {train_blocks.report.summary()}")
     _say(dist, f"eval data {eval_blocks.report.summary()}")
