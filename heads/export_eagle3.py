@@ -16,12 +16,24 @@ Weights (model.safetensors) are the EAGLE-3 module's own names, unchanged:
 config.json (a Llama config with one layer):
     architectures ["LlamaForCausalLMEagle3"], model_type "llama", hidden_size,
     intermediate_size, num_attention_heads, num_key_value_heads, num_hidden_layers 1,
-    vocab_size (the target's), draft_vocab_size, target_hidden_size, rms_norm_eps,
-    rope_theta, max_position_embeddings, hidden_act "silu", norm_before_residual false,
+    vocab_size (the target's), draft_vocab_size, rms_norm_eps, rope_theta,
+    max_position_embeddings (the target's own), hidden_act "silu", norm_before_residual false,
     tie_word_embeddings false, torch_dtype,
     eagle_aux_hidden_state_layer_ids, eagle_config {eagle_aux_hidden_state_layer_ids,
     use_aux_hidden_state: true}, and a "specheads" block (our own config, so a round trip
     keeps the tree, calibration and target identity; engines ignore it).
+
+Fields that loaders read differently (checked against these commits):
+  - `target_hidden_size` is NOT written. The official EAGLE runtime (SafeAILab/EAGLE
+    eagle/model/cnets.py, Model.__init__, commit cb7e0841fe0c) copies the target's
+    embed_tokens into the draft only when the config has no `target_hidden_size`, and
+    ea_model.py loads the draft's weights with strict=False: with the field present and no
+    embed_tokens.weight in the file, it would draft from random embeddings with no error.
+    Official EAGLE-3 checkpoints, EAGLE's trainer and SpecForge leave it out when it equals
+    hidden_size, which specheads heads always do; vLLM and SGLang default it to hidden_size.
+  - `max_position_embeddings` is the target's (HeadsConfig.max_position_embeddings): older
+    vLLM and SGLang size the draft's rope cache from it, EAGLE's cnets.py too. Heads
+    directories written before that field existed get DEFAULT_MAX_POSITION_EMBEDDINGS.
 
 Tap layer ids: the two engines read different keys with different meanings.
   - specheads: tap i = hidden_states[i] = the input of target decoder layer i.
@@ -49,7 +61,7 @@ from __future__ import annotations
 import torch
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-DEFAULT_MAX_POSITION_EMBEDDINGS = 8192  # vLLM's fallback when a Llama config has none
+DEFAULT_MAX_POSITION_EMBEDDINGS = 8192  # only for heads written before HeadsConfig recorded the target's
 
 EAGLE3_WEIGHT_NAMES = (
     "fc.weight",
@@ -134,7 +146,6 @@ def to_eagle3(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
     taps = config["tap_layers"]
     foreign = {"architectures": [EAGLE3_ARCHITECTURES[0]], "model_type": "llama", "num_hidden_layers": 1}
     foreign.update({key: config[name] for name, key in CONFIG_FIELDS.items()})
-    foreign["target_hidden_size"] = target["hidden_size"]
     foreign["max_position_embeddings"] = DEFAULT_MAX_POSITION_EMBEDDINGS
     foreign.update({name: config[name] for name in OPTIONAL_FIELDS if config.get(name) is not None})
     foreign["hidden_act"] = "silu"

@@ -55,6 +55,7 @@ class HeadsConfig:
     draft_vocab_size: int | None = None
     rope_theta: float | None = None
     rms_norm_eps: float | None = None
+    max_position_embeddings: int | None = None  # the target's; EAGLE-3 exports write it
     dtype: str = "float32"
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
@@ -129,7 +130,8 @@ def eagle_heads_config(target, kind: str = "eagle3", *, num_steps: int, tap_laye
         num_attention_heads=num_attention_heads or text.num_attention_heads,
         num_kv_heads=num_kv_heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         intermediate_size=intermediate_size or text.intermediate_size, draft_vocab_size=draft_vocab_size,
-        rope_theta=float(rope_theta(text)), rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)))
+        rope_theta=float(rope_theta(text)), rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=getattr(text, "max_position_embeddings", None))
 
 
 def rope_theta(text_config) -> float:

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from specheads import export_cli
 from specheads.heads import export_eagle3
 from specheads.heads.export import detect_format, export_heads, import_heads
-from specheads.heads.heads_dir import HEAD_KINDS, HeadsConfig, load_heads, save_heads
+from specheads.heads.heads_dir import (HEAD_KINDS, HeadsConfig, build_heads, eagle_heads_config, load_heads,
+                                      save_heads)
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter, TargetIdentity
 
@@ -251,7 +252,7 @@ def eagle3_state():
 
 def eagle3_config(taps=(1, 2, 3)):
     return {"kind": "eagle3", **eagle3_fields(), "tap_layers": list(taps), "target": dataclasses.asdict(TARGET),
-            "dtype": "float32"}
+            "dtype": "float32", "max_position_embeddings": 2048}
 
 
 def test_eagle3_layout_keys_config_and_round_trip():
@@ -263,19 +264,34 @@ def test_eagle3_layout_keys_config_and_round_trip():
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
         "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_attention_heads": EAGLE_HEADS,
         "num_key_value_heads": EAGLE_KV_HEADS, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "target_hidden_size": HIDDEN,
-        "max_position_embeddings": 8192, "hidden_act": "silu", "norm_before_residual": False,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "hidden_act": "silu", "norm_before_residual": False,
         "tie_word_embeddings": False,
         "torch_dtype": "float32", "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True},
     }
     assert detect_format(foreign) == "eagle3"
     fields, back = export_eagle3.from_eagle3(foreign, foreign_state, TARGET.num_layers)
-    assert fields == {**eagle3_fields(), "max_position_embeddings": 8192, "tap_layers": [1, 2, 3]}
+    assert fields == {**eagle3_fields(), "max_position_embeddings": 2048, "tap_layers": [1, 2, 3]}
     assert_same_state(back, state)
     # d2t really maps draft ids to target ids: the t2d set.
     targets = torch.arange(DRAFT_VOCAB) + back["d2t"]
     assert torch.equal(torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, targets, True), back["t2d"])
+
+
+def test_eagle3_export_lets_the_official_eagle_runtime_load_the_target_embeddings(tiny_llama_dir):
+    # SafeAILab/EAGLE cnets.Model copies the target's embed_tokens only when the config has no
+    # target_hidden_size, and loads the file with strict=False: the field must be absent.
+    target = TargetAdapter.from_pretrained(str(tiny_llama_dir))
+    config = eagle_heads_config(target, num_steps=2, draft_vocab_size=DRAFT_VOCAB).to_dict()
+    assert config["max_position_embeddings"] == target.text_config.max_position_embeddings == 512
+    state = build_heads(HeadsConfig.from_dict(config)).state_dict()
+    foreign, _ = export_eagle3.to_eagle3(config, state)
+    assert "target_hidden_size" not in foreign
+    assert foreign["max_position_embeddings"] == 512  # the target's own, not a fixed 8192
+    # Heads written before HeadsConfig recorded it still export, with the engines' fallback.
+    del config["max_position_embeddings"]
+    assert export_eagle3.to_eagle3(config, state)[0]["max_position_embeddings"] == 8192
 
 
 def test_eagle3_layer_id_conventions():
@@ -350,8 +366,6 @@ def test_eagle3_import_fills_identity_maps_and_refuses_bad_configs():
 
 @pytest.mark.skipif("eagle3" not in HEAD_KINDS, reason="heads/eagle3.py and kind 'eagle3' not in this tree yet")
 def test_eagle3_directory_round_trip_with_the_real_module(tmp_path):
-    from specheads.heads.heads_dir import build_heads
-
     names = {f.name for f in dataclasses.fields(HeadsConfig)}
     values = {name: value for name, value in eagle3_config().items() if name in names}
     values.update(num_heads=1, num_layers=1) if {"num_heads", "num_layers"} <= names else None
