@@ -6,13 +6,27 @@ Decoding each new token alone is wrong for two common tokenizer families:
 - SentencePiece-style (Metaspace) decoders strip the leading space of the first token, so
   the decode of a suffix is not the suffix of the decode.
 
-`IncrementalDetokenizer` therefore decodes a short window with left context (vLLM / TGI's
-prefix and read offsets): text = decode(tokens[prefix:]) minus decode(tokens[prefix:read]).
-When the window's text ends in U+FFFD the tail may be an incomplete character, so it is held
-back until a later token completes it (or `finish()`). Each push decodes only the tokens
-since the last stable point plus one chunk of context, so streaming stays linear in the
-output length (a model that keeps emitting bytes that never form a character grows the
-window until they do; real text does not).
+Both are solved by decoding a short window with left context and emitting only what the new
+tokens add, holding back text that ends in U+FFFD (an incomplete character) until a later
+token completes it or `finish()` flushes it. Two text sources do this, token by token:
+
+- `DecodeStreamText`, for fast tokenizers (`backend_tokenizer`, tokenizers >= 0.21.1): the
+  tokenizers library's own `DecodeStream` (Rust; vLLM's FastIncrementalDetokenizer uses it),
+  primed with the shortest prompt suffix that decodes to clean text, so the first generated
+  token gets the leading space it has after the prompt.
+- `WindowText`, the same window kept in Python (vLLM / TGI's prefix and read offsets) on top
+  of `tokenizer.decode`. It is used for slow tokenizers, for tokenizers without DecodeStream,
+  and where DecodeStream was measured to differ from `tokenizer.decode(ids)`: DecodeStream
+  runs only the backend's decoder, so it misses what transformers' `decode()` does after it.
+  That is `clean_up_tokenization_spaces` on a non-BPE model (WordPiece, Unigram: "a , b ."
+  decodes to "a, b."; transformers >= 5 skips it for BPE) and any `_decode` override (CPM).
+  `decode_stream_matches` detects both by decoding a probe text both ways
+  (tests/test_detokenize.py::test_cleanup_tokenizers_keep_the_window).
+
+Neither source matches decode() for a byte-fallback run of bytes that is not valid UTF-8:
+decode() then turns the run's earlier, valid bytes into U+FFFD too, after they were emitted.
+DecodeStream raises "Invalid prefix" there (vLLM resets its stream, its issue 17448);
+`DecodeStreamText` restarts from the tokens not yet emitted, so no text is lost.
 
 Stop strings: emitted text never contains a stop string (OpenAI semantics). Any tail that
 could be the start of one is held back until it is resolved; when one appears, `stopped`
@@ -25,14 +39,179 @@ closing the decode as soon as a stop string matched.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import tokenizers
+from packaging.version import Version
+from tokenizers import Tokenizer
+
 from specheads.serving.stats import GenerationResult
+
+# Older tokenizers lack DecodeStream or mis-decode with it (vLLM requires the same version).
+HAS_DECODE_STREAM = Version(tokenizers.__version__) >= Version("0.21.1")
+if HAS_DECODE_STREAM:
+    from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as left context for the first generated tokens (leading-space rules).
 PROMPT_CONTEXT_TOKENS = 5
+# DecodeStream's prompt seed: the shortest suffix of at most this many tokens with clean text.
+MAX_SEED_TOKENS = 24
+# Text that transformers' decode() changes when it cleans up tokenization spaces.
+CLEANUP_PROBE = "a , b . c ! d ? e 's f n't g 've"
+INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's error when a token rewrote emitted text
+# What transformers' clean_up_tokenization rewrites (each loses its space), as of 4.x and 5.x.
+CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+
+
+def decode_stream_matches(tokenizer) -> bool:
+    """True when tokenizers' DecodeStream gives this tokenizer's decode() text: a fast
+    tokenizer whose decode() adds nothing to its backend's decoder on the probe text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not HAS_DECODE_STREAM or not isinstance(backend, Tokenizer):
+        return False
+    ids = backend.encode(CLEANUP_PROBE, add_special_tokens=False).ids
+    return tokenizer.decode(ids) == backend.decode(ids)
+
+
+def make_text_source(tokenizer, prompt_ids: Sequence[int] | None, skip_special_tokens: bool):
+    """The text source for this tokenizer (see the module docstring)."""
+    prompt_ids = [int(t) for t in list(prompt_ids if prompt_ids is not None else ())[-MAX_SEED_TOKENS:]]
+    if decode_stream_matches(tokenizer):
+        return DecodeStreamText(tokenizer.backend_tokenizer, prompt_ids, skip_special_tokens)
+    return WindowText(tokenizer, prompt_ids, skip_special_tokens)
+
+
+class DecodeStreamText:
+    """Per-token text from tokenizers' DecodeStream.
+
+    step(token) -> the text it made stable ("" while held); flush() -> the held text, as
+    decode() gives it. `_window` is the ids from the emission point before the last one, so
+    flush() has left context; `_window[:_num_settled]` is text already returned.
+    """
+
+    def __init__(self, backend, prompt_ids: list[int], skip_special_tokens: bool):
+        self._backend = backend
+        self._skip = skip_special_tokens
+        seed = self._seed(prompt_ids)
+        self._stream = self._stream_after(seed)
+        self._window = seed
+        self._num_settled = len(seed)
+
+    def _seed(self, prompt_ids: list[int]) -> list[int]:
+        """The shortest prompt suffix that decodes to non-empty text without U+FFFD: one that
+        starts on a character boundary and holds a token that is not skipped, so the first
+        generated token decodes as it does after the whole prompt."""
+        for length in range(1, len(prompt_ids) + 1):
+            seed = prompt_ids[len(prompt_ids) - length:]
+            text = self._backend.decode(seed, skip_special_tokens=self._skip)
+            if text and REPLACEMENT_CHAR not in text:
+                return seed
+        return prompt_ids  # no clean suffix (an all-special prompt, a broken character): all of it
+
+    def _stream_after(self, ids: list[int]):
+        """A stream whose next step decodes as after ids (a prompt seed, flushed text)."""
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        for token in ids:
+            try:
+                stream.step(self._backend, token)
+            except Exception as error:  # the ids hold a broken byte run: start after it
+                if INVALID_PREFIX not in str(error):
+                    raise
+                stream = DecodeStream(skip_special_tokens=self._skip)
+                stream.step(self._backend, token)
+        return stream
+
+    def step(self, token: int) -> str:
+        self._window.append(token)
+        try:
+            text = self._stream.step(self._backend, token)
+        except Exception as error:  # tokenizers raises a bare Exception
+            if INVALID_PREFIX not in str(error):
+                raise
+            return self._restart()
+        if text is None:
+            return ""
+        self._window = self._window[self._num_settled:]
+        self._num_settled = len(self._window)
+        return text
+
+    def _restart(self) -> str:
+        """The last token rewrote emitted text (see the module docstring): decode the tokens
+        not yet emitted in a fresh stream. Its first step cannot raise (its prefix is empty),
+        so each nested restart starts later and this ends."""
+        pending = self._window[self._num_settled:]
+        self._window = self._window[:self._num_settled]
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        return "".join(self.step(token) for token in pending)
+
+    def flush(self) -> str:
+        if len(self._window) == self._num_settled:
+            return ""
+        settled = self._backend.decode(self._window[:self._num_settled], skip_special_tokens=self._skip)
+        text = self._backend.decode(self._window, skip_special_tokens=self._skip)
+        self._num_settled = len(self._window)
+        self._stream = self._stream_after(self._window)  # later steps continue after the flushed text
+        return text[len(settled):]
+
+
+def may_be_cleaned_up(text: str) -> bool:
+    """True when text ends in a proper prefix of a clean-up pattern, so the next token could
+    make decode() rewrite that end ("don '" + "t" decodes to "don't")."""
+    return any(len(tail) < len(pattern) and pattern.startswith(tail)
+               for tail in (text[-3:], text[-2:], text[-1:]) if tail for pattern in CLEANUP_PATTERNS)
+
+
+class WindowText:
+    """Per-token text from `tokenizer.decode` over a window with left context.
+
+    text = decode(ids) minus decode(ids[:read]); ids start at the previous emission point.
+    With clean_up_tokenization_spaces, text that clean-up could still rewrite is held too.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        # With skip_special_tokens the decoder drops special ids before decoding, so they are
+        # dropped here too: windows then never start on a token that decodes to nothing.
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) if skip_special_tokens \
+            else frozenset()
+        self._ids = [t for t in prompt_ids if t not in self._special][-PROMPT_CONTEXT_TOKENS:]
+        self._read = len(self._ids)  # ids[:read] is text already returned
+        self._read_text = self._decode(self._ids)
+        self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def step(self, token: int) -> str:
+        if token in self._special:
+            return ""
+        self._ids.append(token)
+        text = self._decode(self._ids)
+        if text.endswith(REPLACEMENT_CHAR) or (self._cleanup and may_be_cleaned_up(text)):
+            return ""  # an incomplete character, or a space clean-up may remove: wait for more tokens
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """The held text; incomplete characters decode as U+FFFD."""
+        if len(self._ids) == self._read:
+            return ""
+        return self._advance(self._decode(self._ids))
+
+    def _advance(self, text: str) -> str:
+        common = len(self._read_text)
+        if not text.startswith(self._read_text):  # the last token rewrote text already returned
+            # (an invalid byte run, a clean-up chain): what follows the common part is new
+            common = next((i for i, (a, b) in enumerate(zip(text, self._read_text)) if a != b),
+                          min(len(text), common))
+        new_text = text[common:]
+        self._ids = self._ids[self._read:]
+        self._read = len(self._ids)
+        self._read_text = self._decode(self._ids)
+        return new_text
 
 
 class IncrementalDetokenizer:
@@ -41,6 +220,7 @@ class IncrementalDetokenizer:
     tokenizer: a Hugging Face tokenizer (anything with `decode(ids, skip_special_tokens=)`
     and `all_special_ids`). prompt_ids: the prompt, used only as left context so the first
     generated token decodes as it would after the prompt. stop: stop strings (non-empty).
+    `source` is the text source chosen for the tokenizer (DecodeStreamText or WindowText).
     """
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int] | None = None, stop: Sequence[str] = (),
@@ -57,16 +237,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
-        # With skip_special_tokens the decoder drops special ids before decoding, so they are
-        # dropped here too: windows then never start on a token that decodes to nothing.
-        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) if skip_special_tokens \
-            else frozenset()
-        context = [int(t) for t in (prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:] if int(t) not in self._special]
-        self._ids: list[int] = context  # decodable ids: prompt context, then generated ids
-        self._pushed_at: list[int] = [0] * len(context)  # per id: pushed tokens up to and including it
-        self._prefix = 0  # window start (left context)
-        self._read = len(context)  # end of the stable (already decoded) part
-        self._num_pushed = 0
+        self.source = make_text_source(tokenizer, prompt_ids, skip_special_tokens)
+        self._num_chars = 0  # stable text so far: emitted, then pending
+        self._token_ends: list[int] = []  # per pushed token: _num_chars once it was decoded
         self._pending = ""  # stable text held back because it may start a stop string
         self._chunks: list[str] = []
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -81,48 +254,38 @@ class IncrementalDetokenizer:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
-    def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
-
     def push(self, token_ids: Sequence[int]) -> str:
         """Add generated tokens; -> the text that became safe to emit ("" after a stop)."""
         if self.stopped:
             return ""
+        pieces = []
         for token in token_ids:
-            self._num_pushed += 1
-            token = int(token)
-            if token not in self._special:
-                self._ids.append(token)
-                self._pushed_at.append(self._num_pushed)
-        if len(self._ids) == self._read:
-            return ""
-        prefix_text = self._decode(self._prefix, self._read)
-        new_text = self._decode(self._prefix, len(self._ids))
-        if new_text.endswith(REPLACEMENT_CHAR) or not new_text.startswith(prefix_text):
-            return ""  # an incomplete character (or an unsettled context): wait for more tokens
-        return self._advance(new_text[len(prefix_text):], len(prefix_text))
+            piece = self.source.step(int(token))
+            pieces.append(piece)
+            self._num_chars += len(piece)
+            self._token_ends.append(self._num_chars)
+        return self._release("".join(pieces))
 
     def finish(self) -> str:
         """Flush the held-back text (incomplete characters decode as U+FFFD), never past a stop."""
         if self.stopped:
             return ""
-        out = ""
-        if len(self._ids) > self._read:
-            prefix_text = self._decode(self._prefix, self._read)
-            new_text = self._decode(self._prefix, len(self._ids))
-            out = self._advance(new_text[len(prefix_text):], len(prefix_text))
+        tail = self.source.flush()
+        if tail:  # it belongs to the last token: none before it completed it
+            self._num_chars += len(tail)
+            self._token_ends[-1] = self._num_chars
+        out = self._release(tail)
         if not self.stopped and self._pending:
             out += self._pending
             self._chunks.append(self._pending)
             self._pending = ""
         return out
 
-    def _advance(self, stable: str, prefix_chars: int) -> str:
-        """Tokens up to len(_ids) are stable and add `stable`; -> text to emit now."""
-        window_start, window_read = self._prefix, self._read
-        self._prefix, self._read = self._read, len(self._ids)
+    def _release(self, stable: str) -> str:
+        """`stable` is the newest stable text; -> the text to emit now."""
         if not self.stop:
-            self._chunks.append(stable)
+            if stable:
+                self._chunks.append(stable)
             return stable
         buffer = self._pending + stable
         match = self._find_stop(buffer)
@@ -132,15 +295,15 @@ class IncrementalDetokenizer:
             self._chunks.append(out)
             self.stopped = True
             self.stop_string = stop_string
-            # The stop's end, in chars of the window's text (decoded from window_start).
-            end_in_window = prefix_chars + index + len(stop_string) - len(self._pending)
-            self.stop_token_index = self._tokens_to_reach(window_start, window_read, end_in_window)
+            stop_end = self._num_chars - len(buffer) + index + len(stop_string)  # in chars of all stable text
+            self.stop_token_index = bisect_left(self._token_ends, stop_end) + 1
             self._pending = ""
             return out
         keep = self._stop_prefix_len(buffer)
         out = buffer[:len(buffer) - keep]
         self._pending = buffer[len(buffer) - keep:]
-        self._chunks.append(out)
+        if out:
+            self._chunks.append(out)
         return out
 
     def _find_stop(self, buffer: str) -> tuple[int, str] | None:
@@ -159,19 +322,6 @@ class IncrementalDetokenizer:
             if any(stop.startswith(tail) for stop in self.stop):
                 return length
         return 0
-
-    def _tokens_to_reach(self, window_start: int, window_read: int, end_chars: int) -> int:
-        """Pushed tokens needed until the window's text (decoded from window_start) has its
-        first end_chars chars settled. The stop ends inside ids[window_read:], so each end point
-        there is tried (a handful of tokens, once per request).
-        """
-        full = self._decode(window_start, len(self._ids))
-        target = end_chars
-        for end in range(window_read + 1, len(self._ids) + 1):
-            text = self._decode(window_start, end)
-            if len(text) >= target and text[:target] == full[:target]:
-                return self._pushed_at[end - 1]
-        return self._num_pushed
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Incremental detokenization and string stop sequences (serving/detokenize.py).
 
-Two real tokenizers, both built offline: the embedded target's byte-level BPE, and a
-Llama-style SentencePiece BPE (Metaspace-like normalizer, byte fallback, leading-space
-strip) trained here on a few lines. Property: pushing any token sequence in any chunking
-and then finishing yields exactly tokenizer.decode(all tokens).
+Real tokenizers, all built offline: the embedded target's byte-level BPE (GPT-2 / SmolLM2
+style), a Llama-style SentencePiece BPE (Metaspace-like normalizer, byte fallback,
+leading-space strip), and for the clean-up case a BERT-style WordPiece and a T5-style
+Unigram, trained here on a few lines. Property: pushing any token sequence in any chunking
+and then finishing yields exactly tokenizer.decode(all tokens), after the prompt if any.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specheads.serving.detokenize import IncrementalDetokenizer, TextDelta, stream_text
+from specheads.serving.detokenize import (DecodeStreamText, IncrementalDetokenizer, TextDelta, WindowText,
+                                          decode_stream_matches, stream_text)
 
 SAMPLE_TEXTS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",
@@ -202,6 +204,139 @@ def test_bad_stop_strings_are_rejected(byte_bpe):
         IncrementalDetokenizer(byte_bpe, stop=["ok", ""])
     with pytest.raises(TypeError, match=r"stop\[0\]"):
         IncrementalDetokenizer(byte_bpe, stop=[3])
+
+
+# -- the text source: DecodeStream for fast tokenizers, the window where it differs ---------------
+
+
+@pytest.mark.parametrize("name", ["byte_bpe", "sp_bpe"])
+def test_fast_tokenizers_stream_through_decode_stream(request, name, monkeypatch):
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode(SAMPLE_TEXTS[2], add_special_tokens=False)
+    expected = tokenizer.decode(ids)[len(tokenizer.decode(ids[:3])):]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids[:3], stop=["zebra"])
+    assert isinstance(detok.source, DecodeStreamText)
+    calls = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda *args, **kwargs: calls.append(args) or decode(*args, **kwargs))
+    out = "".join(detok.push([token]) for token in ids[3:]) + detok.finish()
+    assert out == expected
+    assert calls == []  # the text came from tokenizers' DecodeStream, not from Python-side decodes
+
+
+@pytest.mark.parametrize("name", ["byte_bpe", "sp_bpe"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_property_generated_text_is_the_decode_after_the_prompt(request, name, skip_special_tokens):
+    """Prompt: text, then maybe special tokens. Generated: encoded text (characters split over
+    byte tokens, emoji, CJK, leading spaces), random ids and special tokens, in any chunking."""
+    tokenizer = request.getfixturevalue(name)
+    specials = st.sampled_from(tokenizer.all_special_ids)
+    pieces = st.lists(st.sampled_from(list("ab cd\n.😀🎉中文字é😺語") + [" the", " stop", "Hello"]), max_size=8)
+    text_ids = pieces.map(lambda p: tokenizer.encode("".join(p), add_special_tokens=False))
+    prompt_st = st.tuples(text_ids, st.lists(specials, max_size=2)).map(lambda parts: parts[0] + parts[1])
+    parts = st.one_of(text_ids, st.lists(_random_ids(tokenizer), max_size=3), st.lists(specials, max_size=1))
+    generated_st = st.lists(parts, max_size=6).map(lambda chunks: sum(chunks, []))
+    chunks_st = st.lists(st.integers(1, 4), min_size=1, max_size=5)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(prompt=prompt_st, generated=generated_st, chunks=chunks_st)
+    def check(prompt, generated, chunks):
+        full = tokenizer.decode(prompt + generated, skip_special_tokens=skip_special_tokens)
+        head = tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens)
+        assert full.startswith(head)
+        detok, outputs = run(tokenizer, generated, chunks, prompt_ids=prompt, skip_special_tokens=skip_special_tokens)
+        assert "".join(outputs) == full[len(head):] == detok.text
+
+    check()
+
+
+def test_an_invalid_byte_run_does_not_break_the_stream(sp_bpe):
+    """A byte-fallback run that is not valid UTF-8 makes decode() turn the "é" already emitted
+    into U+FFFD too; DecodeStream raises there, and the stream restarts after the "é"."""
+    from tokenizers.decoders import DecodeStream
+
+    bytes_ids = sp_bpe.convert_tokens_to_ids(["<0xC3>", "<0xA9>", "<0xE4>"])  # "é", then half of "中"
+    ids = sp_bpe.encode("caf", add_special_tokens=False) + bytes_ids
+    ids += sp_bpe.encode(" the end", add_special_tokens=False)
+    stream = DecodeStream(skip_special_tokens=True)
+    with pytest.raises(Exception, match="Invalid prefix"):
+        for token in ids:
+            stream.step(sp_bpe.backend_tokenizer, token)
+    assert sp_bpe.decode(ids) == "caf\ufffd\ufffd\ufffd the end"
+    detok, outputs = run(sp_bpe, ids, [1])
+    assert "".join(outputs) == "café\ufffd the end"
+
+
+CLEANUP_TEXT = "I don't know , it's fine . Is it ? Yes ! We've won , you're right ."
+
+
+def _train_cleanup_tokenizer(kind: str):
+    """A tokenizer whose transformers decode() cleans up spaces after the backend's decoder
+    (" ," -> ","; "don ' t" -> "don't"): a BERT-style WordPiece or a T5-style Unigram."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = (SAMPLE_TEXTS + [CLEANUP_TEXT]) * 20
+    if kind == "wordpiece":
+        backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        backend.decoder = decoders.WordPiece()
+        backend.train_from_iterator(texts, trainers.WordPieceTrainer(
+            vocab_size=300, special_tokens=["[UNK]", "[SEP]", "[PAD]"], show_progress=False))
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", sep_token="[SEP]",
+                                       pad_token="[PAD]", clean_up_tokenization_spaces=True)
+    backend = Tokenizer(models.Unigram())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.train_from_iterator(texts, trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=True)
+
+
+@pytest.fixture(scope="module", params=["wordpiece", "unigram"])
+def cleanup_tokenizer(request):
+    return _train_cleanup_tokenizer(request.param)
+
+
+def test_cleanup_tokenizers_keep_the_window(cleanup_tokenizer):
+    """Measured: DecodeStream runs only the backend's decoder, so it misses transformers'
+    clean-up of tokenization spaces (non-BPE models); such tokenizers keep WindowText."""
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = cleanup_tokenizer
+    ids = tokenizer.encode(CLEANUP_TEXT, add_special_tokens=False)
+    stream = DecodeStream(skip_special_tokens=True)
+    streamed = "".join(stream.step(tokenizer.backend_tokenizer, token) or "" for token in ids)
+    assert streamed != tokenizer.decode(ids, skip_special_tokens=True)
+    assert not decode_stream_matches(tokenizer)
+    assert isinstance(IncrementalDetokenizer(tokenizer).source, WindowText)
+
+
+@pytest.mark.parametrize("chunks", [[1], [2, 1, 3]])
+def test_cleanup_tokenizers_stream_the_cleaned_text(cleanup_tokenizer, chunks):
+    """Token by token, the window used to emit "don '" before clean-up could make it "don't";
+    text that clean-up may still rewrite is now held back."""
+    tokenizer = cleanup_tokenizer
+    for text in [CLEANUP_TEXT] + SAMPLE_TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        detok, outputs = run(tokenizer, ids, chunks)
+        assert "".join(outputs) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_decode_override_keeps_the_window(byte_bpe):
+    """DecodeStream would bypass a tokenizer class that overrides _decode."""
+
+    class ShoutingTokenizer(type(byte_bpe)):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    tokenizer = ShoutingTokenizer(tokenizer_object=byte_bpe.backend_tokenizer)
+    ids = tokenizer.encode(SAMPLE_TEXTS[0], add_special_tokens=False)
+    detok, outputs = run(tokenizer, ids, [1])
+    assert isinstance(detok.source, WindowText)
+    assert "".join(outputs) == tokenizer.decode(ids) == SAMPLE_TEXTS[0].upper()
 
 
 # -- stream_text on a real decoder -------------------------------------------------------------------
