@@ -81,8 +81,10 @@ def _features(target, input_ids: torch.Tensor, taps: list[int], top_k: int | Non
 
 
 def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Path, *, top_k: int | None = -1,
-                batch_size: int = 8, blocks_per_shard: int = 256, max_gb: float | None = None, log=print) -> Path:
-    """Cache the target's taps and logits over `blocks` into `out_dir`; -> the manifest path."""
+                batch_size: int = 8, blocks_per_shard: int = 256, max_gb: float | None = None, log=print,
+                progress: bool = True) -> Path:
+    """Cache the target's taps and logits over `blocks` into `out_dir`; -> the manifest path.
+    `progress`: a tqdm bar over the blocks (on stderr)."""
     target.check_taps(taps)
     out = Path(out_dir)
     if (out / MANIFEST).exists():
@@ -95,8 +97,11 @@ def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Pa
     if max_gb is not None and total > max_gb * 1e9:
         raise DataError(f"the feature cache would take {total / 1e9:.3f} GB, over the limit of {max_gb} GB "
                         "(--max-gb); cache fewer records, fewer taps or a smaller --top-k")
+    from tqdm.auto import tqdm
+
     out.mkdir(parents=True, exist_ok=True)
     shards = []
+    bar = tqdm(total=num_blocks, desc="feature cache", unit="block", disable=not progress)
     for shard_start in range(0, num_blocks, blocks_per_shard):
         indices = list(range(shard_start, min(num_blocks, shard_start + blocks_per_shard)))
         parts: dict[str, list[torch.Tensor]] = {}
@@ -104,6 +109,7 @@ def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Pa
             input_ids, _ = blocks.batch(indices[start:start + batch_size])
             for name, tensor in _features(target, input_ids, taps, top_k).items():
                 parts.setdefault(name, []).append(tensor)
+            bar.update(len(input_ids))
         input_ids, loss_mask = blocks.batch(indices)
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask,
                    **{name: torch.cat(chunks) for name, chunks in parts.items()}}
@@ -111,6 +117,7 @@ def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Pa
         _save_atomic(tensors, out / name)
         shards.append({"file": name, "num_blocks": len(indices)})
         log(f"feature cache: wrote {name} ({shard_start + len(indices)}/{num_blocks} blocks)")
+    bar.close()
     manifest = {"format_version": FORMAT_VERSION, "target": dataclasses.asdict(target.identity),
                 "taps": list(taps), "top_k": top_k,
         "num_blocks": num_blocks, "seq_len": seq_len, "hidden_size": target.hidden_size,
