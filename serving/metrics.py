@@ -1,8 +1,18 @@
-"""Prometheus metrics for the HTTP server, written in the text exposition format (0.0.4).
+"""Prometheus metrics for the HTTP server, on `prometheus_client`.
 
-No client library: the server needs counters, gauges and histograms with a few labels,
-and the format is a few lines of text. Every metric is prefixed `specheads_`. All
-updates are thread-safe (the engine worker thread writes, the event loop renders).
+`ServerMetrics` owns every metric the server exports and one `CollectorRegistry` of its
+own (never the library's global default `REGISTRY`), so two servers or two tests in one
+process never share counts. The /metrics route (serving/server_app.py) answers
+`render()` with the content type `prometheus_client.CONTENT_TYPE_LATEST`. Every metric is
+prefixed `specheads_`; counters are declared with the `_total` that Prometheus names
+them with (prometheus_client strips it from the family and puts it back on the sample).
+The library's metrics are thread-safe (the engine worker thread writes, the event loop
+renders).
+
+The per-series `_created` timestamps that prometheus_client adds to counters and
+histograms are left out of the exposition: the library's only switch for them,
+`disable_created_metrics()`, is process-wide, so `ServerMetrics.collect` drops those
+samples for this registry alone.
 
 Conventions (DESIGN.md invariant 8): acceptance rate alpha = accepted draft tokens /
 drafted tokens; acceptance length tau = tokens emitted per verify step = (accepted +
@@ -13,9 +23,10 @@ histograms' counts equal the sum of `specheads_request_success_total`.
 
 from __future__ import annotations
 
-import math
-import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
@@ -23,168 +34,54 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
-def _format_value(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_text: str, labelnames: Iterable[str] = ()):
-        if not name.startswith("specheads_"):
-            raise ValueError(f"metric names must start with 'specheads_', got {name!r}")
-        self.name = name
-        self.help = help_text
-        self.labelnames = tuple(labelnames)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: dict[str, object]) -> tuple[str, ...]:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {list(self.labelnames)}, got {sorted(labels)}")
-        return tuple(str(labels[name]) for name in self.labelnames)
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    """A monotonically increasing count; rendered with the `_total` suffix in its name."""
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labelnames: Iterable[str] = ()):
-        if not name.endswith("_total"):
-            raise ValueError(f"counter names end with '_total', got {name!r}")
-        super().__init__(name, help_text, labelnames)
-        self._values: dict[tuple[str, ...], float] = {} if self.labelnames else {(): 0.0}
-
-    def inc(self, amount: float = 1.0, **labels) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: counters only go up, got inc({amount})")
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, **labels) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def total(self) -> float:
-        with self._lock:
-            return sum(self._values.values())
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(self.labelnames, key)} {_format_value(v)}" for key, v in items]
-
-
-class Gauge(_Metric):
-    """A value that goes up and down, or one read from `source` at render time."""
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, source: Callable[[], float] | None = None):
-        super().__init__(name, help_text)
-        self._value = 0.0
-        self._source = source
-
-    def set_source(self, source: Callable[[], float]) -> None:
-        """Read the value from `source` at render time (the engine's live counts)."""
-        self._source = source
-
-    def set(self, value: float) -> None:
-        with self._lock:
-            self._value = float(value)
-
-    def value(self) -> float:
-        if self._source is not None:
-            return float(self._source())
-        with self._lock:
-            return self._value
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {_format_value(self.value())}"]
-
-
-class Histogram(_Metric):
-    """Cumulative buckets plus _sum and _count."""
-    kind = "histogram"
-
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float] = LATENCY_BUCKETS):
-        super().__init__(name, help_text)
-        self.buckets = tuple(sorted(float(b) for b in buckets))
-        if not self.buckets:
-            raise ValueError(f"{self.name}: a histogram needs at least one bucket")
-        self._counts = [0] * len(self.buckets)
-        self._sum = 0.0
-        self._count = 0
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            for i, bound in enumerate(self.buckets):
-                if value <= bound:
-                    self._counts[i] += 1
-            self._sum += value
-            self._count += 1
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return self._count
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total, count = list(self._counts), self._sum, self._count
-        lines = self.header()
-        for bound, bucket_count in zip(self.buckets, counts):
-            lines.append(f'{self.name}_bucket{{le="{_format_value(bound)}"}} {bucket_count}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {count}')
-        lines.append(f"{self.name}_sum {_format_value(total)}")
-        lines.append(f"{self.name}_count {count}")
-        return lines
+def _total(counter: Counter) -> float:
+    """A counter's value summed over all its label values."""
+    return sum(sample.value for family in counter.collect() for sample in family.samples
+               if sample.name == family.name + "_total")
 
 
 class ServerMetrics:
-    """Every metric the server exports (see the module docstring for the conventions)."""
+    """Every metric the server exports (see the module docstring for the conventions).
+
+    Writers use prometheus_client's own API: `rejected.labels(status=503).inc()`,
+    `itl.observe(seconds)`, `running.set_function(fn)`."""
 
     def __init__(self, running: Callable[[], float] = lambda: 0, waiting: Callable[[], float] = lambda: 0):
-        p = "specheads_"
-        self.drafts = Counter(p + "spec_decode_num_drafts_total", "Speculative verify steps (one draft tree each).")
-        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens_total",
-                                    "Drafted tokens (steps x tree depth: what one path can contribute).")
-        self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens_total", "Accepted draft tokens.")
-        self.lookup_accepted_tokens = Counter(p + "spec_decode_num_lookup_accepted_tokens_total",
-                                              "Accepted draft tokens that came from n-gram lookup chains.")
-        self.accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos_total",
+        # registry=None: the metrics are not registered anywhere; this object collects them
+        # into its own registry (below).
+        self.drafts = Counter("specheads_spec_decode_num_drafts_total",
+                              "Speculative verify steps (one draft tree each).", registry=None)
+        self.draft_tokens = Counter("specheads_spec_decode_num_draft_tokens_total",
+                                    "Drafted tokens (steps x tree depth: what one path can contribute).",
+                                    registry=None)
+        self.accepted_tokens = Counter("specheads_spec_decode_num_accepted_tokens_total", "Accepted draft tokens.",
+                                       registry=None)
+        self.lookup_accepted_tokens = Counter("specheads_spec_decode_num_lookup_accepted_tokens_total",
+                                              "Accepted draft tokens that came from n-gram lookup chains.",
+                                              registry=None)
+        self.accepted_per_pos = Counter("specheads_spec_decode_num_accepted_tokens_per_pos_total",
                                         "Verify steps that accepted a draft token at this depth (0-based).",
-                                        ["position"])
-        self.acceptance_rate = Gauge(p + "spec_decode_acceptance_rate",
-                                     "alpha = accepted draft tokens / drafted tokens, since start.",
-                                     source=self._alpha)
-        self.acceptance_length = Gauge(p + "spec_decode_acceptance_length",
+                                        ["position"], registry=None)
+        self.acceptance_rate = Gauge("specheads_spec_decode_acceptance_rate",
+                                     "alpha = accepted draft tokens / drafted tokens, since start.", registry=None)
+        self.acceptance_rate.set_function(self._alpha)
+        self.acceptance_length = Gauge("specheads_spec_decode_acceptance_length",
                                        "tau = tokens emitted per speculative verify step, since start.",
-                                       source=self._tau)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token, per finished sequence.")
-        self.itl = Histogram(p + "inter_token_latency_seconds",
+                                       registry=None)
+        self.acceptance_length.set_function(self._tau)
+        self.ttft = Histogram("specheads_time_to_first_token_seconds",
+                              "Arrival to first token, per finished sequence.", buckets=LATENCY_BUCKETS,
+                              unit="seconds", registry=None)
+        self.itl = Histogram("specheads_inter_token_latency_seconds",
                              "Time per output token after the first (a step's gap split over its tokens).",
-                             ITL_BUCKETS)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish, per finished sequence.")
-        self.running = Gauge(p + "num_requests_running", "Sequences in the running batch.", source=running)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission.", source=waiting)
+                             buckets=ITL_BUCKETS, unit="seconds", registry=None)
+        self.e2e = Histogram("specheads_e2e_request_latency_seconds", "Arrival to finish, per finished sequence.",
+                             buckets=LATENCY_BUCKETS, unit="seconds", registry=None)
+        # Read at render time: the engine sets its live counts with set_function.
+        self.running = Gauge("specheads_num_requests_running", "Sequences in the running batch.", registry=None)
+        self.running.set_function(running)
+        self.waiting = Gauge("specheads_num_requests_waiting", "Requests queued for admission.", registry=None)
+        self.waiting.set_function(waiting)
         # Every request is counted at most once among these three (a request of n choices: once
         # per choice that ran). success: a sequence finished ("stop" | "length") and its choice
         # was sent. aborted: a sequence (or a request still queued) was dropped after the server
@@ -194,34 +91,39 @@ class ServerMetrics:
         # server answered an error before the request reached the engine, by HTTP status (400
         # bad request, also when the engine refuses it at admission; 401; 404; 413; 499 the
         # client left while its body was read; 500 a server bug; 503 overloaded or not ready).
-        self.success = Counter(p + "request_success_total", "Finished sequences by finish reason.",
-                               ["finished_reason"])
-        self.aborted = Counter(p + "request_aborted_total",
-                               "Accepted requests' sequences dropped before finishing, by reason.", ["reason"])
-        self.rejected = Counter(p + "request_rejected_total",
+        self.success = Counter("specheads_request_success_total", "Finished sequences by finish reason.",
+                               ["finished_reason"], registry=None)
+        self.aborted = Counter("specheads_request_aborted_total",
+                               "Accepted requests' sequences dropped before finishing, by reason.", ["reason"],
+                               registry=None)
+        self.rejected = Counter("specheads_request_rejected_total",
                                 "Requests answered with an error before reaching the engine, by HTTP status.",
-                                ["status"])
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of finished sequences.")
-        self.generation_tokens = Counter(p + "generation_tokens_total", "Tokens generated by finished sequences.")
+                                ["status"], registry=None)
+        self.prompt_tokens = Counter("specheads_prompt_tokens_total", "Prompt tokens of finished sequences.",
+                                     registry=None)
+        self.generation_tokens = Counter("specheads_generation_tokens_total",
+                                         "Tokens generated by finished sequences.", registry=None)
         self._all = [self.drafts, self.draft_tokens, self.accepted_tokens, self.lookup_accepted_tokens,
                      self.accepted_per_pos,
                      self.acceptance_rate, self.acceptance_length, self.ttft, self.itl, self.e2e, self.running,
                      self.waiting, self.success, self.aborted, self.rejected, self.prompt_tokens,
                      self.generation_tokens]
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
 
     def _alpha(self) -> float:
-        drafted = self.draft_tokens.total()
-        return self.accepted_tokens.total() / drafted if drafted else 0.0
+        drafted = _total(self.draft_tokens)
+        return _total(self.accepted_tokens) / drafted if drafted else 0.0
 
     def _tau(self) -> float:
-        drafts = self.drafts.total()
-        return (self.accepted_tokens.total() + drafts) / drafts if drafts else 0.0
+        drafts = _total(self.drafts)
+        return (_total(self.accepted_tokens) + drafts) / drafts if drafts else 0.0
 
     def observe_finished(self, finish_reason: str, ttft_s: float, e2e_s: float, prompt_tokens: int,
                          generated_tokens: int, drafts: int, drafted_tokens: int, accepted_tokens: int,
                          accepted_per_position: list[int], lookup_accepted_tokens: int = 0) -> None:
         """One sequence finished successfully; drafts = its speculative verify steps."""
-        self.success.inc(finished_reason=finish_reason)
+        self.success.labels(finished_reason=finish_reason).inc()
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
@@ -232,10 +134,15 @@ class ServerMetrics:
             self.accepted_tokens.inc(accepted_tokens)
             self.lookup_accepted_tokens.inc(lookup_accepted_tokens)
             for position, count in enumerate(accepted_per_position):
-                self.accepted_per_pos.inc(count, position=position)
+                self.accepted_per_pos.labels(position=position).inc(count)
 
-    def render(self) -> str:
-        lines: list[str] = []
+    def collect(self) -> Iterator[Metric]:
+        """The registry's collector: every metric, in declaration order, without `_created`."""
         for metric in self._all:
-            lines.extend(metric.render())
-        return "\n".join(lines) + "\n"
+            for family in metric.collect():
+                family.samples = [s for s in family.samples if s.name != family.name + "_created"]
+                yield family
+
+    def render(self) -> bytes:
+        """The exposition (text format of `prometheus_client.CONTENT_TYPE_LATEST`)."""
+        return generate_latest(self.registry)

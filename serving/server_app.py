@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -156,7 +157,7 @@ class GuardMiddleware:
                 error = APIError(413, f"the request body is {int(length)} bytes; the limit is {limit}",
                                  code="request_too_large")
         if error is not None:
-            self.state.metrics.rejected.inc(status=error.status)
+            self.state.metrics.rejected.labels(status=error.status).inc()
             return await _error_response(error)(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -357,13 +358,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
         if err.rejected:
-            state.metrics.rejected.inc(status=err.status)
+            state.metrics.rejected.labels(status=err.status).inc()
         return _error_response(err)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, err: Exception):
         # A bug of ours: still an OpenAI-style JSON body, and counted (Starlette logs the traceback).
-        state.metrics.rejected.inc(status=500)
+        state.metrics.rejected.labels(status=500).inc()
         return _error_response(APIError(500, f"internal server error ({type(err).__name__})", "server_error",
                                         code="internal_error"))
 
@@ -409,6 +410,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return GuardMiddleware(app, state)

@@ -126,8 +126,8 @@ class Engine:
         self._stopping = False
         self.fatal_error: str | None = None
         self._thread = threading.Thread(target=self._main, name="specheads-engine", daemon=True)
-        metrics.running.set_source(lambda: len(self._running))
-        metrics.waiting.set_source(lambda: len(self._waiting))
+        metrics.running.set_function(lambda: len(self._running))
+        metrics.waiting.set_function(lambda: len(self._waiting))
 
     # ----- event-loop side -----
     def start(self) -> None:
@@ -198,11 +198,11 @@ class Engine:
             jobs.append(self._admitting)
         for seq_id in list(self._running):
             self.session.cancel(seq_id)
-            self.metrics.aborted.inc(reason=code)
+            self.metrics.aborted.labels(reason=code).inc()
         self._running.clear()
         for job in jobs:
             if job.next_choice == 0:  # never admitted: counted once, as a job
-                self.metrics.aborted.inc(reason=code)
+                self.metrics.aborted.labels(reason=code).inc()
             self._fail(job, status, message, code)
 
     def _fail_sequence(self, seq_id: int, error: str) -> None:
@@ -216,7 +216,7 @@ class Engine:
         """One of job's sequences failed (not fatally): a 500 for the job alone; its other
         choices are reaped before the next step."""
         log.error("a sequence failed: %s", error)
-        self.metrics.aborted.inc(reason="error")
+        self.metrics.aborted.labels(reason="error").inc()
         self._fail(job, 500, f"generating this request failed: {error}", "sequence_failed")
 
     def _fail(self, job: Job, status: int, message: str, code: str | None) -> None:
@@ -235,7 +235,7 @@ class Engine:
                 self.session.cancel(seq_id)
                 del self._running[seq_id]
                 reason = job.cancel_reason or ("timeout" if expired else "failed")
-                self.metrics.aborted.inc(reason=reason)
+                self.metrics.aborted.labels(reason=reason).inc()
                 if expired and job.cancel_reason is None:
                     timed_out.append(job)
         with self._cond:
@@ -243,7 +243,7 @@ class Engine:
                 expired = job.deadline is not None and now > job.deadline
                 if job.cancel_reason is not None or expired:
                     self._waiting.remove(job)
-                    self.metrics.aborted.inc(reason=job.cancel_reason or "timeout")
+                    self.metrics.aborted.labels(reason=job.cancel_reason or "timeout").inc()
                     if expired and job.cancel_reason is None:
                         timed_out.append(job)
         for job in timed_out:
@@ -270,7 +270,7 @@ class Engine:
                     raise
                 self._admitting = None
                 if isinstance(err, ValueError):  # the engine refused this request
-                    self.metrics.rejected.inc(status=400)
+                    self.metrics.rejected.labels(status=400).inc()
                     self._fail(job, 400, str(err), "invalid_value")
                 else:  # its prefill (SequenceFailed) or its detokenizer failed
                     self._fail_alone(job, describe(err))

@@ -218,6 +218,26 @@ def test_metrics_agree_with_finished_requests(server, client):
     assert 0 <= values["specheads_spec_decode_acceptance_rate"] <= 1
 
 
+def test_metrics_route_speaks_prometheus(server, client):
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, temperature=0)
+    response = httpx.get(server.url + "/metrics", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+    families = {family.name: family for family in text_string_to_metric_families(response.text)}
+    assert families["specheads_request_success"].type == "counter"
+    assert families["specheads_spec_decode_acceptance_rate"].type == "gauge"
+    assert families["specheads_e2e_request_latency_seconds"].type == "histogram"
+    success = sum(s.value for s in families["specheads_request_success"].samples
+                  if s.name == "specheads_request_success_total")
+    finished = [s.value for s in families["specheads_e2e_request_latency_seconds"].samples
+                if s.name == "specheads_e2e_request_latency_seconds_count"]
+    assert finished == [success] and success >= 2
+
+
 def test_lookup_only_server_is_lossless_and_counts_lookup_tokens(tiny_setup):  # noqa: F811
     """`specheads serve --lookup N` without heads: prompt-lookup decoding on the engine."""
     target_dir, _ = tiny_setup

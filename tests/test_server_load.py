@@ -163,7 +163,8 @@ def test_graceful_shutdown_finishes_in_flight_and_refuses_new(tiny_setup):  # no
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(httpx.post, server.url + "/v1/completions", json=dict(LONG, max_tokens=200),
                                 timeout=120)
-        assert wait_for(lambda: server.state.metrics.running.value() == 1, 30)
+        registry = server.state.metrics.registry
+        assert wait_for(lambda: registry.get_sample_value("specheads_num_requests_running") == 1, 30)
         stopper = threading.Thread(target=server.stop, kwargs={"timeout_s": 120})
         stopper.start()
         assert wait_for(lambda: server.state.draining, 10)
