@@ -11,6 +11,7 @@ install:
 	$(PYTHON) -m pip install -q -e ".[test]"
 
 demo: install
+	$(PYTHON) -m pip install -q -e ".[plot]"
 	$(PYTHON) -m specheads demo
 
 test: install

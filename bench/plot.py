@@ -1,133 +1,106 @@
-"""PNG plots of a bench report, drawn without matplotlib (a small RGB raster, a 3x5
-pixel font and zlib): one image, two panels.
+"""PNG charts of a bench report, drawn with matplotlib (the optional extra
+`pip install 'specheads[plot]'`): `specheads bench --plot OUT.png` writes one image with
+three panels.
 
-    left:  acceptance by depth, one line per method that drafts (share of steps that
-           accepted a draft token at depth d)
-    right: speedup over hf-greedy against tree size (draft nodes) for engine-heads
-           methods, one line per heads directory, plus each tuned directory's sweep
-           (`specheads tune`, speedup over engine-plain); the dashed line is 1.0x, the other
-           methods are listed with their speedup
+    acceptance by depth   one line per method that drafts with heads (engine-heads, dashed:
+                          engine-heads+lookup): the share of verify steps that accepted a draft
+                          token at depth d (harness.py's acceptance_by_depth), up to the
+                          first of its trailing zeros
+    speedup vs tree size  speedup over hf-greedy against draft nodes for the engine-heads
+                          trees: per heads directory a line through its --tree-nodes calibrated
+                          trees and a star at its own stored or tuned tree, plus each tuned
+                          directory's `specheads tune` sweep (speedup over engine-plain, thin
+                          dashed); dashed grey: 1.0x, dotted grey: engine-plain
+    tokens/s per method   bars: mean tokens/s over prompts, error bars: ±1 sample standard
+                          deviation across prompts (per prompt: new tokens / wall seconds of
+                          generate, from the report's "prompts" records); labels: the report's
+                          overall speedup over hf-greedy
+
+A report without heads gives the bars alone (the title says why); a report whose heads
+were benched at their own tree only (no --tree-nodes) still draws that tree's point.
+matplotlib is imported only here, when drawing, and only through its object API (Figure
+and the Agg canvas): no pyplot state, so a server process can call it too.
 """
 
 from __future__ import annotations
 
+import io
 import os
-import struct
+import statistics
 import tempfile
-import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
-# 3x5 glyphs, rows top to bottom, "1" = ink.
-GLYPHS = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001010010010",
-    "8": "111101111101111", "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111", "J": "001001001101010",
-    "K": "101101110101101", "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
-    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011", "R": "110101110101101",
-    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111", "V": "101101101101010",
-    "W": "101101111111101", "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
-    ".": "000000000000010", ",": "000000000010100", "-": "000000111000000", "[": "110100100100110",
-    "]": "011001001001011", "(": "010100100100010", ")": "010001001001010", ":": "000010000010000",
-    "/": "001001010100100", " ": "000000000000000", "_": "000000000000111",
-}
-COLOURS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207),
-           (140, 86, 75), (227, 119, 194)]
-BLACK, GREY, WHITE = (0, 0, 0), (170, 170, 170), (255, 255, 255)
+INSTALL_HINT = "pip install 'specheads[plot]'"
+HEADS_KINDS = ("engine-heads", "engine-heads+lookup")  # bench method kinds that draft with heads
+OWN_TREE_SOURCES = ("heads-dir-tuned", "heads-dir", "heads-dir-default")  # the heads dir's tree, not --tree-nodes
+TITLE_SIZE, LABEL_SIZE, TICK_SIZE, LEGEND_SIZE = 13, 11, 10, 9
+# One colour map per heads directory (shades: tree size, light to dark); fixed colours for the rest.
+HEADS_CMAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds")
+OTHER_COLOURS = {"hf-greedy": "#4d4d4d", "engine-plain": "#a6a6a6", "engine-lookup": "#17becf",
+                 "hf-prompt-lookup": "#bcbd22", "hf-assisted": "#8c564b"}
 
 
-class Canvas:
-    def __init__(self, width: int, height: int):
-        self.width, self.height = width, height
-        self.pixels = bytearray(WHITE * (width * height))
-
-    def dot(self, x: int, y: int, colour, size: int = 1) -> None:
-        for dx in range(size):
-            for dy in range(size):
-                px, py = x + dx, y + dy
-                if 0 <= px < self.width and 0 <= py < self.height:
-                    i = 3 * (py * self.width + px)
-                    self.pixels[i:i + 3] = bytes(colour)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, colour, size: int = 1, dash: int = 0) -> None:
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for s in range(steps + 1):
-            if dash and (s // dash) % 2:
-                continue
-            self.dot(round(x0 + (x1 - x0) * s / steps), round(y0 + (y1 - y0) * s / steps), colour, size)
-
-    def text(self, x: int, y: int, text: str, colour=BLACK, scale: int = 2) -> None:
-        for char in text.upper():
-            glyph = GLYPHS.get(char, GLYPHS[" "])
-            for bit, ink in enumerate(glyph):
-                if ink == "1":
-                    self.dot(x + (bit % 3) * scale, y + (bit // 3) * scale, colour, scale)
-            x += 4 * scale
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.pixels[3 * self.width * y:3 * self.width * (y + 1)])
-                       for y in range(self.height))
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        idat = zlib.compress(raw, 9)
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+def require_matplotlib():
+    """(Figure, FigureCanvasAgg); an ImportError naming the extra when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(f"plotting a bench report needs matplotlib, an optional extra: {INSTALL_HINT}") from err
+    return Figure, FigureCanvasAgg
 
 
-class Panel:
-    """Axes in a rectangle of the canvas, mapping data (x, y) to pixels."""
+# ---- data: what each panel draws, from the report alone (tested without drawing) ----
 
-    def __init__(self, canvas: Canvas, left: int, top: int, width: int, height: int,
-                 x_range: tuple[float, float], y_range: tuple[float, float]):
-        self.canvas, self.left, self.top, self.width, self.height = canvas, left, top, width, height
-        self.x_range, self.y_range = x_range, y_range
-
-    def xy(self, x: float, y: float) -> tuple[int, int]:
-        (x0, x1), (y0, y1) = self.x_range, self.y_range
-        px = self.left + (x - x0) / ((x1 - x0) or 1) * self.width
-        py = self.top + self.height - (y - y0) / ((y1 - y0) or 1) * self.height
-        return round(px), round(py)
-
-    def axes(self, title: str, x_label: str, x_ticks: list[float], y_ticks: list[float]) -> None:
-        c, bottom = self.canvas, self.top + self.height
-        c.text(self.left, self.top - 24, title)
-        for y in y_ticks:
-            _, py = self.xy(self.x_range[0], y)
-            c.line(self.left, py, self.left + self.width, py, (230, 230, 230))
-            c.text(self.left - 40, py - 5, f"{y:.2f}")
-        for x in x_ticks:
-            px, _ = self.xy(x, self.y_range[0])
-            c.line(px, bottom, px, bottom + 4, BLACK)
-            label = f"{x:g}"
-            c.text(px - 4 * len(label), bottom + 8, label)
-        c.line(self.left, self.top, self.left, bottom, BLACK)
-        c.line(self.left, bottom, self.left + self.width, bottom, BLACK)
-        c.text(self.left + self.width // 2 - 4 * len(x_label), bottom + 24, x_label)
-
-    def series(self, points: list[tuple[float, float]], colour) -> None:
-        for (xa, ya), (xb, yb) in zip(points, points[1:]):
-            self.canvas.line(*self.xy(xa, ya), *self.xy(xb, yb), colour, size=2)
-        for x, y in points:
-            px, py = self.xy(x, y)
-            self.canvas.dot(px - 3, py - 3, colour, 7)
+@dataclass(frozen=True)
+class TreePoint:
+    num_draft_nodes: int
+    speedup: float  # over hf-greedy
+    name: str  # method name
+    source: str  # tree source: "calibrated" | "prior" | one of OWN_TREE_SOURCES
 
 
-def _acceptance_panel(canvas: Canvas, methods: list[dict]) -> None:
-    drafting = [m for m in methods if m["overall"]["acceptance_by_depth"]]
-    depth = max((len(m["overall"]["acceptance_by_depth"]) for m in drafting), default=1)
-    panel = Panel(canvas, 70, 50, 420, 300, (0.5, depth + 0.5), (0.0, 1.0))
-    panel.axes("ACCEPTANCE BY DEPTH", "DEPTH", list(range(1, depth + 1)), [0.0, 0.25, 0.5, 0.75, 1.0])
-    for i, m in enumerate(drafting):
-        colour = COLOURS[i % len(COLOURS)]
-        panel.series([(d + 1, a) for d, a in enumerate(m["overall"]["acceptance_by_depth"])], colour)
-        canvas.text(70, 420 + 16 * i, m["name"], colour)
+@dataclass(frozen=True)
+class Bar:
+    name: str
+    kind: str
+    mean: float  # tokens/s, mean over prompts
+    std: float  # sample standard deviation of tokens/s across prompts; 0.0 for fewer than 2
+    num_prompts: int
+    speedup: float | None  # the report's overall speedup over hf-greedy
+    identical: bool
 
 
-def _tuning_series(report: dict) -> dict[str, list[tuple[float, float]]]:
-    """Per tuned heads dir: the best measured speedup over engine-plain per draft-node count."""
+def heads_label(method: dict) -> str:
+    return (method.get("tree") or {}).get("heads", "heads")
+
+
+def acceptance_series(report: dict) -> dict[str, list[float]]:
+    """{method name: acceptance at depth 1, 2, ...} for every method that drafts with heads, cut
+    after its first of the trailing zeros (lookup chains make trees deeper than heads reach)."""
+    series = {}
+    for m in report["methods"]:
+        values = list(m["overall"].get("acceptance_by_depth") or [])
+        if m["kind"] not in HEADS_KINDS or not values:
+            continue
+        last = max((d for d, value in enumerate(values) if value > 0), default=-1)
+        series[m["name"]] = values[:last + 2]
+    return series
+
+
+def speedup_series(report: dict) -> dict[str, list[TreePoint]]:
+    """{heads label: engine-heads trees by draft nodes}; methods without a speedup are left out."""
+    series: dict[str, list[TreePoint]] = {}
+    for m in report["methods"]:
+        if m["kind"] == "engine-heads" and m["overall"].get("speedup") is not None:
+            series.setdefault(heads_label(m), []).append(
+                TreePoint(m["tree"]["num_draft_nodes"], m["overall"]["speedup"], m["name"], m["tree"]["source"]))
+    return {label: sorted(points, key=lambda p: p.num_draft_nodes) for label, points in series.items()}
+
+
+def tuning_series(report: dict) -> dict[str, list[tuple[int, float]]]:
+    """{tuned heads label: [(draft nodes, best measured speedup over engine-plain), ...]}."""
     series = {}
     for label, tuning in (report.get("tuning") or {}).items():
         best: dict[int, float] = {}
@@ -139,47 +112,198 @@ def _tuning_series(report: dict) -> dict[str, list[tuple[float, float]]]:
     return series
 
 
-def _speedup_panel(canvas: Canvas, methods: list[dict], tuning: dict[str, list[tuple[float, float]]]) -> None:
-    heads = sorted((m for m in methods if m["kind"] == "engine-heads"), key=lambda m: m["tree"]["num_draft_nodes"])
-    groups: dict[str, list[dict]] = {}
-    for m in heads:
-        groups.setdefault(m["tree"].get("heads", "heads"), []).append(m)
-    speedups = [m["overall"]["speedup"] or 0.0 for m in methods] + [y for pts in tuning.values() for _, y in pts]
-    y_max = max([1.5, *speedups]) * 1.1
-    nodes = [m["tree"]["num_draft_nodes"] for m in heads] + [x for pts in tuning.values() for x, _ in pts] or [1]
-    x_range = (0, max(nodes) * 1.1 + 1)
-    panel = Panel(canvas, 620, 50, 420, 300, x_range, (0.0, y_max))
-    ticks = sorted(set(nodes))
-    panel.axes("SPEEDUP VS TREE SIZE", "DRAFT NODES", ticks, [y_max * k / 4 for k in range(5)])
-    canvas.line(*panel.xy(x_range[0], 1.0), *panel.xy(x_range[1], 1.0), GREY, dash=6)
-    for i, group in enumerate(groups.values()):
-        panel.series([(m["tree"]["num_draft_nodes"], m["overall"]["speedup"] or 0.0) for m in group],
-                     COLOURS[i % len(COLOURS)])
-    lines = [f"{m['name']}: {m['overall']['speedup'] or 0.0:.2f}X" for m in methods]
-    for j, (label, points) in enumerate(tuning.items(), start=len(groups)):
-        panel.series(points, COLOURS[j % len(COLOURS)])
-        lines.append(f"tune sweep {label} (vs engine-plain)")
-    for i, text in enumerate(lines):
-        canvas.text(620, 420 + 16 * i, text)
+def prompt_tokens_per_s(method: dict) -> list[float]:
+    """tokens/s of each prompt: new tokens / wall seconds of generate (prefill included)."""
+    return [p["num_tokens"] / p["seconds"] for p in method.get("prompts") or [] if p["seconds"] > 0]
+
+
+def throughput_bars(report: dict) -> list[Bar]:
+    """One bar per method, in report order, from the per-prompt records."""
+    bars = []
+    for m in report["methods"]:
+        values = prompt_tokens_per_s(m) or [m["overall"]["tokens_per_s"]]
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        bars.append(Bar(m["name"], m["kind"], statistics.fmean(values), std, len(values),
+                        m["overall"].get("speedup"), m["overall"].get("identical", True)))
+    return bars
+
+
+def label_colours(report: dict) -> dict[str, tuple]:
+    """{heads label: colour map}, in first-seen order (bench methods, then tune sweeps)."""
+    from matplotlib import colormaps
+
+    labels = [heads_label(m) for m in report["methods"] if m["kind"] in HEADS_KINDS]
+    labels = list(dict.fromkeys(labels + list(report.get("tuning") or {})))
+    return {label: colormaps[HEADS_CMAPS[i % len(HEADS_CMAPS)]] for i, label in enumerate(labels)}
+
+
+def method_colours(report: dict, cmaps: dict) -> dict[str, tuple]:
+    """A colour per method: heads methods in their directory's map, darker for bigger trees."""
+    colours = {m["name"]: OTHER_COLOURS.get(m["kind"], "#7f7f7f") for m in report["methods"]}
+    for label, cmap in cmaps.items():
+        group = sorted((m for m in report["methods"] if m["kind"] in HEADS_KINDS and heads_label(m) == label),
+                       key=lambda m: (m["tree"]["num_draft_nodes"], m["kind"]))
+        for j, m in enumerate(group):
+            colours[m["name"]] = cmap(0.45 + 0.5 * j / max(len(group) - 1, 1))
+    return colours
+
+
+# ---- drawing ----
+
+def _style(ax, title: str, x_label: str, y_label: str) -> None:
+    ax.set_title(title, fontsize=TITLE_SIZE, fontweight="bold")
+    ax.set_xlabel(x_label, fontsize=LABEL_SIZE)
+    ax.set_ylabel(y_label, fontsize=LABEL_SIZE)
+    ax.tick_params(labelsize=TICK_SIZE)
+    ax.grid(alpha=0.3)
+    ax.set_axisbelow(True)
+
+
+def _empty(ax, title: str, message: str) -> None:
+    ax.set_title(title, fontsize=TITLE_SIZE, fontweight="bold")
+    ax.text(0.5, 0.5, message, ha="center", va="center", fontsize=LABEL_SIZE, color="0.4", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def draw_acceptance(ax, report: dict, colours: dict) -> None:
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    title = "Acceptance by draft depth"
+    series = acceptance_series(report)
+    if not series:
+        _empty(ax, title, "no heads benched\n(specheads bench --heads DIR)")
+        return
+    kinds = {m["name"]: m["kind"] for m in report["methods"]}
+    for name, values in series.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", lw=2, ms=6, color=colours[name], label=name,
+                ls="--" if kinds[name] == "engine-heads+lookup" else "-")
+    _style(ax, title, "draft depth d (tokens past the verified one)", "verify steps accepting depth d")
+    peak = max(value for values in series.values() for value in values)
+    ax.set_ylim(0, min(1.02, max(0.1, 1.15 * peak)))
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=LEGEND_SIZE, loc="best", framealpha=0.9)
+
+
+def draw_speedup(ax, report: dict, cmaps: dict) -> None:
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    title = "Speedup vs tree size"
+    series, tuning = speedup_series(report), tuning_series(report)
+    if not series and not tuning:
+        _empty(ax, title, "no draft trees benched\n(specheads bench --heads DIR --tree-nodes 8,16,32)")
+        return
+    ax.axhline(1.0, color="0.35", ls="--", lw=1.2, label="hf-greedy (1.0x)")
+    plain = next((m["overall"].get("speedup") for m in report["methods"] if m["kind"] == "engine-plain"), None)
+    if plain is not None:
+        ax.axhline(plain, color="0.6", ls=":", lw=1.5, label=f"engine-plain ({plain:.2f}x)")
+    for label, points in series.items():
+        colour = cmaps[label](0.8)
+        sweep = [p for p in points if p.source not in OWN_TREE_SOURCES]
+        if sweep:
+            ax.plot([p.num_draft_nodes for p in sweep], [p.speedup for p in sweep], marker="o", lw=2, ms=7,
+                    color=colour, label=f"{label}: --tree-nodes trees")
+        for p in (p for p in points if p.source in OWN_TREE_SOURCES):
+            ax.plot(p.num_draft_nodes, p.speedup, marker="*", ms=17, color=colour, mec="black", mew=0.8, ls="none",
+                    zorder=3, label=f"{label}: own tree")  # one per heads directory
+    for label, points in tuning.items():
+        ax.plot(*zip(*points), marker="x", lw=1.2, ms=6, ls="--", alpha=0.75, color=cmaps[label](0.6),
+                label=f"{label}: tune sweep (× engine-plain)")
+    benched = {p.num_draft_nodes for points in series.values() for p in points}
+    swept = {n for points in tuning.values() for n, _ in points}
+    low, high = min(benched | swept), max(benched | swept)
+    ticks = benched or swept
+    if high >= 8 * low:  # wide range: doubling steps read evenly on a log axis
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ticks |= {2 ** k for k in range(high.bit_length()) if low <= 2 ** k <= high}
+    ax.xaxis.set_major_locator(FixedLocator(sorted(ticks)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    _style(ax, title, "tree size (draft nodes)", "speedup (× hf-greedy tokens/s)")
+    top = max([1.0, plain or 0.0] + [p.speedup for points in series.values() for p in points]
+              + [y for points in tuning.values() for _, y in points])
+    ax.set_ylim(0, 1.12 * top)
+    ax.legend(fontsize=LEGEND_SIZE, loc="best", framealpha=0.9)
+
+
+def draw_throughput(ax, report: dict, colours: dict) -> None:
+    bars = throughput_bars(report)
+    rows = range(len(bars))
+    errors = [b.std for b in bars] if any(b.std for b in bars) else None  # None: no zero-width caps
+    ax.barh(rows, [b.mean for b in bars], xerr=errors, height=0.7,
+            color=[colours[b.name] for b in bars], error_kw={"ecolor": "0.15", "capsize": 3, "elinewidth": 1.2})
+    ax.set_yticks(rows, [b.name for b in bars])
+    ax.invert_yaxis()  # report order, top to bottom
+    reach = max(b.mean + b.std for b in bars)
+    boxed = {"facecolor": "white", "edgecolor": "none", "pad": 1.0}  # readable over the hf-greedy line
+    for row, b in zip(rows, bars):
+        text = "-" if b.speedup is None else f"{b.speedup:.2f}x"
+        ax.text(b.mean + b.std + 0.015 * reach, row, text, va="center", fontsize=TICK_SIZE, bbox=boxed)
+        if not b.identical:
+            ax.text(b.mean + b.std + 0.1 * reach, row, "output differs from hf-greedy", va="center",
+                    fontsize=TICK_SIZE, color="#d62728", bbox=boxed)
+    greedy = next((b for b in bars if b.kind == "hf-greedy"), None)
+    if greedy is not None:
+        ax.axvline(greedy.mean, color="0.35", ls="--", lw=1)
+    num_prompts = max(b.num_prompts for b in bars)
+    spread = (f"mean over {num_prompts} prompts; error bars: ±1 std across prompts" if num_prompts > 1
+              else "1 prompt: no error bars")
+    _style(ax, "Throughput per method (labels: speedup over hf-greedy)", f"tokens/s ({spread})", "")
+    ax.grid(axis="y", visible=False)
+    ax.set_xlim(0, reach * (1.35 if any(not b.identical for b in bars) else 1.12))
+
+
+def _suptitle(report: dict) -> str:
+    config = report.get("config") or {}
+    where = ", ".join(str(config[k]) for k in ("device", "dtype") if config.get(k))
+    num_prompts = config.get("num_prompts", "?")
+    return (f"specheads bench: {config.get('target', '?')}, {num_prompts} prompt{'' if num_prompts == 1 else 's'}"
+            f" × {config.get('max_new_tokens', '?')} new tokens, greedy" + (f" ({where})" if where else ""))
+
+
+def build_figure(report: dict):
+    """The panels on one matplotlib Figure (with an Agg canvas attached): acceptance and
+    speedup side by side above the tokens/s bars; the bars alone when no heads were benched."""
+    Figure, FigureCanvasAgg = require_matplotlib()
+    bars_height = max(2.5, 0.36 * len(report["methods"]) + 1.0)  # inches: one row per method
+    with_heads = bool(acceptance_series(report) or speedup_series(report) or tuning_series(report))
+    top_height = 5.5 if with_heads else 0.0
+    fig = Figure(figsize=(14, top_height + bars_height + 0.4), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    cmaps = label_colours(report)
+    colours = method_colours(report, cmaps)
+    title = _suptitle(report)
+    if with_heads:
+        grid = fig.add_gridspec(2, 2, height_ratios=[top_height, bars_height])
+        draw_acceptance(fig.add_subplot(grid[0, 0]), report, colours)
+        draw_speedup(fig.add_subplot(grid[0, 1]), report, cmaps)
+        draw_throughput(fig.add_subplot(grid[1, :]), report, colours)
+    else:
+        draw_throughput(fig.add_subplot(), report, colours)
+        title += "\nno heads benched: acceptance and tree-size charts need specheads bench --heads DIR"
+    fig.suptitle(title, fontsize=TITLE_SIZE + 1)
+    return fig
 
 
 def render(report: dict) -> bytes:
-    methods = report["methods"]
-    tuning = _tuning_series(report)
-    canvas = Canvas(1100, 440 + 16 * max(len(methods) + len(tuning), 1))
-    _acceptance_panel(canvas, methods)
-    _speedup_panel(canvas, methods, tuning)
-    return canvas.png()
+    """The PNG bytes of build_figure(report)."""
+    buffer = io.BytesIO()
+    build_figure(report).savefig(buffer, format="png", facecolor="white")
+    return buffer.getvalue()
 
 
 def write_plots(report: dict, path: str | Path) -> Path:
-    """Write the PNG atomically (temp file + rename)."""
+    """Write the PNG atomically (temp file + rename): `path` is either old or whole."""
+    png = render(report)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(render(report))
+            f.write(png)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -85,7 +85,9 @@ def add_parser(subparsers) -> None:
                         "heads directory (engine-<heads>+lookup); 0: skip")
     p.add_argument("--draft-model", help="small draft model for HF assisted generation (same tokenizer)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
-    p.add_argument("--plot", metavar="OUT.png", help="write PNG plots (acceptance by depth; speedup vs tree size)")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write a PNG of charts (acceptance by depth; speedup vs tree size; tokens/s per method "
+                        "over prompts); needs matplotlib: pip install 'specheads[plot]'")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up decode per method")
     p.add_argument("--no-fallback", action="store_true",
                    help="never let the engine switch a request to plain decoding (measures the heads themselves)")
@@ -107,6 +109,14 @@ def run(args) -> int:
     heads_dirs = [part for text in args.heads for part in text.split(",") if part.strip()]
     if tree_nodes and not heads_dirs:
         raise ValueError("--tree-nodes needs --heads")
+    if args.plot:  # matplotlib is an optional extra: say so before the bench, not after it
+        from specheads.bench.plot import require_matplotlib
+        from specheads.cli import UserError
+
+        try:
+            require_matplotlib()
+        except ImportError as err:
+            raise UserError(f"--plot: {err}") from err
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     # (read first: a bad prompts file fails before any model loads)
 

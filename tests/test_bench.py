@@ -106,10 +106,14 @@ def test_run_bench_python_api(bench_setup, tmp_path):
             assert m["overall"]["tau"] >= 1.0
             assert len(m["overall"]["acceptance_by_depth"]) == m["tree"]["max_depth"]
     assert "engine-heads[stored,4]" in format_report(report)
-    from specheads.bench.plot import write_plots
+    from matplotlib.image import imread
 
-    png = write_plots(report, tmp_path / "plots.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    from specheads.bench.plot import throughput_bars, write_plots
+
+    for bar, m in zip(throughput_bars(report), report["methods"]):  # the harness's per-prompt records
+        assert bar.num_prompts == 3
+        assert bar.mean == pytest.approx(sum(p["num_tokens"] / p["seconds"] for p in m["prompts"]) / 3)
+    assert imread(write_plots(report, tmp_path / "plots.png")).shape[1] > 1000
 
 
 def test_bench_cli_json(bench_setup, tmp_path, capsys):
