@@ -122,9 +122,15 @@ def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: 
     return report
 
 
-def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prompts, max_new_tokens: int) -> dict:
+def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prompts, max_new_tokens: int,
+          out_dir: Path) -> dict:
+    """Bench all methods, print the table, and keep the report (bench.json) and its charts
+    (bench.png, when matplotlib, the `plot` extra that `make demo` installs, is there)."""
+    import json
+
     from specheads.bench.harness import format_report, run_bench
-    from specheads.heads.heads_dir import load_heads
+    from specheads.bench.plot import require_matplotlib, write_plots
+    from specheads.heads.heads_dir import atomic_write_text, load_heads
 
     heads_list = []
     for label, directory in heads_dirs.items():
@@ -135,6 +141,13 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
                        heads_list=heads_list, eos_token_id=tokenizer.eos_token_id, fallback=False,
                        log=lambda msg: print(msg, flush=True))
     print(format_report(report).split("\n### by category")[0])
+    atomic_write_text(out_dir / "bench.json", json.dumps(report, indent=1, default=str))
+    try:
+        require_matplotlib()
+    except ImportError as err:
+        print(f"bench report: {out_dir / 'bench.json'} (no charts: {err})")
+    else:
+        print(f"bench report: {out_dir / 'bench.json'}, charts: {write_plots(report, out_dir / 'bench.png')}")
     return report
 
 
@@ -225,7 +238,7 @@ def _tiny_demo(args, workdir: Path) -> tuple[dict, dict]:
                    [p.input_ids for p in prompts][1::2][:TUNE_PROMPTS])
     _step(f"6/6 bench: shipped prompt set x {args.max_new_tokens} new tokens, greedy, all methods interleaved "
           "(engine fallback to plain decoding off: every step speculates)")
-    return heads_dirs, bench(target, tokenizer, "embedded:tiny", heads_dirs, prompts, args.max_new_tokens)
+    return heads_dirs, bench(target, tokenizer, "embedded:tiny", heads_dirs, prompts, args.max_new_tokens, workdir)
 
 
 def _real_demo(args, workdir: Path) -> tuple[dict, dict]:
@@ -246,7 +259,7 @@ def _real_demo(args, workdir: Path) -> tuple[dict, dict]:
     _step(f"4/4 bench: {REAL_BENCH_PROMPTS} MT-bench first turns (chat template) x {args.max_new_tokens} new "
           "tokens, greedy, all methods interleaved (fallback off)")
     return heads_dirs, bench(target, tokenizer, REAL_TARGET, heads_dirs, turns[:REAL_BENCH_PROMPTS],
-                             args.max_new_tokens)
+                             args.max_new_tokens, workdir)
 
 
 def _print_next_steps(target_name: str, heads_dirs: dict, report: dict) -> None:

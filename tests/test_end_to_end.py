@@ -201,6 +201,9 @@ def test_demo_trains_tunes_and_benches_both_heads(embedded_target_dir, tmp_path,
         assert f"engine-{kind}[tuned," in out and f"engine-{kind}+lookup[tuned," in out
     assert "hf-prompt-lookup" in out and "specheads serve --target embedded:tiny --heads" in out
     assert "every output identical to HF greedy" in out
+    report = json.loads((tmp_path / "demo" / "bench.json").read_text())
+    assert {m["name"] for m in report["methods"]} >= {"hf-greedy"}
+    assert (tmp_path / "demo" / "bench.png").read_bytes().startswith(b"\x89PNG")  # the charts, with matplotlib
     # A second run reuses the distilled data, both heads and their tuned trees.
     assert demo.run_demo(args) == 0
     again = capsys.readouterr().out
