@@ -50,6 +50,22 @@ Tap layer ids: the two engines read different keys with different meanings.
   shared default taps (2, L // 2, L - 3) for a target with L layers. Tap 0 (the embeddings)
   and tap L (the final normed state) have no EAGLE-3 id and are refused on export.
 
+speculators (vLLM's format library), checked with speculators 0.9.0's converter,
+speculators.convert.convert_model(algorithm="eagle3") (Eagle3Converter.convert), and its model
+class Eagle3DraftModel (tests/test_speculators.py, slow; speculators pins transformers <= 5.19,
+so it runs in its own venv): the converter takes this layout unchanged (midlayer.* ->
+layers.0.*, d2t and t2d kept; without embed_tokens.weight vLLM and the draft model use the
+verifier's embeddings, though Eagle3DraftModel.from_pretrained may leave them uninitialised,
+see tests/speculators_roundtrip.py), and the converted model drafts what Eagle3Head drafts.
+But the converter reads neither tap key from config.json (nor norm_before_residual, whose
+default, false, is ours), only from its arguments, so pass the top-level ids:
+    speculators convert OUT --algorithm eagle3 --verifier TARGET
+        --algorithm-kwargs '{"eagle_aux_hidden_state_layer_ids": [...]}'    (one command line)
+TARGET (the target's directory or hub id) must have a readable config.json; the converted
+config names it as the verifier. Without the ids the converted config has none, and vLLM
+(transformers_utils/configs/speculators/algos.py) and speculators use (2, L // 2, L - 3),
+right only for heads on those taps.
+
 Import refuses what specheads' Eagle3Head would compute differently (rope_scaling,
 norm_before_residual true, a non-SiLU MLP, biases, head_dim * heads != hidden).
 
