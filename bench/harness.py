@@ -41,6 +41,8 @@ from specheads.bench.prompts import EncodedPrompt
 SCHEMA = "specheads.bench/1"
 REFERENCE = "hf-greedy"
 
+HEADS_KINDS = ("engine-heads", "engine-heads+lookup")  # method kinds that draft with heads
+
 
 @dataclass
 class PromptRun:

@@ -25,14 +25,13 @@ and the Agg canvas): no pyplot state, so a server process can call it too.
 from __future__ import annotations
 
 import io
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads.bench.harness import HEADS_KINDS
+
 INSTALL_HINT = "pip install 'specheads[plot]'"
-HEADS_KINDS = ("engine-heads", "engine-heads+lookup")  # bench method kinds that draft with heads
 OWN_TREE_SOURCES = ("heads-dir-tuned", "heads-dir", "heads-dir-default")  # the heads dir's tree, not --tree-nodes
 TITLE_SIZE, LABEL_SIZE, TICK_SIZE, LEGEND_SIZE = 13, 11, 10, 9
 # One colour map per heads directory (shades: tree size, light to dark); fixed colours for the rest.
@@ -295,17 +294,7 @@ def render(report: dict) -> bytes:
 
 def write_plots(report: dict, path: str | Path) -> Path:
     """Write the PNG atomically (temp file + rename): `path` is either old or whole."""
-    png = render(report)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(png)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from specheads.heads.heads_dir import atomic_write_bytes
+
+    atomic_write_bytes(path, render(report))
+    return Path(path)

@@ -160,13 +160,18 @@ def build_heads(config: HeadsConfig) -> nn.Module:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a text file via temp file + fsync + rename, so it is either old or whole."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write a file via temp file + fsync + rename, so it is either old or whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

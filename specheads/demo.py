@@ -33,7 +33,6 @@ TUNE_BUDGET_S = 45.0
 TUNE_PROMPTS = 8
 BENCH_LIMIT = None  # all prompts of the shipped set
 DEMO_HEADS = {"medusa": "tiny-medusa.yaml", "eagle3": "tiny-eagle3.yaml"}
-HEADS_KINDS = ("engine-heads", "engine-heads+lookup")  # bench method kinds that use the heads
 # On top of the recipes (whose step budgets are equal, for comparing the methods): more steps
 # on the distilled data, and EAGLE-3 unrolled only as deep as a CPU can afford to draft
 # (each draft level is one head forward, ~0.6 ms on 2 cores).
@@ -154,6 +153,8 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
 def check_targets(report: dict) -> list[str]:
     """The demo's goals, each as a line 'ok' or 'MISSED'; heads alone and heads + n-gram lookup
     (serving/lookup.py) are reported apart."""
+    from specheads.bench.harness import HEADS_KINDS
+
     methods = {m["name"]: m["overall"] for m in report["methods"]}
     speculative = [m for m in report["methods"] if m["kind"] in HEADS_KINDS]
     lookup = next((s for name, s in methods.items() if name.startswith("hf-prompt-lookup")), None)
@@ -263,6 +264,8 @@ def _real_demo(args, workdir: Path) -> tuple[dict, dict]:
 
 
 def _print_next_steps(target_name: str, heads_dirs: dict, report: dict) -> None:
+    from specheads.bench.harness import HEADS_KINDS
+
     fastest = max((m for m in report["methods"] if m["kind"] in HEADS_KINDS),
                   key=lambda m: m["overall"]["tokens_per_s"] or 0.0)
     kind = fastest["tree"]["head_kind"]
