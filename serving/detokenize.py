@@ -39,6 +39,7 @@ closing the decode as soon as a stop string matched.
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -66,14 +67,27 @@ INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's error when a tok
 CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
 
 
+_MATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> decode_stream_matches
+
+
 def decode_stream_matches(tokenizer) -> bool:
     """True when tokenizers' DecodeStream gives this tokenizer's decode() text: a fast
-    tokenizer whose decode() adds nothing to its backend's decoder on the probe text."""
+    tokenizer whose decode() adds nothing to its backend's decoder on the probe text.
+    Probed once per tokenizer object, not once per request."""
+    try:
+        return _MATCHES[tokenizer]
+    except (KeyError, TypeError):  # TypeError: an object that takes no weak reference
+        pass
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not HAS_DECODE_STREAM or not isinstance(backend, Tokenizer):
-        return False
-    ids = backend.encode(CLEANUP_PROBE, add_special_tokens=False).ids
-    return tokenizer.decode(ids) == backend.decode(ids)
+    matches = HAS_DECODE_STREAM and isinstance(backend, Tokenizer)
+    if matches:
+        ids = backend.encode(CLEANUP_PROBE, add_special_tokens=False).ids
+        matches = tokenizer.decode(ids) == backend.decode(ids)
+    try:
+        _MATCHES[tokenizer] = matches
+    except TypeError:
+        pass
+    return matches
 
 
 def make_text_source(tokenizer, prompt_ids: Sequence[int] | None, skip_special_tokens: bool):
