@@ -52,6 +52,8 @@ from __future__ import annotations
 import json
 import sys
 
+from specheads.runner import TARGET_HELP
+
 
 def int_list(text: str, option: str, example: str) -> list[int]:
     """A comma- or space-separated list of positive integers given to `option`."""
@@ -67,7 +69,7 @@ def int_list(text: str, option: str, example: str) -> list[int]:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark plain, speculative and peer decoding on one prompt set")
     p.add_argument("--target", required=True,
-                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
+                   help=TARGET_HELP)
     p.add_argument("--heads", action="append", default=[], metavar="DIR[,DIR...]",
                    help="heads directory (repeatable or comma-separated: benched side by side); "
                         "omit to bench only plain decoding and the peers")

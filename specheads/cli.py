@@ -21,6 +21,8 @@ import argparse
 import json
 import sys
 
+from specheads.runner import TARGET_HELP
+
 
 class UserError(Exception):
     """An error caused by the user's input: printed as one line, exit status 2."""
@@ -29,7 +31,7 @@ class UserError(Exception):
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with (or without) heads and print alpha, tau, tokens/s")
     p.add_argument("--target", required=True,
-                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
+                   help=TARGET_HELP)
     p.add_argument("--heads", help="heads directory (config.json + model.safetensors); omit for plain decoding")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=128)

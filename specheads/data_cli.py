@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specheads.runner import TARGET_HELP
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("data", help="prepare training data: self-distillation, hidden-state cache")
@@ -28,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
     p.add_argument("--target", required=True,
-                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
+                   help=TARGET_HELP)
     p.add_argument("--input", required=True, help="chat records: .jsonl/.json/.parquet or a datasets name")
     p.add_argument("--output", required=True, help="output .jsonl (a rerun resumes it)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
@@ -41,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="cache target hidden states + logits over packed blocks (safetensors shards)")
     p.add_argument("--target", required=True,
-                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
+                   help=TARGET_HELP)
     p.add_argument("--data", required=True, help="data source, as in a recipe's data.source")
     p.add_argument("--taps", required=True, help="comma-separated tap layers, e.g. 2,5,8")
     p.add_argument("--out", required=True, help="output directory")

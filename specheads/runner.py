@@ -4,6 +4,9 @@ before any weights are used."""
 
 from __future__ import annotations
 
+# What every command's --target accepts (resolved by resolve_target_name).
+TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
+
 
 def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
     from specheads.data.tiny_target import resolve_target

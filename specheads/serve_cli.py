@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 
+from specheads.runner import TARGET_HELP
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the target (+ heads) over an OpenAI-compatible HTTP API")
     p.add_argument("--target", required=True,
-                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
+                   help=TARGET_HELP)
     p.add_argument("--heads", help="heads directory; omit to serve with plain decoding")
     p.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="also draft up to N tokens by n-gram lookup in the context (0: off; "

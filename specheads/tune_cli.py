@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import sys
 
+from specheads.runner import TARGET_HELP
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("tune", help="sweep draft trees on this hardware; store the fastest in the heads dir")
     p.add_argument("--target", required=True,
-                   help="HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2")
+                   help=TARGET_HELP)
     p.add_argument("--heads", required=True, help="heads directory to tune (its config.json tree is replaced)")
     p.add_argument("--prompts", help="Spec-Bench question.jsonl (default: the shipped bench set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
