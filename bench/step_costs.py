@@ -14,20 +14,10 @@ Run it alone: two busy cores make every figure meaningless.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-
-def median_ms(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+from specheads.bench.gpu_kernels import time_ms
 
 
 def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, float]:
@@ -39,9 +29,9 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
         mask = cache.attention_mask(torch.ones(num_nodes, num_nodes, dtype=torch.bool).tril())
         positions = (torch.arange(num_nodes) + state.prefix_len)[None]
         with torch.inference_mode():
-            costs[num_nodes] = median_ms(lambda: target(tokens_1T, decoder.tap_layers, attention_mask=mask,
-                                                        position_ids=positions, past_key_values=cache,
-                                                        use_cache=True), repeats)
+            costs[num_nodes] = time_ms(lambda: target(tokens_1T, decoder.tap_layers, attention_mask=mask,
+                                                      position_ids=positions, past_key_values=cache,
+                                                      use_cache=True), target.device, 1, repeats)
     return costs
 
 
@@ -61,7 +51,7 @@ def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeat
             decoder.draft_one(state)  # the head's first run covers the whole prompt
             # Steady state: one new committed position per step (a step that accepted nothing).
             state.hidden, state.next_tokens = state.hidden[-1:], state.next_tokens[-1:]
-            costs[depth] = median_ms(lambda: decoder.draft_one(state), repeats)
+            costs[depth] = time_ms(lambda: decoder.draft_one(state), target.device, 1, repeats)
     return costs
 
 
@@ -97,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                                 DraftTree.chain(max(depths)))
     hidden_1H, root_1 = state.hidden[-1:], state.root
     with torch.inference_mode():
-        ms = median_ms(lambda: medusa.drafter.draft_with_logits(hidden_1H, root_1), args.repeats)
+        ms = time_ms(lambda: medusa.drafter.draft_with_logits(hidden_1H, root_1), target.device, 1,
+                     args.repeats)
     print(f"Medusa draft ({max(depths)} heads with their own lm_heads, one call): {ms:.1f} ms")
     return 0
 
