@@ -104,7 +104,7 @@ def convert_gguf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike, pro
     if final.is_dir():
         return final
     architecture = check_gguf(path)  # before anything is written
-    return _build_once(final, lambda staging: _convert_into(path, architecture, staging, progress, str(path)))
+    return build_once(final, lambda staging: _convert_into(path, architecture, staging, progress, str(path)))
 
 
 def smollm2_target(cache_dir: str | os.PathLike, progress: bool = True) -> Path:
@@ -112,7 +112,7 @@ def smollm2_target(cache_dir: str | os.PathLike, progress: bool = True) -> Path:
     final = smollm2_target_dir(cache_dir)
     if final.is_dir():
         return final
-    return _build_once(final, lambda staging: _fetch_smollm2_into(staging, progress))
+    return build_once(final, lambda staging: _fetch_smollm2_into(staging, progress))
 
 
 def check_gguf(gguf_path: str | os.PathLike) -> str:
@@ -291,7 +291,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _build_once(final: Path, build) -> Path:
+def build_once(final: Path, build) -> Path:
     """`final`, made by `build(staging)` unless it exists: under a file lock, into a staging
     directory beside it that is renamed into place whole, or removed on any failure."""
     if final.is_dir():

@@ -20,13 +20,11 @@ Shape legend: B micro batch, T seq_len, H hidden, V vocab, J draft steps.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
-from specheads.data.feature_cache import MANIFEST, FeatureCache, write_cache
+from specheads.data.feature_cache import FeatureCache, write_cache
 from specheads.data.text import PackedBlocks
 from specheads.heads.eagle3 import next_token_embeddings
 from specheads.heads.heads_dir import EAGLE_KINDS
@@ -53,23 +51,16 @@ def build_auto_cache(target: TargetAdapter, target_path: str, blocks: PackedBloc
                      batch_size: int, log=print) -> Path:
     """`data.feature_cache: auto`: cache the target's taps + top-k logits over the training
     blocks once (one target forward per block), then reuse it on every later run of the same
-    data. Built in a temporary directory and renamed whole, under a lock every rank waits on."""
-    from specheads.heads.gguf import file_lock
+    data. Built once under a lock every rank waits on, in a staging directory renamed whole
+    (heads/gguf.py build_once)."""
+    from specheads.heads.gguf import build_once
 
     directory = auto_cache_dir(target_path, blocks, taps, target.dtype)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(directory.with_name(directory.name + ".lock")):
-        if (directory / MANIFEST).exists():
-            log(f"feature cache: reusing {directory}")
-            return directory
-        tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            write_cache(target, blocks, sorted(set(taps)), tmp, batch_size=batch_size, log=log)
-            os.replace(tmp, directory)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+    if directory.is_dir():
+        log(f"feature cache: reusing {directory}")
+        return directory
+    return build_once(directory, lambda staging: write_cache(target, blocks, sorted(set(taps)), staging,
+                                                             batch_size=batch_size, log=log))
 
 
 def open_cache(directory: str | Path, target: TargetAdapter, taps: list[int], seq_len: int) -> FeatureCache:
