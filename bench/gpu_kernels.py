@@ -57,7 +57,7 @@ def random_tree_mask(num_tree: int, generator: torch.Generator) -> torch.Tensor:
 
 # --- 1. kernel parity -------------------------------------------------------------------
 def section_parity(ctx) -> dict:
-    from specheads.serving.tree_attention import tree_attention, tree_attention_reference
+    from specheads.serving.kernels.tree_attention import tree_attention, tree_attention_reference
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -85,7 +85,7 @@ def _speed_rows(ctx, prefix_len: int, num_tree: int) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from specheads.serving.tree_attention import pack_tree_mask, tree_attention
+    from specheads.serving.kernels.tree_attention import pack_tree_mask, tree_attention
 
     num_q_heads, num_kv_heads, head_dim = ctx.layer
     kv_bytes = 2 * num_kv_heads * (prefix_len + num_tree) * head_dim * 2  # K and V of one layer, bf16

@@ -82,7 +82,7 @@ def make_context(device: torch.device, tiny: bool) -> SimpleNamespace:
 
 
 def merged_stats(results):
-    from specheads.serving.stats import DecodeStats
+    from specheads.serving.decode.stats import DecodeStats
 
     return functools.reduce(DecodeStats.merge, (result.stats for result in results), DecodeStats())
 
@@ -179,8 +179,8 @@ def lossless_decoders(target, sequences: list[list[int]], prompt_lengths: list[i
     tree-attention path switches its model's attention function)."""
     from specheads.heads.eagle3 import Eagle3Head, default_tap_layers
     from specheads.heads.target import TargetAdapter
-    from specheads.serving.decode import SpeculativeDecoder
-    from specheads.serving.tree import DraftTree
+    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.trees import DraftTree
 
     tree, text, taps = DraftTree.from_paths(TREE_PATHS), target.text_config, default_tap_layers(target.num_layers)
     kernel_target = TargetAdapter(copy.deepcopy(target.model), "random-tiny-llama")
@@ -227,7 +227,7 @@ def section_lossless(ctx) -> dict:
 def _forward_ms(ctx, target, cache, num_tree: int, attn: str) -> float:
     """One target forward of T tokens over the committed cache; its T entries stay pending,
     so the next forward overwrites them (as a rejected tree's are)."""
-    from specheads.serving.tree_attention import pack_tree_mask
+    from specheads.serving.kernels.tree_attention import pack_tree_mask
 
     prefix_len = cache.get_seq_length()
     tree_mask = random_tree_mask(num_tree, torch.Generator().manual_seed(num_tree)).to(ctx.device)
@@ -242,8 +242,8 @@ def _forward_ms(ctx, target, cache, num_tree: int, attn: str) -> float:
 
 
 def section_verify_vs_decode(ctx) -> dict:
-    from specheads.serving.static_cache import TreeStaticCache
-    from specheads.serving.tree_attention import register_tree_attention
+    from specheads.serving.decode.cache import TreeStaticCache
+    from specheads.serving.kernels.tree_attention import register_tree_attention
 
     target = bench_target(ctx)
     model = target.model
@@ -272,7 +272,7 @@ def section_verify_vs_decode(ctx) -> dict:
 # --- 5. end to end ----------------------------------------------------------------------
 def _session_results(decoder, prompts, num_new: int) -> list:
     """Every prompt admitted at once to a BatchSession and decoded to the end; results in prompt order."""
-    from specheads.serving.batch import BatchSession, SequenceRequest
+    from specheads.serving.decode.scheduler import BatchSession, SequenceRequest
 
     session = BatchSession(decoder, max_batch_size=len(prompts),
                            max_cache_len=len(prompts[0]) + num_new + decoder.max_tree_nodes + 1)
@@ -310,8 +310,8 @@ def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -
 
 
 def section_end_to_end(ctx) -> dict:
-    from specheads.serving.decode import SpeculativeDecoder
-    from specheads.serving.tree import DraftTree
+    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.trees import DraftTree
 
     target = bench_target(ctx)
     prompts = random_prompts(max(ctx.e2e_prompts, ctx.e2e_batch), ctx.e2e_prompt_len, target.vocab_size, seed=7)

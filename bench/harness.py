@@ -6,7 +6,7 @@ Methods (each a `Method`: a name, a kind and a `generate(prompt) -> PromptRun` c
     engine-plain      SpeculativeDecoder without heads (speculation off)
     engine-heads      SpeculativeDecoder with heads, one method per draft tree
     engine-lookup     SpeculativeDecoder with n-gram lookup drafts and no heads
-    engine-heads+lookup  heads (their stored or tuned tree) plus lookup (serving/lookup.py)
+    engine-heads+lookup  heads (their stored or tuned tree) plus lookup (serving/decode/lookup.py)
     hf-prompt-lookup  HF `generate(prompt_lookup_num_tokens=N)`
     hf-assisted       HF `generate(assistant_model=draft)` (only with a draft model)
 
@@ -266,8 +266,8 @@ def heads_trees(heads_config, tree_nodes: list[int] | None) -> list[tuple[object
     """(tree, tree info) per tree to bench: the heads directory's own tree (the tuned one once
     `specheads tune` ran), then one calibrated tree per entry of `tree_nodes` (draft nodes,
     root excluded), expanded from the directory's calibrated accuracy (or the prior guess)."""
-    from specheads.serving.dynamic_tree import DynamicTreeConfig, tree_from_heads_config
-    from specheads.serving.tree import DraftTree, prior_accuracy
+    from specheads.serving.decode.dynamic import DynamicTreeConfig, tree_from_heads_config
+    from specheads.serving.decode.trees import DraftTree, prior_accuracy
 
     trees = []
     record = heads_config.tree or {}
@@ -324,8 +324,8 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
     `engine-heads[...]`). fallback=False: the engine never switches a request to plain decoding.
     lookup_num_tokens > 0 adds the engine's n-gram lookup alone (`engine-lookup[N]`) and with
     each heads directory's first tree (`engine-<label>+lookup[...]`)."""
-    from specheads.serving.decode import SpeculativeDecoder
-    from specheads.serving.lookup import LookupConfig
+    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.lookup import LookupConfig
 
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens > 0 else None
 

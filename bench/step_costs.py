@@ -38,8 +38,8 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
 def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeats: int) -> dict[int, float]:
     """ms of one EAGLE-3 chain draft of each depth (one head run per level), in steady state."""
     from specheads.heads.heads_dir import build_heads, eagle_heads_config
-    from specheads.serving.decode import SpeculativeDecoder, prefill
-    from specheads.serving.tree import DraftTree
+    from specheads.serving.decode.steps import SpeculativeDecoder, prefill
+    from specheads.serving.decode.trees import DraftTree
 
     config = eagle_heads_config(target, num_steps=max(depths), draft_vocab_size=8192)
     head = build_heads(config).eval()
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from specheads.heads.medusa import MedusaHeads
     from specheads.heads.target import TargetAdapter
     from specheads.runner import resolve_target_name
-    from specheads.serving.decode import SpeculativeDecoder, prefill
-    from specheads.serving.tree import DraftTree
+    from specheads.serving.decode.steps import SpeculativeDecoder, prefill
+    from specheads.serving.decode.trees import DraftTree
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="embedded:smollm2")

@@ -11,7 +11,7 @@ Settings swept:
   duplicates removed. When there are more than `max_settings`, the ones with the best
   estimated speed are kept (dynamic settings come on top): (1 + expected accepted tokens) / (1 + NODE_COST * nodes
   + DEPTH_COST * depth for EAGLE's sequential drafting).
-- dynamic EAGLE-2 trees (EAGLE heads only): serving/dynamic_tree.py's
+- dynamic EAGLE-2 trees (EAGLE heads only): serving/decode/dynamic.py's
   DynamicTreeConfig(depth, top_k, num_nodes) over a small grid.
 
 Measurement: real greedy decoding of the prompts with every setting, interleaved
@@ -20,7 +20,7 @@ processes hits all settings alike, until the time budget is spent (at least one 
 Per setting: tokens/s, tau, alpha and the cost of one step (draft + verify + accept) in
 plain-step units (plain decoding without heads runs as the reference).
 
-N-gram lookup (serving/lookup.py): then the winner is measured again, interleaved with
+N-gram lookup (serving/decode/lookup.py): then the winner is measured again, interleaved with
 itself plus lookup drafts of `lookup_num_tokens` tokens, on the prompts the sweep got to;
 when lookup is faster (and still identical) the stored tree records it
 (`"lookup": {"num_tokens": N}`), and `generate`/`serve` use it unless told otherwise.
@@ -82,7 +82,7 @@ def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[in
                     node_budgets: tuple[int, ...] = NODE_BUDGETS) -> list[Setting]:
     """Chains and calibrated expansions per depth limit, deduplicated, each with its prior estimate."""
     from specheads.heads.tree_paths import expand_paths, expected_accept_length
-    from specheads.serving.tree import DraftTree
+    from specheads.serving.decode.trees import DraftTree
 
     max_depth = len(accuracy)
     depths = depths or list(range(1, max_depth + 1))
@@ -114,7 +114,7 @@ def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[in
 
 def dynamic_settings(max_depth: int) -> list[Setting]:
     """Dynamic-tree (EAGLE-2) candidates for EAGLE heads: depth x DYNAMIC_GRID."""
-    from specheads.serving.dynamic_tree import DynamicTreeConfig
+    from specheads.serving.decode.dynamic import DynamicTreeConfig
 
     settings = []
     for depth in sorted({max(1, max_depth // 2), max_depth}):
@@ -129,7 +129,7 @@ def dynamic_settings(max_depth: int) -> list[Setting]:
 def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int] | None = None,
                        node_budgets: tuple[int, ...] = NODE_BUDGETS) -> list[Setting]:
     """Every setting to measure for these heads (see the module docstring)."""
-    from specheads.serving.tree import prior_accuracy
+    from specheads.serving.decode.trees import prior_accuracy
 
     if max_settings < 1:
         raise ValueError(f"max_settings must be >= 1, got {max_settings}")
@@ -145,7 +145,7 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
 
 
 def _decoder(target, heads, heads_config, tree, lookup=None):
-    from specheads.serving.decode import SpeculativeDecoder
+    from specheads.serving.decode.steps import SpeculativeDecoder
 
     tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
     # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
@@ -156,7 +156,7 @@ def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[
                    num_tokens: int, max_new_tokens: int, eos_token_id) -> dict:
     """The winning setting without and with n-gram lookup drafts, interleaved on `prompts`
     (those plain decoding was measured on) -> {"num_tokens", "chosen", "without", "with"}."""
-    from specheads.serving.lookup import LookupConfig
+    from specheads.serving.decode.lookup import LookupConfig
 
     decoders = {"without": _decoder(target, heads, heads_config, setting.tree),
                 "with": _decoder(target, heads, heads_config, setting.tree, LookupConfig(num_tokens=num_tokens))}
@@ -204,7 +204,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     """
     from tqdm.auto import tqdm
 
-    from specheads.serving.decode import SpeculativeDecoder
+    from specheads.serving.decode.steps import SpeculativeDecoder
 
     if not prompts:
         raise ValueError("tune needs at least one prompt")

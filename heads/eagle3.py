@@ -5,7 +5,7 @@ A row of the head at position t reads the feature f_t and the embedding of token
 and predicts token x_{t+2}. Its output (pre-norm) hidden state is the feature the next
 draft step reads at the same position, so the head can be unrolled: step j at position t
 predicts x_{t+2+j} (the training-time test, training/losses.py; tree drafting,
-serving/drafting.py).
+serving/decode/eagle.py).
 
     kind "eagle3": f_t = fc([tap_low; tap_mid; tap_high])       fc.weight [H, 3H]
     kind "eagle":  f_t = the single tap (the final hidden state)  no fc (EAGLE-1/2)

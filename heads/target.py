@@ -168,7 +168,7 @@ class TargetAdapter:
         input_ids [B, T]; attention_mask either 2-D [B, S+T] padding mask or a prepared 4-D
         mask [B, 1, T, S+T] (bool, True = attend); position_ids [B, T]. attention_kwargs are
         passed through to the model, which hands them to its attention function (e.g. the
-        tree attention's tree_mask= / prefix_len=, see serving/tree_attention.py).
+        tree attention's tree_mask= / prefix_len=, see serving/kernels/tree_attention.py).
         """
         out = self.model(
             input_ids=input_ids,

@@ -17,8 +17,8 @@ _EXPORTS = {
     "HeadsConfig": "specheads.heads.heads_dir",
     "save_heads": "specheads.heads.heads_dir",
     "load_heads": "specheads.heads.heads_dir",
-    "DraftTree": "specheads.serving.tree",
-    "SpeculativeDecoder": "specheads.serving.decode",
+    "DraftTree": "specheads.serving.decode.trees",
+    "SpeculativeDecoder": "specheads.serving.decode.steps",
     "build_tiny_target": "specheads.data.tiny_target",
 }
 

@@ -15,7 +15,7 @@ calibrated accuracy; "prior" when the heads carry no calibration). Several heads
 directories (--heads A --heads B, or --heads A,B) are benched side by side in the same run
 and named engine-<kind>[...] (engine-medusa[tuned,3], engine-eagle3[tuned,5]);
 engine-lookup[N] (the engine's own n-gram lookup drafts, no heads) and engine-<heads>+lookup[...]
-(each heads directory's first tree plus lookup; serving/lookup.py), both off with
+(each heads directory's first tree plus lookup; serving/decode/lookup.py), both off with
 --lookup-num-tokens 0; hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
 which must share the target's tokenizer). How each metric is measured: bench/harness.py.
 

@@ -93,8 +93,8 @@ def cmd_generate(args) -> int:
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not prompt_ids:
         raise UserError("--prompt is empty after tokenization; give at least one token of text")
-    from specheads.serving.detokenize import stream_text
-    from specheads.serving.sampling import SamplingParams
+    from specheads.serving.server.detokenize import stream_text
+    from specheads.serving.decode.sampling import SamplingParams
 
     try:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)

@@ -152,7 +152,7 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
 
 def check_targets(report: dict) -> list[str]:
     """The demo's goals, each as a line 'ok' or 'MISSED'; heads alone and heads + n-gram lookup
-    (serving/lookup.py) are reported apart."""
+    (serving/decode/lookup.py) are reported apart."""
     from specheads.bench.harness import HEADS_KINDS
 
     methods = {m["name"]: m["overall"] for m in report["methods"]}
@@ -182,7 +182,7 @@ def check_targets(report: dict) -> list[str]:
 def lookup_flag(heads_dir: Path, lookup_num_tokens: int) -> str:
     """The `--lookup` option serve needs for that much lookup, given what tune stored."""
     from specheads.heads.heads_dir import read_heads_config
-    from specheads.serving.lookup import lookup_from_tree_field
+    from specheads.serving.decode.lookup import lookup_from_tree_field
 
     stored = lookup_from_tree_field(read_heads_config(heads_dir).tree)
     if (stored.num_tokens if stored else 0) == lookup_num_tokens:

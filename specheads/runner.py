@@ -18,16 +18,16 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32
                  trust_remote_code: bool = False, progress: bool = True, lookup_num_tokens: int | None = None):
     """(SpeculativeDecoder, tokenizer) for a target and optional heads directory.
 
-    lookup_num_tokens (n-gram lookup drafts, serving/lookup.py): None uses what the heads
+    lookup_num_tokens (n-gram lookup drafts, serving/decode/lookup.py): None uses what the heads
     directory records (`specheads tune` stores lookup when it made the tuned tree faster;
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens."""
     from transformers import AutoTokenizer
 
     from specheads.heads.heads_dir import load_heads
     from specheads.heads.target import TargetAdapter
-    from specheads.serving.decode import SpeculativeDecoder
-    from specheads.serving.dynamic_tree import tree_from_heads_config
-    from specheads.serving.lookup import LookupConfig, lookup_from_tree_field
+    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.dynamic import tree_from_heads_config
+    from specheads.serving.decode.lookup import LookupConfig, lookup_from_tree_field
 
     if lookup_num_tokens is not None and lookup_num_tokens < 0:
         raise ValueError(f"--lookup must be >= 0 (0: off), got {lookup_num_tokens}")

@@ -7,7 +7,7 @@ Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Pr
 The server starts listening at once and loads the model in the background (/health
 answers 503 until it is ready). Ctrl-C / SIGTERM drains: in-flight requests finish (up to
 --graceful-timeout seconds), new ones get 503. How requests are validated, scheduled and
-answered: serving/server_app.py.
+answered: serving/server/app.py.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from specheads.cli import UserError
     from specheads.runner import load_decoder
-    from specheads.serving.server import serve
-    from specheads.serving.server_app import ServeConfig
+    from specheads.serving.server.server import serve
+    from specheads.serving.server.app import ServeConfig
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")

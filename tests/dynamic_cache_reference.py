@@ -9,7 +9,7 @@ are refused: they truncate the cache themselves, which breaks the 4-D tree mask'
 
 Layer tensors (transformers 5): layer.keys / layer.values [B, kv_heads, S, D].
 
-The engine uses the preallocated `TreeStaticCache` (serving/static_cache.py); this
+The engine uses the preallocated `TreeStaticCache` (serving/decode/cache.py); this
 DynamicCache path is the independent reference tests/test_static_cache.py checks it against
 (it lived in serving/kv_cache.py while the engine used it).
 """

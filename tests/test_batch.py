@@ -23,11 +23,11 @@ from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.batch import BatchSession, SequenceRequest
-from specheads.serving.decode import SpeculativeDecoder
-from specheads.serving.dynamic_tree import DynamicTreeConfig
-from specheads.serving.fallback import FallbackPolicy, StepCosts
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.scheduler import BatchSession, SequenceRequest
+from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.dynamic import DynamicTreeConfig
+from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
+from specheads.serving.decode.trees import DraftTree
 
 from test_eagle3 import random_head
 
@@ -254,7 +254,7 @@ def test_fallback_stays_off_when_heads_match(setup):
 
 def test_seeded_sampling_never_falls_back(setup):
     """A seed pins the output: it must not depend on measured timings."""
-    from specheads.serving.sampling import SamplingParams
+    from specheads.serving.decode.sampling import SamplingParams
 
     target, prompts, _, long = setup
     wrong = MultiOracle(target, long, PROMPT_LENGTHS, wrong=True)

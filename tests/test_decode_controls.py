@@ -17,10 +17,10 @@ from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import SpeculativeDecoder, TreePlan, accept, commit, prefill, verify
-from specheads.serving.sampling import SamplingParams
-from specheads.serving.static_cache import TreeStaticCache
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.steps import SpeculativeDecoder, TreePlan, accept, commit, prefill, verify
+from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.decode.cache import TreeStaticCache
+from specheads.serving.decode.trees import DraftTree
 
 from test_decode_lossless import NUM_HEADS, NUM_LONG, NUM_NEW, TREE_PATHS, Case, capacity, hf_greedy
 

@@ -27,10 +27,10 @@ from transformers import DynamicCache
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import SpeculativeDecoder
-from specheads.serving.stats import DecodeStats
+from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.stats import DecodeStats
 from dynamic_cache_reference import commit_path
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 NUM_PROMPTS = 20
 NUM_NEW = 16

@@ -3,12 +3,12 @@
 A tiny-vocabulary random Llama target (saved and loaded through save_pretrained /
 from_pretrained) makes the joint distribution of the first two generated tokens small
 enough to enumerate exactly: p(t1) p(t2 | t1) under the same temperature / top-k / top-p
-processing (serving.sampling.target_probs). Many seeded runs of the engine with random
+processing (serving.decode.sampling.target_probs). Many seeded runs of the engine with random
 Medusa heads on a branching tree must match it by a chi-square test at a conservative
 level; the first two tokens come from the prefill's sample and the first verify step,
 which exercises acceptance, sibling rejection and the recovered / bonus token. The same
 holds for an EAGLE head drafting a dynamic (EAGLE-2) tree anew each step, and with n-gram
-lookup chains (serving/lookup.py): beside the heads' tree, and alone without heads. A negative
+lookup chains (serving/decode/lookup.py): beside the heads' tree, and alone without heads. A negative
 control (Medusa-2's lossy typical acceptance) must fail the same test, and is reported as
 lossy.
 """
@@ -22,11 +22,11 @@ from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import SpeculativeDecoder
-from specheads.serving.dynamic_tree import DynamicTreeConfig
-from specheads.serving.lookup import LookupConfig
-from specheads.serving.sampling import SamplingParams, target_probs
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.dynamic import DynamicTreeConfig
+from specheads.serving.decode.lookup import LookupConfig
+from specheads.serving.decode.sampling import SamplingParams, target_probs
+from specheads.serving.decode.trees import DraftTree
 
 from conftest import make_tiny_model
 from test_eagle3 import random_head

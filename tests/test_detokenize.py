@@ -1,4 +1,4 @@
-"""Incremental detokenization and string stop sequences (serving/detokenize.py).
+"""Incremental detokenization and string stop sequences (serving/server/detokenize.py).
 
 Real tokenizers, all built offline: the embedded target's byte-level BPE (GPT-2 / SmolLM2
 style), a Llama-style SentencePiece BPE (Metaspace-like normalizer, byte fallback,
@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specheads.serving.detokenize import (DecodeStreamText, IncrementalDetokenizer, TextDelta, WindowText,
+from specheads.serving.server.detokenize import (DecodeStreamText, IncrementalDetokenizer, TextDelta, WindowText,
                                           decode_stream_matches, stream_text)
 
 SAMPLE_TEXTS = [
@@ -349,8 +349,8 @@ def decoder(embedded_target_dir):
 
     from specheads.heads.medusa import MedusaHeads
     from specheads.heads.target import TargetAdapter
-    from specheads.serving.decode import SpeculativeDecoder
-    from specheads.serving.tree import DraftTree
+    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.trees import DraftTree
 
     target = TargetAdapter.from_pretrained(embedded_target_dir)
     torch.manual_seed(0)

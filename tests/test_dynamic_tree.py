@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic trees and AdaEDL (serving/dynamic_tree.py).
+"""EAGLE-2 dynamic trees and AdaEDL (serving/decode/dynamic.py).
 
 A tiny random Llama target and a randomly initialised EAGLE-3 head. The reference for the
 dynamic drafter is a brute-force re-implementation that runs the head along each path on
@@ -15,12 +15,12 @@ import torch
 from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.eagle3 import Eagle3Head
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import TreePlan, accept, commit, prefill, verify
-from specheads.serving.drafting import Eagle3Drafter
-from specheads.serving.dynamic_tree import (
+from specheads.serving.decode.steps import TreePlan, accept, commit, prefill, verify
+from specheads.serving.decode.eagle import Eagle3Drafter
+from specheads.serving.decode.dynamic import (
     ADAEDL_GAMMA, DepthTruncatedTrees, DynamicEagleDrafter, DynamicTreeConfig, acceptance_bound,
     entropy_cut_depth, tree_from_parents)
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 TAPS = [0, 1, 2]
 DRAFT_VOCAB = 200
@@ -332,7 +332,7 @@ def test_tree_from_parents_equals_from_paths():
 def test_tree_from_heads_config_reads_every_stored_form():
     from types import SimpleNamespace
 
-    from specheads.serving.dynamic_tree import tree_from_heads_config
+    from specheads.serving.decode.dynamic import tree_from_heads_config
 
     paths = [[0], [1], [0, 0]]
     static, threshold = tree_from_heads_config(SimpleNamespace(tree={"paths": paths}, calibration=None, num_heads=2))

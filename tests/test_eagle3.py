@@ -17,8 +17,8 @@ from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.eagle3 import Eagle3Head, default_tap_layers, next_token_embeddings
 from specheads.heads.heads_dir import HeadsConfig, build_heads, load_heads, read_heads_config, save_heads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import SpeculativeDecoder, TreePlan, accept, commit, prefill, verify
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.steps import SpeculativeDecoder, TreePlan, accept, commit, prefill, verify
+from specheads.serving.decode.trees import DraftTree
 from specheads.training.losses import eagle_ttt_loss
 
 from conftest import TINY_VOCAB, make_tiny_model

@@ -20,8 +20,8 @@ from specheads.data.corpus import stdlib_texts
 from specheads.heads.heads_dir import load_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import SpeculativeDecoder
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.trees import DraftTree
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-medusa.yaml"
 NUM_PROMPTS = 20

@@ -6,7 +6,7 @@
 - A fault injected into one row of a running batch (its accept, the batched Medusa draft,
   the batched verify forward) ends that sequence alone with finish_reason "error"; the
   other rows' output equals their output alone, and the engine takes new sequences.
-- Only a lost device or out-of-memory after a retry is fatal (serving/faults.py).
+- Only a lost device or out-of-memory after a retry is fatal (serving/decode/faults.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.batch import BatchSession, SequenceRequest
-from specheads.serving.decode import SpeculativeDecoder
-from specheads.serving.engine import BatchEngine
-from specheads.serving.faults import EngineBroken, is_fatal
-from specheads.serving.sampling import GREEDY_BELOW_TEMPERATURE, SamplingParams, target_probs
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.scheduler import BatchSession, SequenceRequest
+from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.faults import EngineBroken, is_fatal
+from specheads.serving.decode.sampling import GREEDY_BELOW_TEMPERATURE, SamplingParams, target_probs
+from specheads.serving.decode.trees import DraftTree
 
 from test_batch import hf_greedy
 

@@ -35,8 +35,8 @@ from specheads.heads import gguf as gguf_target
 from specheads.heads.gguf import GGUFError
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode import SpeculativeDecoder
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.trees import DraftTree
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -1,4 +1,4 @@
-"""N-gram lookup drafting (serving/lookup.py) alone and beside the heads' tree.
+"""N-gram lookup drafting (serving/decode/lookup.py) alone and beside the heads' tree.
 
 Unit level: `NgramIndex` against a brute-force reference (longest n-gram first, the most
 recent continuation, loops drafted by copying the draft itself), `LookupConfig`
@@ -24,14 +24,14 @@ from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.batch import BatchSession, SequenceRequest
-from specheads.serving.decode import DecodeState, SpeculativeDecoder, TreePlan, Verification, accept
-from specheads.serving.drafting import commit_head_rows
-from specheads.serving.dynamic_tree import DynamicTreeConfig
-from specheads.serving.engine import BatchEngine
-from specheads.serving.lookup import LookupConfig, NgramIndex, with_lookup_chain
-from specheads.serving.sampling import SamplingParams
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.scheduler import BatchSession, SequenceRequest
+from specheads.serving.decode.steps import DecodeState, SpeculativeDecoder, TreePlan, Verification, accept
+from specheads.serving.decode.eagle import commit_head_rows
+from specheads.serving.decode.dynamic import DynamicTreeConfig
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.lookup import LookupConfig, NgramIndex, with_lookup_chain
+from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.decode.trees import DraftTree
 
 from test_batch import run_session
 from test_eagle3 import random_head

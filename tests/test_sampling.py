@@ -18,10 +18,10 @@ import math
 import pytest
 import torch
 
-from specheads.serving import sampling
-from specheads.serving.sampling import (SamplingParams, TypicalAcceptance, accept_tree_sampling, make_generator,
+from specheads.serving.decode import sampling
+from specheads.serving.decode.sampling import (SamplingParams, TypicalAcceptance, accept_tree_sampling, make_generator,
                                         target_probs)
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 V = 5  # vocab
 K = 3  # generated tokens whose joint distribution is tested
@@ -344,7 +344,7 @@ def test_zero_draft_probability_for_a_child_is_an_error():
 
 
 def test_temperature_zero_is_the_greedy_rule():
-    from specheads.serving.decode import TreePlan, Verification, accept
+    from specheads.serving.decode.steps import TreePlan, Verification, accept
 
     gen = torch.Generator().manual_seed(0)
     tree = DraftTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from specheads.serving.metrics import ITL_BUCKETS, LATENCY_BUCKETS, ServerMetrics
+from specheads.serving.server.metrics import ITL_BUCKETS, LATENCY_BUCKETS, ServerMetrics
 from test_server_support import metric_values, tiny_setup  # noqa: F401
 
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from specheads.runner import load_decoder
-from specheads.serving.server import ServerThread
-from specheads.serving.server_app import ServeConfig
+from specheads.serving.server.server import ServerThread
+from specheads.serving.server.app import ServeConfig
 from test_server_support import MODEL, openai_client, running_server, scrape, tiny_setup  # noqa: F401
 
 LONG = {"model": MODEL, "prompt": "the cat", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
@@ -223,7 +223,7 @@ def test_health_is_503_after_a_fatal_engine_error(tiny_setup):  # noqa: F811
 
 
 def test_a_request_that_fails_alone_leaves_the_others_and_the_server_running(tiny_setup, monkeypatch):  # noqa: F811
-    from specheads.serving.engine import BatchEngine
+    from specheads.serving.decode.engine import BatchEngine
 
     original = BatchEngine._accept_one
 

@@ -16,8 +16,8 @@ from specheads.heads.heads_dir import HeadsConfig, save_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
 from specheads.runner import load_decoder
-from specheads.serving.server import ServerThread
-from specheads.serving.server_app import ServeConfig
+from specheads.serving.server.server import ServerThread
+from specheads.serving.server.app import ServeConfig
 
 MODEL = "tiny-test"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

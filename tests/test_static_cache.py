@@ -8,8 +8,8 @@ import torch
 
 from specheads.heads.target import TargetAdapter
 from dynamic_cache_reference import commit_path, new_cache
-from specheads.serving.static_cache import TreeStaticCache
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.cache import TreeStaticCache
+from specheads.serving.decode.trees import DraftTree
 
 # Node order: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0), 6 (0,0,0).
 TREE = DraftTree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
@@ -30,7 +30,7 @@ def _random_tokens(num_tokens: int, seed: int, vocab_size: int) -> torch.Tensor:
 
 
 def _decode_mask(prefix_len: int) -> torch.Tensor:
-    """serving.decode's verify mask [1, 1, T, S+T]."""
+    """serving.decode.steps's verify mask [1, 1, T, S+T]."""
     num_nodes = TREE.num_nodes
     mask = torch.ones(1, 1, num_nodes, prefix_len + num_nodes, dtype=torch.bool)
     mask[0, 0, :, prefix_len:] = TREE.tree_mask
@@ -193,7 +193,7 @@ def test_batch_of_two_with_different_paths(target, static_shape):
 @pytest.mark.parametrize("static_shape", [False, True], ids=["dynamic-shape", "static-shape"])
 @torch.inference_mode()
 def test_crop_and_uncommitted_forward_is_dropped(target, static_shape):
-    """Also a chain step the way serving.decode runs one: no mask, transformers builds it."""
+    """Also a chain step the way serving.decode.steps runs one: no mask, transformers builds it."""
     prompt_1P = _random_tokens(PROMPT_LEN, 0, target.vocab_size)
     cache = TreeStaticCache(target.config, max_cache_len=32, static_shape=static_shape)
     target(prompt_1P, [], past_key_values=cache, use_cache=True)

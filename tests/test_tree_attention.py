@@ -1,7 +1,7 @@
 """Tree attention: packed masks, the PyTorch reference, Triton parity, the transformers hook.
 
 Without a GPU the Triton kernels run under TRITON_INTERPRET=1, set here before anything
-imports triton (serving/tree_attention.py imports the kernel module lazily, at the first
+imports triton (serving/kernels/tree_attention.py imports the kernel module lazily, at the first
 impl="triton" call). Errors are relative: ||out - ref|| / ||ref||.
 """
 
@@ -18,7 +18,7 @@ import math
 
 import pytest
 
-from specheads.serving.tree_attention import (
+from specheads.serving.kernels.tree_attention import (
     _default_split_size,
     pack_tree_mask,
     register_tree_attention,
@@ -247,7 +247,7 @@ def _prefilled(model, prompt_1S):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_registered_attention_matches_sdpa_tree_verify(impl, monkeypatch):
-    from specheads.serving import tree_attention as module
+    from specheads.serving.kernels import tree_attention as module
 
     calls = []
     monkeypatch.setattr(module, "tree_attention", lambda *args, **kwargs: calls.append(kwargs["impl"])

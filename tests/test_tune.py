@@ -14,7 +14,7 @@ from specheads.heads.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_conf
                                        update_tree)
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 NUM_HEADS = 3
 ACCURACY = [[0.6, 0.2, 0.1, 0.05], [0.4, 0.15, 0.05, 0.02], [0.3, 0.1, 0.05, 0.01]]
@@ -99,7 +99,7 @@ def test_tuned_lookup_is_stored_and_used_by_default(tmp_path):
 
     from specheads.bench.tune import stored_tree
     from specheads.runner import load_decoder
-    from specheads.serving.lookup import LookupConfig, lookup_from_tree_field
+    from specheads.serving.decode.lookup import LookupConfig, lookup_from_tree_field
 
     row = {"name": "chain-2", "tree": {"paths": [[0], [0, 0]]}, "num_nodes": 2, "tokens_per_s": 10.0,
            "speedup_vs_plain": 1.2, "tau": 1.5, "step_cost": 1.1}
@@ -184,7 +184,7 @@ def test_a_stored_dynamic_tree_is_benched_as_one(setup):
     """When tune picks a dynamic tree (EAGLE heads), config.json holds {"dynamic": {...}} and
     bench hands the decoder a DynamicTreeConfig."""
     from specheads.bench.harness import heads_trees
-    from specheads.serving.dynamic_tree import DynamicTreeConfig
+    from specheads.serving.decode.dynamic import DynamicTreeConfig
 
     heads_dir = fresh_heads_dir(setup, "heads-e")
     record = {"depth": 2, "top_k": 4, "num_nodes": 8, "entropy_threshold": None}

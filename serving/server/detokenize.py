@@ -48,7 +48,7 @@ import tokenizers
 from packaging.version import Version
 from tokenizers import Tokenizer
 
-from specheads.serving.stats import GenerationResult
+from specheads.serving.decode.stats import GenerationResult
 
 # Older tokenizers lack DecodeStream or mis-decode with it (vLLM requires the same version).
 HAS_DECODE_STREAM = Version(tokenizers.__version__) >= Version("0.21.1")

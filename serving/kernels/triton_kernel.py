@@ -1,4 +1,4 @@
-"""Triton kernels for tree attention (see serving/tree_attention.py for the public API).
+"""Triton kernels for tree attention (see serving/kernels/tree_attention.py for the public API).
 
 Imported lazily by `tree_attention(..., impl="triton")` only: `triton.jit` decides between
 compiled and interpreted kernels when this module is imported, so TRITON_INTERPRET=1 must

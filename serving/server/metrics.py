@@ -2,7 +2,7 @@
 
 `ServerMetrics` owns every metric the server exports and one `CollectorRegistry` of its
 own (never the library's global default `REGISTRY`), so two servers or two tests in one
-process never share counts. The /metrics route (serving/server_app.py) answers
+process never share counts. The /metrics route (serving/server/app.py) answers
 `render()` with the content type `prometheus_client.CONTENT_TYPE_LATEST`. Every metric is
 prefixed `specheads_`; counters are declared with the `_total` that Prometheus names
 them with (prometheus_client strips it from the family and puts it back on the sample).
@@ -87,7 +87,7 @@ class ServerMetrics:
         # per choice that ran). success: a sequence finished ("stop" | "length") and its choice
         # was sent. aborted: a sequence (or a request still queued) was dropped after the server
         # accepted the request, by reason: "disconnect" (the client left), "timeout" (past the
-        # request timeout), "error" (it failed alone: serving/faults.py), "failed" (a sibling
+        # request timeout), "error" (it failed alone: serving/decode/faults.py), "failed" (a sibling
         # choice failed), "engine_error" (the engine broke), "shutting_down". rejected: the
         # server answered an error before the request reached the engine, by HTTP status (400
         # bad request, also when the engine refuses it at admission; 401; 404; 413; 499 the

@@ -3,8 +3,8 @@
     prefill -> repeat: draft -> verify -> accept -> commit
 
 `SpeculativeDecoder` holds the target, the drafter and the tree; its `generate`/`stream`
-run one request through serving/engine.py's `BatchEngine` (the loop, batching and the
-fallback live there; serving/batch.py schedules many requests). The module-level
+run one request through serving/decode/engine.py's `BatchEngine` (the loop, batching and the
+fallback live there; serving/decode/scheduler.py schedules many requests). The module-level
 `prefill`/`verify`/`accept`/`commit` are the same steps for one sequence, used to drive or
 inspect a decode step by step.
 
@@ -24,13 +24,13 @@ EAGLE heads read every new row (their own KV cache, `draft_cache`, covers the re
   at the last accepted node is the bonus token, which becomes the next root.
 - commit: the cache keeps the accepted nodes' KV entries (root first) and drops the rest.
 
-The target's cache is a `TreeStaticCache` (serving/static_cache.py) in dynamic-shape mode,
+The target's cache is a `TreeStaticCache` (serving/decode/cache.py) in dynamic-shape mode,
 allocated once with max_cache_len = P + max_new_tokens + T (one row per sequence): verify
 writes the T nodes after the S committed positions, commit gathers the accepted ones in
 place. No step reallocates a buffer.
 
 Sampling (`generate(..., sampling=SamplingParams(...))`, temperature > 0): verify keeps the
-tree's logits and accept is `serving.sampling.accept_tree_sampling` (recursive rejection
+tree's logits and accept is `serving.decode.sampling.accept_tree_sampling` (recursive rejection
 sampling against the heads' deterministic top-k candidates, draft_probs=None), so the output
 follows the target's processed distribution exactly; the final (bonus or recovered) token is
 the next root. `acceptance="typical"` is Medusa-2's lossy rule, reported as lossless=False.
@@ -44,12 +44,12 @@ so the output equals the target's own greedy decoding (up to fp ties, see the te
 Without heads the tree is the root alone and the same loop is plain greedy decoding, one
 token per step: the "speculation off" baseline.
 
-N-gram lookup (`lookup=LookupConfig(...)`, serving/lookup.py; greedy and sampled): a
+N-gram lookup (`lookup=LookupConfig(...)`, serving/decode/lookup.py; greedy and sampled): a
 chain copied from the context's last n-gram match is verified alone (a long match, the
 heads' draft skipped) or as one more branch beside the heads' tree; it also works without
 heads (plain prompt-lookup decoding in this engine).
 
-Results and counts (`GenerationResult`, `DecodeStats`, alpha and tau): serving/stats.py.
+Results and counts (`GenerationResult`, `DecodeStats`, alpha and tau): serving/decode/stats.py.
 
 Shape legend: P prompt tokens, S committed positions, T tree nodes, L leaves,
 D max depth, H hidden, V vocab, A accepted nodes (root included).
@@ -63,11 +63,11 @@ import torch
 from torch import nn
 
 from specheads.heads.target import TargetAdapter
-from specheads.serving.drafting import Eagle3Drafter, MedusaDrafter
-from specheads.serving.sampling import SamplingParams
-from specheads.serving.static_cache import TreeStaticCache
-from specheads.serving.stats import GenerationResult
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.eagle import Eagle3Drafter, MedusaDrafter
+from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.decode.cache import TreeStaticCache
+from specheads.serving.decode.stats import GenerationResult
+from specheads.serving.decode.trees import DraftTree
 
 # Cache capacity past the prompt when `prefill` is called without one (generate always passes
 # P + max_new_tokens + T, which covers every verify step).
@@ -116,7 +116,7 @@ class TreePlan:
     def packed(self) -> torch.Tensor:
         """The tree mask packed for the tree-attention kernel, once per plan (every layer reads it)."""
         if self.packed_tree_mask is None:
-            from specheads.serving.tree_attention import pack_tree_mask
+            from specheads.serving.kernels.tree_attention import pack_tree_mask
 
             self.packed_tree_mask = pack_tree_mask(self.tree_mask)
         return self.packed_tree_mask
@@ -216,8 +216,8 @@ def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
 class SpeculativeDecoder:
     """Medusa or EAGLE drafting (picked by the heads' kind), greedy or sampled verification.
 
-    The decode loop itself is serving/engine.py's BatchEngine; `generate`/`stream` run one
-    request through an engine of one row, serving/batch.py's BatchSession runs many.
+    The decode loop itself is serving/decode/engine.py's BatchEngine; `generate`/`stream` run one
+    request through an engine of one row, serving/decode/scheduler.py's BatchSession runs many.
 
     tap_layers: the target layers an EAGLE head reads (HeadsConfig.tap_layers); default the
     trainer's default taps. Medusa always reads the final hidden state.
@@ -228,25 +228,25 @@ class SpeculativeDecoder:
     verify passes tree_mask= (packed) and prefix_len= instead of the mask.
     tree_attention_impl: "torch" | "triton" | None (triton on CUDA or under TRITON_INTERPRET=1).
 
-    tree: a static DraftTree, or (EAGLE heads) a serving.dynamic_tree.DynamicTreeConfig: an
+    tree: a static DraftTree, or (EAGLE heads) a serving.decode.dynamic.DynamicTreeConfig: an
     EAGLE-2 tree drafted anew every step (with AdaEDL early stopping when it sets
     entropy_threshold). entropy_threshold (Medusa, static tree): per step, drop the depths
     from the first head whose AdaEDL acceptance bound falls below it.
 
     fallback: when speculation does not pay for a request, it finishes with plain decoding
-    (serving/fallback.py FallbackPolicy); None keeps speculating whatever it measures.
+    (serving/decode/fallback.py FallbackPolicy); None keeps speculating whatever it measures.
     """
 
     def __init__(self, target: TargetAdapter, heads: nn.Module | None = None, tree=None,
                  tap_layers: list[int] | None = None, attn_impl: str = "sdpa",
                  tree_attention_impl: str | None = None, fallback="default", entropy_threshold: float | None = None,
                  lookup=None):
-        from specheads.serving.dynamic_tree import DepthTruncatedTrees, DynamicEagleDrafter, DynamicTreeConfig
-        from specheads.serving.fallback import FallbackPolicy, StepCosts
-        from specheads.serving.lookup import LookupConfig
+        from specheads.serving.decode.dynamic import DepthTruncatedTrees, DynamicEagleDrafter, DynamicTreeConfig
+        from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
+        from specheads.serving.decode.lookup import LookupConfig
 
         if lookup is not None and not isinstance(lookup, LookupConfig):
-            raise ValueError(f"lookup must be None or a serving.lookup.LookupConfig, got {lookup!r}")
+            raise ValueError(f"lookup must be None or a serving.decode.lookup.LookupConfig, got {lookup!r}")
 
         dynamic = tree if isinstance(tree, DynamicTreeConfig) else None
         if dynamic is not None:
@@ -303,7 +303,7 @@ class SpeculativeDecoder:
         self.attn_impl = attn_impl
         self.tree_attention_impl = tree_attention_impl
         if attn_impl == "tree":
-            from specheads.serving.tree_attention import register_tree_attention
+            from specheads.serving.kernels.tree_attention import register_tree_attention
 
             name = register_tree_attention()
             if getattr(target.model.config, "_attn_implementation", None) != name:
@@ -335,7 +335,7 @@ class SpeculativeDecoder:
     def draft_medusa(self, hidden_BH: torch.Tensor, roots_B: torch.Tensor) -> list[tuple[torch.Tensor, DraftTree, TreePlan]]:
         """B Medusa sequences drafted in one head call: [(tokens [T_b], tree, plan)] * B. With
         entropy_threshold each sequence's tree is cut at its first uncertain head's depth."""
-        from specheads.serving.dynamic_tree import entropy_cut_depth
+        from specheads.serving.decode.dynamic import entropy_cut_depth
 
         tokens_BT, logits_DBV = self.drafter.draft_with_logits(hidden_BH, roots_B)
         if self.cut_trees is None:
@@ -349,7 +349,7 @@ class SpeculativeDecoder:
 
     def with_lookup(self, tokens_T: torch.Tensor, tree: DraftTree, chain: list[int]) -> tuple[torch.Tensor, DraftTree, TreePlan]:
         """A draft plus an n-gram lookup chain under its root: (tokens, tree, plan)."""
-        from specheads.serving.lookup import with_lookup_chain
+        from specheads.serving.decode.lookup import with_lookup_chain
 
         key = (tree.rank_paths, len(chain))
         cached = self._lookup_trees.get(key)
@@ -376,7 +376,7 @@ class SpeculativeDecoder:
                acceptance: str = "rejection", speculate: bool = True) -> "DecodeStream":
         """Like generate, but an iterator of token deltas (list[int]: the prefill's first token,
         then one list per verify step); `.result` holds the GenerationResult once exhausted."""
-        from specheads.serving.engine import BatchEngine, SequenceRequest
+        from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 
         request = SequenceRequest(input_ids, max_new_tokens, eos_token_id, sampling, stop_token_sequences,
                                   speculate, acceptance)
@@ -394,7 +394,7 @@ class SpeculativeDecoder:
         """Decode up to max_new_tokens new tokens.
 
         sampling: None or temperature 0 = greedy (the target's own greedy output); otherwise
-        lossless tree rejection sampling (serving.sampling) with the heads' top-k candidates,
+        lossless tree rejection sampling (serving.decode.sampling) with the heads' top-k candidates,
         seeded by sampling.seed. acceptance="typical" (sampling only) is Medusa-2's lossy rule;
         the result then has lossless=False. stop_token_sequences: the output ends right after
         the first occurrence of any of them (finish_reason "stop"). speculate=False: plain

@@ -16,7 +16,7 @@ from typing import Callable
 
 import uvicorn
 
-from specheads.serving.server_app import ServeConfig, ServerState, create_app
+from specheads.serving.server.app import ServeConfig, ServerState, create_app
 
 
 class _Server(uvicorn.Server):

@@ -1,7 +1,7 @@
 """Which errors end one sequence and which break the engine.
 
-The engine (serving/engine.py, "Faults") ends a sequence alone when stepping it raises; the
-server worker (serving/server_engine.py) keeps serving. Only errors for which that would be
+The engine (serving/decode/engine.py, "Faults") ends a sequence alone when stepping it raises; the
+server worker (serving/server/worker.py) keeps serving. Only errors for which that would be
 a lie are fatal, the ones after which no step can be trusted:
 
 - the device is lost: `torch.AcceleratorError` (torch >= 2.8), or a RuntimeError carrying a

@@ -9,7 +9,7 @@ Each `SequenceUpdate` carries the tokens a step produced for one sequence; the f
 update of a sequence holds the prefill's token. When `finished` is set, `result` holds the
 sequence's `GenerationResult` (tokens, finish_reason, stats) and the sequence has left
 the batch. Greedy output of every sequence equals decoding it alone. The decode loop is
-serving/engine.py's BatchEngine: one target forward per step for all sequences.
+serving/decode/engine.py's BatchEngine: one target forward per step for all sequences.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from specheads.serving.decode import SpeculativeDecoder
-from specheads.serving.engine import BatchEngine, SequenceRequest
-from specheads.serving.faults import SequenceFailed, describe, is_fatal
-from specheads.serving.stats import GenerationResult
+from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.engine import BatchEngine, SequenceRequest
+from specheads.serving.decode.faults import SequenceFailed, describe, is_fatal
+from specheads.serving.decode.stats import GenerationResult
 
 __all__ = ["BatchSession", "SequenceRequest", "SequenceUpdate"]
 
@@ -67,7 +67,7 @@ class BatchSession:
 
     def add(self, request: SequenceRequest) -> int:
         """Admit a sequence and run its prefill; -> its seq_id. Bad requests raise ValueError
-        before admission; a prefill that fails (not fatally, serving/faults.py) raises
+        before admission; a prefill that fails (not fatally, serving/decode/faults.py) raises
         SequenceFailed, the batch unchanged. Its first token is reported by the next step()."""
         if not self.has_capacity:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences); wait for one to finish")

@@ -21,13 +21,13 @@ class DecodeStats:
     num_new_tokens: int = 0  # tokens returned (after EOS / stop / max_new_tokens truncation)
     lossless: bool = True  # False when any step used a lossy acceptance rule (acceptance="typical")
     plain_steps: int = 0  # steps without a draft (speculation off, probing the plain step cost, fallen back)
-    fallback: bool = False  # the request fell back to plain decoding (serving/fallback.py FallbackPolicy)
+    fallback: bool = False  # the request fell back to plain decoding (serving/decode/fallback.py FallbackPolicy)
     fallback_reason: str | None = None
     fallback_step: int | None = None  # decode steps before the first fallback
     fallbacks: int = 0  # times the request fell back (it retries speculation after a while)
     spec_tokens_per_s: float | None = None  # the measured rates the fallback decision compared
     plain_tokens_per_s: float | None = None
-    lookup_steps: int = 0  # steps that verified an n-gram lookup chain (serving/lookup.py)
+    lookup_steps: int = 0  # steps that verified an n-gram lookup chain (serving/decode/lookup.py)
     lookup_accepted: int = 0  # draft tokens accepted from lookup chains (part of accepted_tokens)
 
     @property
@@ -67,4 +67,4 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "error" (the engine ended this sequence alone)
     stats: DecodeStats
     lossless: bool = True  # False when the output does not follow the target's distribution (typical acceptance)
-    error: str | None = None  # finish_reason "error": the exception's type and message (serving/engine.py)
+    error: str | None = None  # finish_reason "error": the exception's type and message (serving/decode/engine.py)

@@ -1,6 +1,6 @@
 """The batched decode loop: several sequences, one target forward per step.
 
-Every sequence owns a row of one `TreeStaticCache` (serving/static_cache.py); the active
+Every sequence owns a row of one `TreeStaticCache` (serving/decode/cache.py); the active
 sequences are rows [0, n), kept contiguous (a leaving sequence's row is refilled by moving
 the last row into it). A sequence joins with its own prefill forward (its row alone,
 `cache.set_rows(r, r + 1)`), which yields its first token; from the next step on it takes
@@ -11,23 +11,23 @@ part in the batched decode step:
 - draft: each sequence drafts its own tree: the decoder's static tree, a dynamic tree, or
   the root alone (speculation off, or fallen back). Medusa sequences are drafted in one
   batched head call; EAGLE heads keep one head cache per sequence (a step the head skips
-  leaves its rows for the head's next run). With n-gram lookup (serving/lookup.py) a
+  leaves its rows for the head's next run). With n-gram lookup (serving/decode/lookup.py) a
   sequence's chain from its own context is verified alone or as one more branch.
 - verify: trees are padded to the largest T in the batch. A padding node sees only itself
   and is never accepted. Node i of sequence b sits at position S_b + depth(i) and attends
   to b's S_b committed keys plus its own ancestors (a [n, 1, T, max S + T] bool mask, or
   the tree-attention kernel with per-sequence prefix lengths and packed masks).
-- accept/commit: per sequence, as in serving/decode.py; the cache gathers every
+- accept/commit: per sequence, as in serving/decode/steps.py; the cache gathers every
   sequence's accepted path in its own row.
 
 Each sequence's greedy output is the target's greedy output for it alone (the rows never
 see each other: padding keys and other rows are masked), up to fp ties between batch
 shapes.
 
-Fallback to plain decoding when speculation does not pay: serving/fallback.py (its module
+Fallback to plain decoding when speculation does not pay: serving/decode/fallback.py (its module
 doc); the engine asks its `BatchFallback` before each step and tells it after.
 
-Faults (which errors are fatal: serving/faults.py). An exception raised while stepping one
+Faults (which errors are fatal: serving/decode/faults.py). An exception raised while stepping one
 sequence (its prefill, its draft, its accept, its bookkeeping) ends that sequence alone:
 finish_reason "error", `GenerationResult.error` names it, and it leaves the batch like a
 finished one. The other rows go on; rows never see each other, so their output is what it
@@ -48,13 +48,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.serving.decode import DecodeState, TreePlan, Verification, accept, emit, prefill
-from specheads.serving.fallback import BatchFallback
-from specheads.serving.faults import describe, is_fatal, retry_out_of_memory
-from specheads.serving.lookup import NgramIndex
-from specheads.serving.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
-from specheads.serving.static_cache import TreeStaticCache
-from specheads.serving.stats import DecodeStats, GenerationResult
+from specheads.serving.decode.steps import DecodeState, TreePlan, Verification, accept, emit, prefill
+from specheads.serving.decode.fallback import BatchFallback
+from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_memory
+from specheads.serving.decode.lookup import NgramIndex
+from specheads.serving.decode.sampling import SamplingParams, accept_tree_sampling, make_generator, target_probs
+from specheads.serving.decode.cache import TreeStaticCache
+from specheads.serving.decode.stats import DecodeStats, GenerationResult
 
 
 @dataclass
@@ -301,7 +301,7 @@ class BatchEngine:
             return None
         try:
             return call(*args)
-        except Exception as err:  # noqa: BLE001 - one sequence's fault ends that sequence (serving/faults.py)
+        except Exception as err:  # noqa: BLE001 - one sequence's fault ends that sequence (serving/decode/faults.py)
             if is_fatal(err):
                 raise
             self._fail(seq, err)
@@ -421,7 +421,7 @@ class BatchEngine:
                 masks_nTT[index, :size, :size] = draft.plan.tree_mask
             positions = self.cache.position_ids(offsets_nT)
             if decoder.attn_impl == "tree" and num_nodes > 1:
-                from specheads.serving.tree_attention import pack_tree_mask
+                from specheads.serving.kernels.tree_attention import pack_tree_mask
 
                 attention_kwargs = decoder.tree_kwargs(pack_tree_mask(masks_nTT), self.cache.seq_lens)
             else:

@@ -1,6 +1,6 @@
 """Falling back to plain decoding when speculation does not pay: the policy's parameters
 (`FallbackPolicy`), the measured step costs it decides by (`StepCosts`) and the decisions
-themselves (`BatchFallback`, which serving/engine.py asks before each step and tells after).
+themselves (`BatchFallback`, which serving/decode/engine.py asks before each step and tells after).
 
 The engine measures the time of every decode step with `StepCosts.clock` (tests replace it),
 keyed by (batch size, padded tree size), and the tokens per speculative step (tau) per

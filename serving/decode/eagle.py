@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 
 class MedusaDrafter:

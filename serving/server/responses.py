@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from specheads.serving.server_engine import Event
+from specheads.serving.server.worker import Event
 
 
 @dataclass

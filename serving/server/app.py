@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET
 /health, GET /metrics. Every failure answers OpenAI-style JSON
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (checked here and
-in serving/openai_schema.py, before any engine work), 401 without the API key, 404 for an
+in serving/server/schema.py, before any engine work), 401 without the API key, 404 for an
 unknown model or route, 413 for an oversized body, 503 (with Retry-After) when the
 admission queue is full, the model is still loading or the server is shutting down, 504
 past the request timeout. The model loads in a background thread after the server starts
@@ -28,13 +28,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from specheads.serving.batch import SequenceRequest
-from specheads.serving.metrics import ServerMetrics
-from specheads.serving.openai_schema import (APIError, ChatCompletionRequest, CompletionRequest, parse_json_body,
+from specheads.serving.decode.scheduler import SequenceRequest
+from specheads.serving.server.metrics import ServerMetrics
+from specheads.serving.server.schema import (APIError, ChatCompletionRequest, CompletionRequest, parse_json_body,
                                              validate_request)
-from specheads.serving.sampling import SamplingParams
-from specheads.serving.server_engine import Choice, Engine, EngineUnavailable, Event, Job, QueueFull
-from specheads.serving.server_openai import ChunkWriter, Collector, ResponseMeta, sse
+from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.server.worker import Choice, Engine, EngineUnavailable, Event, Job, QueueFull
+from specheads.serving.server.responses import ChunkWriter, Collector, ResponseMeta, sse
 
 log = logging.getLogger("specheads.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

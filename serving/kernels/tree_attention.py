@@ -7,7 +7,7 @@ ancestors). This module owns:
   (bit j % 32 of word j // 32 of row t), the form the kernel reads.
 - `tree_attention_reference`: dense masked softmax in fp32, the PyTorch reference.
 - `tree_attention(..., impl="triton" | "torch")`: the public entry point. The Triton path
-  (serving/tree_attention_kernel.py, imported lazily) splits long prefixes across programs
+  (serving/kernels/triton_kernel.py, imported lazily) splits long prefixes across programs
   flash-decoding style and merges the partials by log-sum-exp.
 - `tree_attention_forward` + `register_tree_attention()`: a transformers attention function
   ("specheads_tree"). The tree reaches it as forward kwargs (`tree_mask=`, optional
@@ -160,7 +160,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                          "imported; use impl='torch' on the CPU")
-    from specheads.serving import tree_attention_kernel
+    from specheads.serving.kernels import triton_kernel as tree_attention_kernel
 
     packed = _as_packed_mask(tree_mask).to(q.device)
     packed = (packed[None] if packed.dim() == 2 else packed).contiguous()  # [B|1, T, W]

@@ -29,7 +29,7 @@ position_ids and a 4-D mask (`attention_mask()` builds one) in that case.
 
 Two shapes for what attention sees (`static_shape`):
 - False (dynamic): `update` returns views of [0, max(seq_lens) + T). The verify mask is
-  [B, 1, T, max(seq_lens) + T], exactly the [1, 1, T, S + T] mask of `serving.decode`.
+  [B, 1, T, max(seq_lens) + T], exactly the [1, 1, T, S + T] mask of `serving.decode.steps`.
 - True (static): `update` returns the whole [0, max_cache_len) buffers, so every tensor
   shape is fixed whatever the length: the draft and verify forwards can be captured once
   as CUDA graphs (positions and lengths live in device tensors). The mask is then

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 ADAEDL_GAMMA = 0.5  # Pinsker: TV <= sqrt(KL / 2); AdaEDL's bound 1 - sqrt(gamma * H)
 
@@ -211,7 +211,7 @@ class DynamicDraft:
 class DynamicEagleDrafter:
     """EAGLE-2 dynamic trees (and AdaEDL early stopping) for one sequence; see the module docstring.
 
-    Same state contract as serving/drafting.py's Eagle3Drafter: draft() first runs the head over
+    Same state contract as serving/decode/eagle.py's Eagle3Drafter: draft() first runs the head over
     the rows committed since the last step and sets state.draft_cache to cover all S positions.
     """
 
@@ -227,7 +227,7 @@ class DynamicEagleDrafter:
 
     def _commit_rows(self, state):
         """Run the head over state's new rows; -> last row's output feature [1, 1, H], new cache."""
-        from specheads.serving.drafting import commit_head_rows
+        from specheads.serving.decode.eagle import commit_head_rows
 
         return commit_head_rows(self.head, self.embeddings, state)
 

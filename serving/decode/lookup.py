@@ -13,7 +13,7 @@ the other way round. The engine combines them per step (`LookupConfig`):
 Verification and acceptance are unchanged, so greedy output is still the target's own.
 Sampled requests use it too: a lookup token is a candidate fixed in advance (a point-mass
 draft), exactly like the heads' top-k candidates, so the tree's recursive rejection
-sampling (serving/sampling.py) keeps the target's distribution; the chain is the root's
+sampling (serving/decode/sampling.py) keeps the target's distribution; the chain is the root's
 last child, tried after the heads' candidates. The proposal depends only on the tokens, so
 a seed still gives the same output.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ processed distribution (`target_probs`: temperature, then top-k, then top-p) and
 accept rule (`accept_tree_sampling`). It is pure: token ids, logits and probabilities in,
 accepted node indices and emitted tokens out. It never calls a model or touches a cache.
 
-Per-node conventions (match serving/decode.py): node 0 is the root, a token the target
+Per-node conventions (match serving/decode/steps.py): node 0 is the root, a token the target
 already chose. `target_logits[n]` is the target's prediction for the token AFTER node n,
 given the prefix plus the path root..n; its processed distribution `p_n` is what the output
 must follow. `draft_probs[n]` (optional) is the distribution node n's children were drawn
@@ -59,9 +59,9 @@ inf) and the softmax turns into NaN; the limit of softmax(logits / T) as T -> 0 
 one-hot anyway (up to exact ties). From 1e-5 up, |logits| / T stays far inside fp32 for any
 logits a model produces. Logits that give no distribution (NaN, +inf, every one -inf: a
 broken target) raise ValueError from `target_probs` instead of reaching `torch.multinomial`;
-the engine ends that one sequence with the error (serving/engine.py, "Faults").
+the engine ends that one sequence with the error (serving/decode/engine.py, "Faults").
 
-Greedy is exactly serving/decode.py's rule: a drafted node is correct when
+Greedy is exactly serving/decode/steps.py's rule: a drafted node is correct when
 its token equals the target's logits argmax at its parent; the longest root-to-leaf run of
 correct nodes is accepted (the first leaf wins ties); the argmax at its last node follows.
 No random numbers are drawn.
@@ -86,7 +86,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.serving.tree import DraftTree
+from specheads.serving.decode.trees import DraftTree
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Medusa's defaults for typical acceptance
 DEFAULT_POSTERIOR_ALPHA = 0.3
@@ -256,7 +256,7 @@ def _reject_sampled(p_V: torch.Tensor, q_V: torch.Tensor, tokens: list[int], uni
 
 
 def _accept_greedy(tree: DraftTree, tree_tokens_T: torch.Tensor, target_logits_TV: torch.Tensor) -> TreeSample:
-    """serving/decode.py's accept rule, reproduced exactly."""
+    """serving/decode/steps.py's accept rule, reproduced exactly."""
     device = target_logits_TV.device
     target_tokens_T = target_logits_TV.argmax(dim=-1)
     parents = tree.parents[1:].to(device)

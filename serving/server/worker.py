@@ -9,7 +9,7 @@ before the next step. Admission is capped: with `max_queue` jobs already waiting
 `submit` refuses at once (the app answers 503 with Retry-After) instead of letting clients
 time out.
 
-Faults (serving/faults.py says which errors are fatal). An error that ends one sequence (its
+Faults (serving/decode/faults.py says which errors are fatal). An error that ends one sequence (its
 prefill, a step of it, detokenizing its tokens) fails that sequence's job alone with a 500
 `sequence_failed` error; its other choices are dropped and every other job goes on. Only a
 fatal error (the device lost, out of memory again after a retry) ends the worker: every job
@@ -25,11 +25,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specheads.serving.batch import BatchSession, SequenceRequest
-from specheads.serving.stats import DecodeStats
-from specheads.serving.detokenize import IncrementalDetokenizer
-from specheads.serving.faults import describe, is_fatal
-from specheads.serving.metrics import ServerMetrics
+from specheads.serving.decode.scheduler import BatchSession, SequenceRequest
+from specheads.serving.decode.stats import DecodeStats
+from specheads.serving.server.detokenize import IncrementalDetokenizer
+from specheads.serving.decode.faults import describe, is_fatal
+from specheads.serving.server.metrics import ServerMetrics
 
 log = logging.getLogger("specheads.serve")
 IDLE_WAIT_S = 0.05  # how often an idle worker rechecks deadlines and shutdown
