@@ -49,7 +49,7 @@ from specheads.heads import export_eagle3, export_medusa
 from specheads.heads.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
                                        atomic_write_text, build_heads, read_heads_config, staged_dir,
                                        write_weights_dir)
-from specheads.heads.target import TargetIdentity
+from specheads.heads.target import DTYPES, TargetIdentity
 
 FORMATS = {  # format -> (heads kind, weights file name)
     "eagle3": ("eagle3", WEIGHTS_NAME),
@@ -244,7 +244,6 @@ def export_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"{LORA_META}: dtype must be one of {sorted(dtypes)}, got {name!r}")
-    return dtypes[name]
+    if name not in DTYPES:
+        raise ValueError(f"{LORA_META}: dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]

@@ -52,7 +52,8 @@ from __future__ import annotations
 import json
 import sys
 
-from specheads.runner import TARGET_HELP
+from specheads.errors import UserError
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def int_list(text: str, option: str, example: str) -> list[int]:
@@ -93,7 +94,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up decode per method")
     p.add_argument("--no-fallback", action="store_true",
                    help="never let the engine switch a request to plain decoding (measures the heads themselves)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
 
@@ -113,7 +114,6 @@ def run(args) -> int:
         raise ValueError("--tree-nodes needs --heads")
     if args.plot:  # matplotlib is an optional extra: say so before the bench, not after it
         from specheads.bench.plot import require_matplotlib
-        from specheads.cli import UserError
 
         try:
             require_matplotlib()
@@ -124,19 +124,16 @@ def run(args) -> int:
 
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from specheads.bench.harness import format_report, heads_label, run_bench
     from specheads.heads.heads_dir import load_heads, read_heads_config, read_tuning
-    from specheads.heads.target import TargetAdapter
-    from specheads.runner import resolve_target_name
+    from specheads.runner import load_target_and_tokenizer, resolve_target_name
 
     for directory in heads_dirs:  # a missing or foreign heads dir fails before the target loads
         read_heads_config(directory)
-    path = resolve_target_name(args.target)
-    target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
-                                           trust_remote_code=args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    target, tokenizer = load_target_and_tokenizer(args.target, heads=heads_dirs, dtype=args.dtype, device=args.device,
+                                                  trust_remote_code=args.trust_remote_code)
     heads_list, tuning = [], {}
     for directory in heads_dirs:
         module, heads_config = load_heads(directory, target=target.identity, device=args.device, dtype=target.dtype)

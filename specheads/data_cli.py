@@ -6,7 +6,8 @@
 
 `add_parser(subparsers)` registers the "data" command on the top-level parser and
 `run(args)` executes it (the returned int is the exit status). Machinery is imported
-lazily. User errors print one line on stderr and return 2.
+lazily. User errors print one line on stderr and return EXIT_USER_ERROR (2;
+specheads/errors.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specheads.runner import TARGET_HELP
+from specheads.errors import EXIT_USER_ERROR
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (rerun continues)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true")
 
@@ -55,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-gb", type=float, default=50.0, help="refuse to start above this estimated size")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--blocks-per-shard", type=int, default=256)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true")
     return parser
@@ -114,6 +116,6 @@ def run(args) -> int:
             return _cache(args)
     except (ValueError, FileNotFoundError) as err:  # DataError is a ValueError
         print(f"specheads data {args.data_command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     print(f"specheads data: unknown command {args.data_command!r}", file=sys.stderr)
-    return 2
+    return EXIT_USER_ERROR

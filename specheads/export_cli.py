@@ -10,10 +10,13 @@ target identity names DIR/target); serve them together.
 
 The import auto-detects the layout from FOREIGN_DIR/config.json. Heads exported by specheads
 carry their target identity; heads trained elsewhere need --target (only its config.json is
-read). See heads/export.py for the formats.
+read; embedded names and GGUF files are resolved first, as for every --target). See
+heads/export.py for the formats.
 """
 
 from __future__ import annotations
+
+from specheads.runner import TARGET_HELP, resolve_target_name
 
 FORMAT_CHOICES = ("eagle3", "medusa", "vllm-medusa", "merged")
 
@@ -29,8 +32,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--import", dest="import_dir", metavar="FOREIGN_DIR",
                    help="read heads in a foreign layout (auto-detected) into a specheads heads directory")
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
-    p.add_argument("--target", help="with --import: the target model dir or hub id the heads were trained on "
-                                    "(needed when the heads do not record it)")
+    p.add_argument("--target", help="with --import: the target the heads were trained on (needed when the heads "
+                                    f"do not record it): {TARGET_HELP}")
 
 
 def run(args) -> int:
@@ -40,7 +43,8 @@ def run(args) -> int:
         if args.heads_dir is not None or args.format is not None:
             raise ValueError("--import takes no HEADS_DIR or --format; use either "
                              "`export HEADS_DIR --format F --out DIR` or `export --import FOREIGN_DIR --out DIR`")
-        out = import_heads(args.import_dir, args.out, target=args.target)
+        target = resolve_target_name(args.target) if args.target is not None else None
+        out = import_heads(args.import_dir, args.out, target=target)
         print(f"imported {args.import_dir} -> {out}")
         return 0
     if args.heads_dir is None or args.format is None:

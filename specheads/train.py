@@ -10,8 +10,8 @@ loading weights or starting DeepSpeed (training/dry_run.py).
 
 The deepspeed launcher adds `--local_rank=N`; it is accepted and ignored (the rank comes
 from the environment). User errors (bad recipe, missing target, unusable data, a
-checkpoint that does not fit) print one line to stderr and return 1; bugs keep their
-traceback.
+checkpoint that does not fit) print one line to stderr and return EXIT_USER_ERROR (2, as
+every specheads command; specheads/errors.py); bugs keep their traceback.
 
 SIGTERM (a scheduler's preemption, `kill PID`) stops training cleanly: the step in flight
 finishes, a whole checkpoint is saved at that step, a message names it, and the process
@@ -30,6 +30,7 @@ import os
 import sys
 from pathlib import Path
 
+from specheads.errors import EXIT_USER_ERROR
 
 EXIT_STOPPED = 75
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         prefix = "" if os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] "
         print(f"specheads train: error: {prefix}{err}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_USER_ERROR
     return 0
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from specheads.runner import TARGET_HELP
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> None:
@@ -35,7 +35,7 @@ def add_parser(subparsers) -> None:
                    help="also measure the winner with n-gram lookup drafts of N tokens and store lookup when it "
                         "is faster (0: skip)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="also write the sweep report here")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -56,18 +56,13 @@ def run(args) -> int:
     budgets = tuple(int_list(args.node_budgets, "--node-budgets", "4,8,16")) if args.node_budgets else NODE_BUDGETS
     prompts = load_prompts(args.prompts, limit=args.limit)  # a bad file fails before any model loads
 
-    from transformers import AutoTokenizer
-
     from specheads.bench.tune import format_tuning, tune_heads_dir
     from specheads.heads.heads_dir import read_heads_config
-    from specheads.heads.target import TargetAdapter
-    from specheads.runner import resolve_target_name
+    from specheads.runner import load_target_and_tokenizer
 
     read_heads_config(args.heads)  # a missing or foreign heads dir fails before the target loads
-    path = resolve_target_name(args.target)
-    target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
-                                           trust_remote_code=args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    target, tokenizer = load_target_and_tokenizer(args.target, heads=[args.heads], dtype=args.dtype,
+                                                  device=args.device, trust_remote_code=args.trust_remote_code)
     encoded = [p.input_ids for p in encode_prompts(tokenizer, prompts)]
     report = tune_heads_dir(target, args.heads, encoded, max_new_tokens=args.max_new_tokens, budget_s=args.budget_s,
                             eos_token_id=tokenizer.eos_token_id, max_settings=args.max_settings, depths=depths,

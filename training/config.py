@@ -301,8 +301,10 @@ def check_combinations(recipe: Recipe) -> None:
                               "trains the target; remove data.feature_cache or the lora section")
         if recipe.train.offload_params != "none":
             raise RecipeError("train.offload_params: not supported with lora (needs ZeRO-3)")
-        wanted = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[train.precision]
-        if recipe.target.dtype != wanted:
+        from specheads.heads.target import DTYPES  # the one dtype-name table; lazily: this module has no torch
+
+        if DTYPES[recipe.target.dtype] != DTYPES[train.precision]:
+            wanted = str(DTYPES[train.precision]).removeprefix("torch.")
             raise RecipeError(f"target.dtype: with lora the target trains inside the DeepSpeed engine, which "
                               f"runs it in train.precision {train.precision!r}; set target.dtype: {wanted} "
                               f"(got {recipe.target.dtype!r}) or change train.precision")

@@ -56,6 +56,7 @@ from typing import TextIO
 import torch
 
 from specheads.heads.gguf import GGUFError, find_gguf_file, read_gguf_config, smollm2_target_dir
+from specheads.heads.target import resolve_dtype
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.ds_config import build_ds_config
 
@@ -63,7 +64,6 @@ DEFAULT_GPU_WORLD_SIZE = 8
 GIB = 1024 ** 3
 LAUNCH_GPUS = re.compile(r"--num_gpus[ =](\d+)")
 LAUNCH_NODES = re.compile(r"--num_nodes[ =](\d+)")
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def shipped_config_path(hub_id: str) -> Path:
@@ -155,7 +155,7 @@ def build_on_meta(recipe: Recipe, config):
     from transformers import AutoModelForCausalLM
 
     from specheads.heads.heads_dir import build_heads
-    from specheads.heads.target import TargetAdapter, freeze, resolve_dtype
+    from specheads.heads.target import TargetAdapter, freeze
     from specheads.training.trainer import _heads_config
 
     with torch.device("meta"):
@@ -189,8 +189,8 @@ def estimate_memory(recipe: Recipe, num_target_params: int, num_head_params: int
                     num_lora_params: int = 0) -> MemoryEstimate:
     """num_head_params counts every trainable parameter (heads + LoRA adapter)."""
     zero, n = recipe.train.zero_stage, world_size
-    d_t = BYTES[recipe.target.dtype]
-    w = BYTES[recipe.train.precision]
+    d_t = resolve_dtype(recipe.target.dtype).itemsize
+    w = resolve_dtype(recipe.train.precision).itemsize
     master = 4 if recipe.train.precision != "fp32" else 0
     steps = recipe.heads.num_heads if recipe.heads.kind == "medusa" else recipe.heads.ttt_steps
     tokens = recipe.train.micro_batch_size * recipe.data.seq_len
