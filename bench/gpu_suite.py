@@ -13,7 +13,7 @@ error; the others still run; the two kernel sections are in bench/gpu_kernels.py
 - end_to_end: tokens/s of HF greedy vs the engine without / with heads, batch 1 and 8.
 
 It imports torch, triton, transformers and the serving/heads modules that pull no deepspeed,
-fastapi, uvicorn, wandb, datasets or gguf (tests/test_gpu_suite.py runs it with those
+fastapi, uvicorn, wandb, datasets or gguf (tests/bench/test_gpu_suite.py runs it with those
 blocked). No CUDA graphs. The first command once a GPU is lent: one device `run` in the
 repo root (no network there, specheads not installed), these two lines joined by `&&`:
 
@@ -43,15 +43,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from specheads.serving.decode.generate import generate
 from torch import nn
 
 from specheads.bench.gpu_kernels import random_tree_mask, section_kernel_speed, section_parity, time_ms, wall_s
 
 PEAK_HBM = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))  # bytes/s
-# The Medusa tree of tests/test_decode_lossless.py: ranks 0 and 1, depth 4.
+# The Medusa tree of tests/serving/decode/test_decode_lossless.py: ranks 0 and 1, depth 4.
 TREE_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
 NUM_HEADS = 4
-# tests/test_tree_attention.py PARITY_CASES: (B, Hkv, group, T, S, D).
+# tests/serving/kernels/test_tree_attention.py PARITY_CASES: (B, Hkv, group, T, S, D).
 PARITY_CASES = [(1, 1, 1, 1, 0, 16), (1, 2, 1, 1, 37, 32), (2, 1, 2, 3, 0, 64), (1, 2, 4, 3, 1, 16),
                 (1, 1, 4, 17, 5, 32), (2, 2, 2, 17, 37, 16), (1, 1, 1, 33, 1, 64), (1, 2, 2, 33, 5, 16),
                 (1, 1, 2, 33, 37, 32), (1, 1, 2, 128, 40, 16)]
@@ -179,7 +181,7 @@ def lossless_decoders(target, sequences: list[list[int]], prompt_lengths: list[i
     tree-attention path switches its model's attention function)."""
     from specheads.heads.eagle3 import Eagle3Head, default_tap_layers
     from specheads.heads.target import TargetAdapter
-    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.trees import DraftTree
 
     tree, text, taps = DraftTree.from_paths(TREE_PATHS), target.text_config, default_tap_layers(target.num_layers)
@@ -205,7 +207,7 @@ def _greedy_match(target, prompts: list[list[int]], num_new: int) -> list[dict]:
     decoders = lossless_decoders(target, [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
     rows = []
     for name, decoder in decoders.items():
-        results = [decoder.generate(prompt, num_new) for prompt in prompts]
+        results = [generate(decoder, prompt, num_new) for prompt in prompts]
         identical = [result.tokens == tokens[:num_new] for result, tokens in zip(results, long)]
         rows.append(dict(dtype=str(target.dtype)[6:], decoder=name, identical_per_prompt=identical,
                          match_rate=sum(identical) / len(identical), tau=merged_stats(results).tau, new_tokens=num_new))
@@ -271,10 +273,10 @@ def section_verify_vs_decode(ctx) -> dict:
 
 # --- 5. end to end ----------------------------------------------------------------------
 def _session_results(decoder, prompts, num_new: int) -> list:
-    """Every prompt admitted at once to a BatchSession and decoded to the end; results in prompt order."""
-    from specheads.serving.decode.scheduler import BatchSession, SequenceRequest
+    """Every prompt admitted at once to a Scheduler and decoded to the end; results in prompt order."""
+    from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 
-    session = BatchSession(decoder, max_batch_size=len(prompts),
+    session = Scheduler(decoder, max_batch_size=len(prompts),
                            max_cache_len=len(prompts[0]) + num_new + decoder.max_tree_nodes + 1)
     seq_ids = [session.add(SequenceRequest(prompt, num_new)) for prompt in prompts]
     results = {}
@@ -285,7 +287,7 @@ def _session_results(decoder, prompts, num_new: int) -> list:
 
 def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -> list[dict]:
     """tokens/s of HF greedy and of each engine over `prompts` in groups of `batch` (batch 1:
-    the engine's generate; more: a BatchSession), each after a warm-up run."""
+    the engine's generate; more: a Scheduler), each after a warm-up run."""
     groups, rows = [prompts[i:i + batch] for i in range(0, len(prompts), batch)], []
     for name, make in {"hf-greedy": None, **decoders}.items():
         decoder = make() if make else None  # built in turn: a kernel decoder switches the model's attention
@@ -293,7 +295,7 @@ def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -
         def run(group):
             if decoder is None:
                 return hf_greedy(target.model, group, num_new)
-            return [decoder.generate(p, num_new) for p in group] if batch == 1 else \
+            return [generate(decoder, p, num_new) for p in group] if batch == 1 else \
                 _session_results(decoder, group, num_new)
         run(groups[0])  # warm-up: kernel compile, allocator
         outputs, seconds = [], 0.0
@@ -310,7 +312,7 @@ def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -
 
 
 def section_end_to_end(ctx) -> dict:
-    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.trees import DraftTree
 
     target = bench_target(ctx)

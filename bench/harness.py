@@ -36,7 +36,8 @@ from typing import Callable
 
 import torch
 
-from specheads.bench.prompts import EncodedPrompt
+from specheads.bench.prompts import WARMUP_NEW_TOKENS, EncodedPrompt
+from specheads.serving.decode.stats import alpha_tau
 
 SCHEMA = "specheads.bench/1"
 REFERENCE = "hf-greedy"
@@ -55,6 +56,7 @@ class PromptRun:
     accepted_per_position: list[int] = field(default_factory=list)  # [D]
     fell_back: bool = False  # the engine switched this request to plain decoding (its fallback policy)
     lookup_accepted: int = 0  # accepted draft tokens that came from n-gram lookup chains
+    speculative_steps: int = 0  # verify steps that drafted (engine; tau's denominator)
 
 
 @dataclass
@@ -112,21 +114,24 @@ def hf_method(name: str, kind: str, model, eos_token_id: int | None, **generate_
 
 
 def engine_method(name: str, kind: str, decoder, eos_token_id: int | None, tree: dict | None = None) -> Method:
+    from specheads.serving.decode.generate import stream
+
     def generate(prompt_ids: list[int], max_new_tokens: int) -> PromptRun:
         # stream() yields the prefill's token, then one delta per verify step: each yield is
         # one emission event, timed as it arrives.
         events: list[tuple[float, int]] = []
         start = time.perf_counter()
-        stream = decoder.stream(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-        for delta in stream:
+        decoding = stream(decoder, prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        for delta in decoding:
             events.append((time.perf_counter() - start, len(delta)))
         end = time.perf_counter()
-        out = stream.result
+        out = decoding.result
         stats = out.stats
         return PromptRun(tokens=out.tokens, seconds=end - start, events=events, steps=stats.steps,
                          drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
                          accepted_per_position=list(stats.accepted_per_position),
-                         fell_back=stats.fallback, lookup_accepted=stats.lookup_accepted)
+                         fell_back=stats.fallback, lookup_accepted=stats.lookup_accepted,
+                         speculative_steps=stats.speculative_steps)
 
     return Method(name, kind, generate, tree)
 
@@ -166,10 +171,15 @@ def summarise(runs: list[PromptRun], identical: list[bool], reference: list[Prom
     depth = max((len(r.accepted_per_position) for r in runs), default=0)
     per_position = [sum(r.accepted_per_position[d] for r in runs if d < len(r.accepted_per_position))
                     for d in range(depth)]
+    alpha = None
+    # HF peers: every observed forward; the engine: its speculative steps (alpha_tau's denominator)
+    acceptance_steps = steps if drafted is None else sum(r.speculative_steps for r in runs)
     if drafted is None:  # HF peer: every observed forward emitted its tokens
         tau = num_tokens / steps if steps else None
+    elif drafted == 0:  # the engine without speculation: no drafts to measure
+        tau = None
     else:
-        tau = (accepted + steps) / steps if steps else None
+        alpha, tau = alpha_tau(accepted, drafted, acceptance_steps)
     speedup = None
     if reference is not None:
         ref_s = sum(r.seconds for r in reference)
@@ -183,8 +193,8 @@ def summarise(runs: list[PromptRun], identical: list[bool], reference: list[Prom
         "itl_p90_ms": None if not itl else 1000 * percentile(itl, 90),
         "ttft_mean_ms": 1000 * sum(ttft) / len(ttft) if ttft else None,
         "steps": steps, "drafted_tokens": drafted, "accepted_tokens": accepted,
-        "alpha": accepted / drafted if drafted else None, "tau": tau,
-        "acceptance_by_depth": [count / steps for count in per_position] if steps else [],
+        "alpha": alpha, "tau": tau,
+        "acceptance_by_depth": [count / acceptance_steps for count in per_position] if acceptance_steps else [],
         "num_identical": sum(identical), "identical": all(identical),
         "num_fallbacks": sum(r.fell_back for r in runs),
         "lookup_accepted": sum(r.lookup_accepted for r in runs),
@@ -198,7 +208,7 @@ def run_methods(methods: list[Method], prompts: list[EncodedPrompt], max_new_tok
         raise ValueError("the first method must be the hf-greedy reference")
     if warmup:
         for method in methods:
-            method.generate(prompts[0].input_ids, min(8, max_new_tokens))
+            method.generate(prompts[0].input_ids, min(WARMUP_NEW_TOKENS, max_new_tokens))
     # Interleaved (prompt-major): load from other processes then hits every method alike.
     runs: dict[str, list[PromptRun]] = {method.name: [] for method in methods}
     for i, prompt in enumerate(prompts):
@@ -266,12 +276,12 @@ def heads_trees(heads_config, tree_nodes: list[int] | None) -> list[tuple[object
     """(tree, tree info) per tree to bench: the heads directory's own tree (the tuned one once
     `specheads tune` ran), then one calibrated tree per entry of `tree_nodes` (draft nodes,
     root excluded), expanded from the directory's calibrated accuracy (or the prior guess)."""
-    from specheads.serving.decode.dynamic import DynamicTreeConfig, tree_from_heads_config
-    from specheads.serving.decode.trees import DraftTree, prior_accuracy
+    from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreeSpec, prior_accuracy
 
     trees = []
     record = heads_config.tree or {}
-    stored, entropy_threshold = tree_from_heads_config(heads_config)
+    spec = TreeSpec.from_heads_config(heads_config)
+    stored, entropy_threshold = spec.tree, spec.entropy_threshold
     if isinstance(stored, DynamicTreeConfig):
         trees.append((stored, {"source": "heads-dir-tuned", "num_nodes": stored.num_nodes + 1,
                                "num_draft_nodes": stored.num_nodes, "max_depth": stored.depth, "dynamic": True}))
@@ -324,7 +334,7 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
     `engine-heads[...]`). fallback=False: the engine never switches a request to plain decoding.
     lookup_num_tokens > 0 adds the engine's n-gram lookup alone (`engine-lookup[N]`) and with
     each heads directory's first tree (`engine-<label>+lookup[...]`)."""
-    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.lookup import LookupConfig
 
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens > 0 else None

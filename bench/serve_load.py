@@ -33,6 +33,8 @@ import time
 
 import httpx
 
+from specheads.serving.decode.stats import alpha_tau
+
 
 def _percentile(values: list[float], q: float) -> float:
     """bench.harness.percentile with q in 0..1; NaN for no values (the table prints it)."""
@@ -116,8 +118,7 @@ def scrape_spec_counters(url: str, api_key: str | None) -> dict[str, float]:
 
 def add_acceptance(row: dict, before: dict[str, float], after: dict[str, float]) -> dict:
     drafts, drafted, accepted = (after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS)
-    row["alpha"] = accepted / drafted if drafted else None
-    row["tau"] = (accepted + drafts) / drafts if drafts else None
+    row["alpha"], row["tau"] = alpha_tau(int(accepted), int(drafted), int(drafts)) if drafted else (None, None)
     return row
 
 
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--concurrency expects comma-separated integers like 1,4,16, got {args.concurrency!r}")
     if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 2:
         parser.error("--concurrency values and --requests must be >= 1, --max-tokens >= 2")
-    from specheads.bench.prompts import load_prompts
+    from specheads.bench.prompts import WARMUP_NEW_TOKENS, load_prompts
 
     prompts = [p.text for p in load_prompts()]
     process = None
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         process, url = start_server(args)
     try:
         model = args.model or args.target
-        asyncio.run(run_level(url, model, prompts, 1, 2, 8, True, args.api_key))  # warm-up
+        asyncio.run(run_level(url, model, prompts, 1, 2, WARMUP_NEW_TOKENS, True, args.api_key))  # warm-up
         rows = []
         for speculate in (True, False):
             for concurrency in levels:

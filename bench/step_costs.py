@@ -38,7 +38,9 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
 def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeats: int) -> dict[int, float]:
     """ms of one EAGLE-3 chain draft of each depth (one head run per level), in steady state."""
     from specheads.heads.heads_dir import build_heads, eagle_heads_config
-    from specheads.serving.decode.steps import SpeculativeDecoder, prefill
+    from specheads.serving.decode.cache import TreeStaticCache
+    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.steps import prefill
     from specheads.serving.decode.trees import DraftTree
 
     config = eagle_heads_config(target, num_steps=max(depths), draft_vocab_size=8192)
@@ -47,11 +49,12 @@ def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeat
     for depth in depths:
         decoder = SpeculativeDecoder(target, head, DraftTree.chain(depth), tap_layers=config.tap_layers)
         with torch.inference_mode():
-            state = prefill(target, prompt_1P, decoder.tap_layers, max_cache_len=prompt_1P.shape[1] + 128)
-            decoder.draft_one(state)  # the head's first run covers the whole prompt
+            state = prefill(target, prompt_1P, decoder.tap_layers,
+                            TreeStaticCache(target.config, max_cache_len=prompt_1P.shape[1] + 128))
+            _, state.draft_cache = decoder.drafter.draft(state)  # the head's first run covers the whole prompt
             # Steady state: one new committed position per step (a step that accepted nothing).
             state.hidden, state.next_tokens = state.hidden[-1:], state.next_tokens[-1:]
-            costs[depth] = time_ms(lambda: decoder.draft_one(state), target.device, 1, repeats)
+            costs[depth] = time_ms(lambda: decoder.drafter.draft(state), target.device, 1, repeats)
     return costs
 
 
@@ -59,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from specheads.heads.medusa import MedusaHeads
     from specheads.heads.target import TargetAdapter
     from specheads.runner import resolve_target_name
-    from specheads.serving.decode.steps import SpeculativeDecoder, prefill
+    from specheads.serving.decode.cache import TreeStaticCache
+    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.steps import prefill
     from specheads.serving.decode.trees import DraftTree
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt_1P = torch.randint(10, target.vocab_size, (1, args.prefix), generator=torch.Generator().manual_seed(0))
     trees = [int(t) for t in args.trees.split(",")]
     with torch.inference_mode():
-        state = prefill(target, prompt_1P, plain.tap_layers, max_cache_len=args.prefix + max(trees) + 8)
+        state = prefill(target, prompt_1P, plain.tap_layers,
+                        TreeStaticCache(target.config, max_cache_len=args.prefix + max(trees) + 8))
     verify = verify_costs(plain, state, trees, args.repeats)
     print(f"verify after a {args.prefix}-token prefix, {torch.get_num_threads()} threads:")
     for num_nodes, ms in verify.items():
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                                 DraftTree.chain(max(depths)))
     hidden_1H, root_1 = state.hidden[-1:], state.root
     with torch.inference_mode():
-        ms = time_ms(lambda: medusa.drafter.draft_with_logits(hidden_1H, root_1), target.device, 1,
+        ms = time_ms(lambda: medusa.drafter.draft_tokens(hidden_1H, root_1), target.device, 1,
                      args.repeats)
     print(f"Medusa draft ({max(depths)} heads with their own lm_heads, one call): {ms:.1f} ms")
     return 0

@@ -11,7 +11,7 @@ Settings swept:
   duplicates removed. When there are more than `max_settings`, the ones with the best
   estimated speed are kept (dynamic settings come on top): (1 + expected accepted tokens) / (1 + NODE_COST * nodes
   + DEPTH_COST * depth for EAGLE's sequential drafting).
-- dynamic EAGLE-2 trees (EAGLE heads only): serving/decode/dynamic.py's
+- dynamic EAGLE-2 trees (EAGLE heads only): serving/decode/trees.py's
   DynamicTreeConfig(depth, top_k, num_nodes) over a small grid.
 
 Measurement: real greedy decoding of the prompts with every setting, interleaved
@@ -38,6 +38,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from specheads.bench.prompts import WARMUP_NEW_TOKENS
+from specheads.serving.decode.generate import generate
+from specheads.serving.decode.stats import alpha_tau
 
 SCHEMA = "specheads.tune/1"
 NODE_BUDGETS = (3, 4, 6, 8, 12, 16, 24, 32)
@@ -67,6 +71,7 @@ class Measured:
     steps: int = 0
     accepted: int = 0
     drafted: int = 0
+    speculative_steps: int = 0
     outputs: list = field(default_factory=list)
 
     def add(self, result, seconds: float) -> None:
@@ -75,6 +80,7 @@ class Measured:
         self.steps += result.stats.steps
         self.accepted += result.stats.accepted_tokens
         self.drafted += result.stats.drafted_tokens
+        self.speculative_steps += result.stats.speculative_steps
         self.outputs.append(list(result.tokens))
 
 
@@ -114,7 +120,7 @@ def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[in
 
 def dynamic_settings(max_depth: int) -> list[Setting]:
     """Dynamic-tree (EAGLE-2) candidates for EAGLE heads: depth x DYNAMIC_GRID."""
-    from specheads.serving.decode.dynamic import DynamicTreeConfig
+    from specheads.serving.decode.trees import DynamicTreeConfig
 
     settings = []
     for depth in sorted({max(1, max_depth // 2), max_depth}):
@@ -145,7 +151,7 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
 
 
 def _decoder(target, heads, heads_config, tree, lookup=None):
-    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.config import SpeculativeDecoder
 
     tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
     # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
@@ -162,7 +168,7 @@ def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[
                 "with": _decoder(target, heads, heads_config, setting.tree, LookupConfig(num_tokens=num_tokens))}
     measured = {name: Measured() for name in decoders}
     for decoder in decoders.values():
-        decoder.generate(prompts[0], max_new_tokens=min(8, max_new_tokens), eos_token_id=eos_token_id)
+        generate(decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
     for prompt in prompts:
         for name, decoder in decoders.items():
             measured[name].add(*_timed(decoder, prompt, max_new_tokens, eos_token_id))
@@ -173,7 +179,7 @@ def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[
 
 def _timed(decoder, prompt: list[int], max_new_tokens: int, eos_token_id):
     start = time.perf_counter()
-    result = decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    result = generate(decoder, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
     return result, time.perf_counter() - start
 
 
@@ -185,8 +191,8 @@ def summary(measured: Measured, plain: Measured, reference_outputs: list) -> dic
     return {"tokens": measured.tokens, "seconds": measured.seconds, "tokens_per_s": tokens_per_s,
             "speedup_vs_plain": tokens_per_s / plain_tps if plain_tps else None,
             "steps": measured.steps,
-            "tau": (measured.accepted + measured.steps) / measured.steps if measured.steps else None,
-            "alpha": measured.accepted / measured.drafted if measured.drafted else None,
+            **dict(zip(("alpha", "tau"), alpha_tau(measured.accepted, measured.drafted, measured.speculative_steps)
+                       if measured.drafted else (None, None))),
             "step_ms": 1000 * step_s if step_s else None,
             "step_cost": step_s / plain_step_s if step_s and plain_step_s else None,
             "identical": measured.outputs == reference_outputs[:len(measured.outputs)]}
@@ -204,7 +210,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     """
     from tqdm.auto import tqdm
 
-    from specheads.serving.decode.steps import SpeculativeDecoder
+    from specheads.serving.decode.config import SpeculativeDecoder
 
     if not prompts:
         raise ValueError("tune needs at least one prompt")
@@ -219,7 +225,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     for setting in settings:
         try:
             decoders[setting.name] = _decoder(target, heads, heads_config, setting.tree)
-            decoders[setting.name].generate(prompts[0], max_new_tokens=min(8, max_new_tokens),
+            generate(decoders[setting.name], prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens),
                                             eos_token_id=eos_token_id)  # warm-up, and fail early
         except (ValueError, NotImplementedError) as err:
             skipped.append({"name": setting.name, "kind": setting.kind, "error": f"{type(err).__name__}: {err}"})
@@ -227,7 +233,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     active = [s for s in settings if s.name in decoders]
     if not active:
         raise ValueError(f"no tree setting could be decoded: {skipped}")
-    plain_decoder.generate(prompts[0], max_new_tokens=min(8, max_new_tokens), eos_token_id=eos_token_id)
+    generate(plain_decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
     plain = Measured()
     measured = {s.name: Measured() for s in active}
     start = time.perf_counter()

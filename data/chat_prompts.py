@@ -18,7 +18,7 @@ target reply, once per target and settings, into the specheads cache: resumable 
 regenerate's progress file) and lock-guarded, so several ranks or runs generate once.
 
 They are disjoint from MT-bench and Spec-Bench, the evaluation sets: no template or
-subject was taken from them, and tests/test_chat_prompts.py checks that no evaluation
+subject was taken from them, and tests/data/test_chat_prompts.py checks that no evaluation
 prompt (or its first 60 characters) appears among them.
 """
 

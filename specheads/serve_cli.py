@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 
-from specheads.runner import TARGET_HELP
+from specheads.errors import UserError
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> None:
@@ -42,7 +43,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --target)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the tokenizer's; without one, specheads' documented fallback)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--torch-threads", type=int, default=None,
@@ -51,10 +52,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from specheads.cli import UserError
     from specheads.runner import load_decoder
     from specheads.serving.server.server import serve
-    from specheads.serving.server.app import ServeConfig
+    from specheads.serving.server.state import ServeConfig
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")

@@ -1,5 +1,12 @@
 """Shared fixtures: tiny targets built locally and saved through the real save_pretrained /
-from_pretrained paths. Nothing here touches a network."""
+from_pretrained paths. Nothing here touches a network.
+
+The one place that sets the test environment: offline W&B and hub, and TRITON_INTERPRET=1
+without a GPU, so that every Triton kernel runs (interpreted) on a CPU; it is set before
+anything imports triton. Tests mirror the package's parts (tests/heads, tests/serving/decode,
+...); a few reuse helpers from another part's test module (test_eagle3.random_head,
+test_training.markov_walks), so every test folder is importable by module name.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,19 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+for _folder in sorted(p for p in Path(__file__).resolve().parent.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 TINY_VOCAB = 256
 

@@ -230,14 +230,15 @@ class TreeStaticCache(Cache):
         """Rows allocated (the largest batch this cache holds)."""
         return len(self.lengths.host)
 
-    def set_rows(self, start: int, stop: int) -> None:
+    def set_rows(self, start: int, stop: int, pending_written: bool = False) -> None:
         """Make rows [start, stop) the active batch: forwards read and write only those rows,
         and commit/attention_mask/position_ids/seq_lens refer to them (row start is batch
         index 0). A scheduler prefills one new sequence alone in its row, then decodes the
-        rows [0, n) together."""
+        rows [0, n) together. pending_written: the caller wrote the same number of pending
+        entries into every new active row (one forward per row), to be committed together."""
         if not 0 <= start < stop <= self.capacity:
             raise ValueError(f"rows [{start}, {stop}) are outside the cache's {self.capacity} rows")
-        if self.lengths.num_pending:
+        if self.lengths.num_pending and not pending_written:
             raise ValueError("set_rows between a forward and its commit would drop the pending entries")
         self.lengths.start, self.lengths.stop = start, stop
 

@@ -1,17 +1,31 @@
-"""Drafting: heads turn committed target states into a tree of candidate tokens.
+"""EAGLE drafting (EAGLE-3, or EAGLE-1/2 heads): a static tree, or an EAGLE-2 tree drafted
+anew every step, both through one level loop.
 
-Medusa: heads turn the last committed hidden state into a tree of tokens.
+Each step first runs the head over the rows committed since the last step (row p reads the
+target's taps at p and the token at p+1), appending them to the head's own KV cache
+(`HeadCache`, committed positions only, never tree nodes); the last row predicts depth 1.
+Then one head forward per depth d >= 1 (`_LevelLoop.run`) runs that depth's nodes: a node
+reads its own token's embedding and its parent's output feature, sits at position S-1+d,
+and attends to the committed rows plus its draft ancestors. Draft ids are mapped to target
+ids through the head's d2t.
 
-The hidden state h at the last committed position p is the one the target's lm_head
-turned into the root token (position p+1). Medusa head k reads the same h and predicts
-position p+k+2, i.e. tree depth k+1. A node at depth d and rank r takes the r-th top
-candidate of head d-1. Top-k runs once per step over all heads for the largest rank the
-tree uses; the node tokens are one gather through index tensors precomputed per tree.
+- `StaticEagleDrafter`: the tree is fixed; a node at depth d and rank r takes the r-th top
+  candidate of its parent.
+- `DynamicEagleDrafter` (EAGLE-2): the head's own confidence shapes the tree.
+  - expand: depth 1 is the root's top_k candidates. At each further depth the top_k
+    frontier nodes by cumulative draft log-prob are expanded, each with its top_k children.
+  - rerank: every drafted node is ranked by cumulative log-prob and the best `num_nodes`
+    are kept. A child's score never exceeds its parent's, and ties keep the earlier-created
+    node (the parent) first, so the kept set is closed under ancestors.
+  - AdaEDL (`entropy_threshold`): a node whose acceptance bound (serving/decode/sampling.py
+    `acceptance_bound`) falls below the threshold gets no children; depth 1 is always drafted.
 
-EAGLE: see Eagle3Drafter.
+Both have one entry point, `draft(state) -> (Draft, HeadCache)`: the drafted tree and the
+head cache that now covers all S committed positions. The decode state is not changed.
 
-Shape legend: B batch, H hidden, K heads, T tree nodes, R ranks used (max rank + 1), S committed
-positions, A rows committed since the last step, Hkv head KV heads, D head dim.
+Shape legend: S committed positions, A rows committed since the last step, H hidden,
+Vd draft vocab, R ranks used, k top_k, m expanded nodes at one depth, N drafted candidates,
+T tree nodes (root included), Hkv head KV heads, D head dim.
 """
 
 from __future__ import annotations
@@ -21,38 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.serving.decode.trees import DraftTree
-
-
-class MedusaDrafter:
-    def __init__(self, heads: nn.Module, tree: DraftTree):
-        num_heads = getattr(heads, "num_heads", None)
-        if num_heads is not None and tree.max_depth > num_heads:
-            raise ValueError(f"the tree is {tree.max_depth} deep but there are only {num_heads} heads; "
-                             "a node at depth d needs head d-1")
-        self.heads = heads
-        self.tree = tree
-        self.num_ranks = tree.max_rank + 1
-        param = next(heads.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-        self.head_index = (tree.depths[1:] - 1).to(device)  # [T-1]
-        self.rank_index = tree.ranks[1:].to(device)  # [T-1]
-
-    @torch.no_grad()
-    def draft(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> torch.Tensor:
-        """hidden [B, H] at the last committed position, root [B] -> tree tokens [B, T]."""
-        return self.draft_with_logits(hidden_BH, root_B)[0]
-
-    @torch.no_grad()
-    def draft_with_logits(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (tree tokens [B, T], the heads' logits [D, B, V] the tokens came from)."""
-        if self.tree.max_depth == 0:
-            return root_B[:, None], None
-        logits_KBTV = self.heads(hidden_BH[:, None, :])
-        logits_KBV = logits_KBTV[:self.tree.max_depth, :, 0, :]
-        candidates_KBR = logits_KBV.topk(self.num_ranks, dim=-1).indices
-        drafted_NB = candidates_KBR[self.head_index, :, self.rank_index]  # [T-1, B]
-        return torch.cat([root_B[:, None], drafted_NB.T], dim=1), logits_KBV
+from specheads.serving.decode.sampling import acceptance_bound
+from specheads.serving.decode.trees import Draft, DraftTree, DynamicTreeConfig, TreePlan
 
 
 @dataclass
@@ -65,8 +49,8 @@ class HeadCache:
 
 def commit_head_rows(head: nn.Module, embeddings: nn.Module, state) -> tuple[torch.Tensor, HeadCache]:
     """Run an EAGLE head over state's rows committed since the last step (row p reads the
-    target's taps at p and the token at p+1), appending them to the head's own cache.
-    -> (the last row's output feature [1, 1, H], the new cache)."""
+    target's taps at p and the token at p+1), after state.draft_cache.
+    -> (the last row's output feature [1, 1, H], the cache over all S positions)."""
     cache = state.draft_cache
     num_new = state.hidden.shape[0]
     past_len = 0 if cache is None else cache.keys.shape[2]
@@ -83,24 +67,42 @@ def commit_head_rows(head: nn.Module, embeddings: nn.Module, state) -> tuple[tor
     return out[:, -1:], HeadCache(k, v)
 
 
-class Eagle3Drafter:
-    """EAGLE-3 (or EAGLE-1/2) drafting of a static tree, level by level.
+class _LevelLoop:
+    """The head forwards of one step's draft levels: each call runs one depth's nodes after
+    the committed rows and the tree nodes run so far."""
 
-    Each step first runs the head over the rows committed since the last step (row p reads
-    the target's taps at p and the token at p+1), appending them to the head's own cache;
-    the last row predicts depth 1. Then one head forward per depth d >= 1 runs that depth's
-    nodes: a node reads its own token's embedding and its parent's output feature, sits at
-    position S-1+d, and attends to the committed rows plus its draft ancestors (the tree
-    mask). Draft ids are mapped to target ids through d2t.
-    """
+    def __init__(self, head: nn.Module, embeddings: nn.Module, cache: HeadCache):
+        self.head, self.embeddings, self.cache = head, embeddings, cache
+        self.prefix_len = cache.keys.shape[2]
+        self.tree_k = self.tree_v = None
 
-    def __init__(self, head: nn.Module, tree: DraftTree, embeddings: nn.Module, tap_layers: list[int]):
+    def run(self, depth: int, tokens_m: torch.Tensor, parent_features: torch.Tensor,
+            ancestors_mN: torch.Tensor) -> torch.Tensor:
+        """Nodes at `depth` (target ids [m], their parents' features [1, m, H], which of the tree
+        nodes run so far plus themselves they attend to [m, N]) -> their output features [1, m, H]."""
+        num_nodes = int(tokens_m.shape[0])
+        device = parent_features.device
+        embeds = self.embeddings(tokens_m[None]).to(parent_features.dtype)  # [1, m, H]
+        positions = torch.full((1, num_nodes), self.prefix_len - 1 + depth, device=device)
+        mask = torch.cat([torch.ones(num_nodes, self.prefix_len, dtype=torch.bool, device=device), ancestors_mN], 1)
+        past_k = self.cache.keys if self.tree_k is None else torch.cat([self.cache.keys, self.tree_k], 2)
+        past_v = self.cache.values if self.tree_v is None else torch.cat([self.cache.values, self.tree_v], 2)
+        out, (k, v) = self.head.step(embeds, parent_features, positions, (past_k, past_v), mask[None, None])
+        self.tree_k = k if self.tree_k is None else torch.cat([self.tree_k, k], 2)
+        self.tree_v = v if self.tree_v is None else torch.cat([self.tree_v, v], 2)
+        return out
+
+
+class StaticEagleDrafter:
+    """A fixed tree, drafted level by level (module doc)."""
+
+    def __init__(self, head: nn.Module, embeddings: nn.Module, tree: DraftTree):
         if tree.max_depth == 0:
             raise ValueError("an EAGLE drafter needs a tree with draft nodes")
-        self.head, self.tree, self.embeddings = head, tree, embeddings
-        self.tap_layers = list(tap_layers)
+        self.head, self.embeddings, self.tree = head, embeddings, tree
         self.num_ranks = tree.max_rank + 1
         device = head.d2t.device
+        self.plan = TreePlan(tree, device)
         self.draft_to_target = head.draft_to_target()  # [Vd]
         depths, parents = tree.depths.tolist(), tree.parents.tolist()
         local = {0: 0}  # node -> index within its level
@@ -109,37 +111,137 @@ class Eagle3Drafter:
             nodes = [n for n in range(tree.num_nodes) if depths[n] == depth]
             for i, node in enumerate(nodes):
                 local[node] = i
-            last = nodes[-1]
             parent_local = torch.tensor([local[parents[n]] for n in nodes], device=device)
-            mask = tree.tree_mask[nodes][:, 1:last + 1].to(device)  # [n_d, draft nodes up to depth d]
+            mask = tree.tree_mask[nodes][:, 1:nodes[-1] + 1].to(device)  # [n_d, draft nodes up to depth d]
             self.levels.append((parent_local, tree.ranks[nodes].to(device), mask))
 
-    def _commit_rows(self, state) -> tuple[torch.Tensor, HeadCache]:
-        return commit_head_rows(self.head, self.embeddings, state)
-
     @torch.no_grad()
-    def draft(self, state) -> torch.Tensor:
-        """DecodeState -> tree tokens [1, T]; sets state.draft_cache to cover all S positions."""
-        head = self.head
-        parent_features, cache = self._commit_rows(state)  # [1, 1, H]
-        state.draft_cache = cache
-        prefix_len = cache.keys.shape[2]
+    def draft(self, state) -> tuple[Draft, HeadCache]:
+        features, cache = commit_head_rows(self.head, self.embeddings, state)  # [1, 1, H]
+        loop = _LevelLoop(self.head, self.embeddings, cache)
         tokens = [state.root]
-        tree_k = tree_v = None
         for depth, (parent_local, ranks, mask) in enumerate(self.levels, start=1):
-            candidates = head.logits(parent_features).topk(self.num_ranks, dim=-1).indices  # [1, n_{d-1}, R]
+            candidates = self.head.logits(features).topk(self.num_ranks, dim=-1).indices  # [1, n_{d-1}, R]
             level_tokens = self.draft_to_target[candidates[0, parent_local, ranks]]  # [n_d]
             tokens.append(level_tokens)
-            if depth == self.tree.max_depth:
-                break
-            num_nodes = level_tokens.shape[0]
-            embeds = self.embeddings(level_tokens[None]).to(parent_features.dtype)  # [1, n_d, H]
-            feature = parent_features[:, parent_local]  # [1, n_d, H]
-            positions = torch.full((1, num_nodes), prefix_len - 1 + depth, device=embeds.device)
-            full_mask = torch.cat([torch.ones(num_nodes, prefix_len, dtype=torch.bool, device=mask.device), mask], 1)
-            past_k = cache.keys if tree_k is None else torch.cat([cache.keys, tree_k], 2)
-            past_v = cache.values if tree_v is None else torch.cat([cache.values, tree_v], 2)
-            parent_features, (k, v) = head.step(embeds, feature, positions, (past_k, past_v), full_mask[None, None])
-            tree_k = k if tree_k is None else torch.cat([tree_k, k], 2)
-            tree_v = v if tree_v is None else torch.cat([tree_v, v], 2)
-        return torch.cat(tokens)[None]
+            if depth < self.tree.max_depth:
+                features = loop.run(depth, level_tokens, features[:, parent_local], mask)
+        return Draft(torch.cat(tokens), self.plan), cache
+
+
+@dataclass
+class DynamicDraft:
+    """A drafted candidate set before the rerank (global numbering: 0 = root, then candidates
+    in creation order, depth-major). Exposed for tests and diagnostics."""
+
+    parents: torch.Tensor  # [N+1] long, root -1
+    ranks: torch.Tensor  # [N+1] long, candidate rank under its parent
+    depths: torch.Tensor  # [N+1] long
+    tokens: torch.Tensor  # [N+1] long, target ids (root first)
+    scores: torch.Tensor  # [N+1] float, cumulative draft log-prob; root 0, -inf: stopped by AdaEDL
+
+
+class DynamicEagleDrafter:
+    """EAGLE-2 trees (and AdaEDL early stopping), drafted anew every step (module doc)."""
+
+    def __init__(self, head: nn.Module, embeddings: nn.Module, config: DynamicTreeConfig):
+        if not isinstance(config, DynamicTreeConfig):
+            raise TypeError(f"config must be a DynamicTreeConfig, got {type(config).__name__}")
+        if config.top_k > head.draft_vocab_size:
+            raise ValueError(f"tree.dynamic.top_k is {config.top_k} but the head's draft vocab has only "
+                             f"{head.draft_vocab_size} tokens")
+        self.head, self.embeddings, self.config = head, embeddings, config
+        self.draft_to_target = head.draft_to_target()  # [Vd]
+
+    def _children(self, logits_mV: torch.Tensor, parent_scores_m: torch.Tensor):
+        """Top-k children of m nodes -> (draft ids [m*k], cumulative log-probs [m*k], ranks [m*k]).
+        A parent scored -inf (stopped by AdaEDL) gives children scored -inf: never kept."""
+        top_logp, top_ids = torch.log_softmax(logits_mV.float(), dim=-1).topk(self.config.top_k, dim=-1)  # [m, k]
+        scores = parent_scores_m[:, None] + top_logp.clamp(max=0.0)
+        ranks = torch.arange(top_ids.shape[1], device=top_ids.device).repeat(top_ids.shape[0])
+        return top_ids.reshape(-1), scores.reshape(-1), ranks
+
+    @torch.no_grad()
+    def expand(self, state) -> tuple[DynamicDraft, HeadCache]:
+        """Every candidate, before the rerank, and the head cache over all S positions."""
+        head, config = self.head, self.config
+        top_k = config.top_k
+        features, cache = commit_head_rows(head, self.embeddings, state)  # [1, 1, H]
+        loop = _LevelLoop(head, self.embeddings, cache)
+        device = features.device
+        zero = torch.zeros(1, device=device)
+        ids, scores, ranks = self._children(head.logits(features)[0], zero)  # depth 1: always drafted
+        all_ids, all_scores, all_ranks = [ids], [scores], [ranks]
+        all_parents = [torch.zeros(top_k, dtype=torch.long, device=device)]
+        all_depths = [torch.ones(top_k, dtype=torch.long, device=device)]
+        level_start = 1  # global index of the current frontier's first node
+        parent_local_frontier = torch.zeros(top_k, dtype=torch.long, device=device)  # frontier -> expanded index
+        max_expanded = (config.depth - 1) * top_k
+        ancestors = torch.zeros(max_expanded, max_expanded, dtype=torch.bool, device=device)
+        prev_offset, offset = 0, 0  # expanded-row offsets of the previous / current level
+        for depth in range(1, config.depth):
+            num_live = int(torch.isfinite(scores).sum())
+            if num_live == 0:
+                break  # AdaEDL stopped every branch
+            chosen = scores.topk(min(top_k, num_live)).indices  # [m], frontier-local
+            num_chosen = int(chosen.shape[0])
+            parent_local = parent_local_frontier[chosen]
+            rows = torch.arange(offset, offset + num_chosen, device=device)
+            if depth > 1:
+                ancestors[offset:offset + num_chosen, :offset] = ancestors[prev_offset + parent_local, :offset]
+            ancestors[rows, rows] = True
+            features = loop.run(depth, self.draft_to_target[ids[chosen]], features[:, parent_local],
+                                ancestors[offset:offset + num_chosen, :offset + num_chosen])
+            logits = head.logits(features)[0]  # [m, Vd]
+            parent_scores = scores[chosen]
+            if config.entropy_threshold is not None:  # AdaEDL: these nodes' children are not drafted
+                parent_scores = parent_scores.masked_fill(acceptance_bound(logits) < config.entropy_threshold,
+                                                          float("-inf"))
+            all_parents.append((level_start + chosen).repeat_interleave(top_k))
+            level_start += int(scores.shape[0])
+            ids, scores, ranks = self._children(logits, parent_scores)
+            all_ids.append(ids)
+            all_scores.append(scores)
+            all_ranks.append(ranks)
+            all_depths.append(torch.full_like(ids, depth + 1))
+            parent_local_frontier = torch.arange(num_chosen, device=device).repeat_interleave(top_k)
+            prev_offset, offset = offset, offset + num_chosen
+        minus_one = torch.full((1,), -1, dtype=torch.long, device=device)
+        drafted = DynamicDraft(
+            parents=torch.cat([minus_one] + all_parents), ranks=torch.cat([minus_one + 1] + all_ranks),
+            depths=torch.cat([minus_one + 1] + all_depths),
+            tokens=torch.cat([state.root.reshape(1)] + [self.draft_to_target[i] for i in all_ids]),
+            scores=torch.cat([zero] + all_scores))
+        return drafted, cache
+
+    def rerank(self, drafted: DynamicDraft) -> tuple[torch.Tensor, DraftTree]:
+        """Keep the best num_nodes candidates; -> (tokens [T] in node order, tree)."""
+        scores = drafted.scores[1:].cpu()
+        # Stable descending sort: on a tie the earlier-created node (a parent before its child) wins.
+        order = torch.sort(scores, descending=True, stable=True).indices
+        num_keep = min(self.config.num_nodes, int(torch.isfinite(scores).sum()))
+        kept = order[:num_keep] + 1  # global indices
+        parents, ranks, depths = drafted.parents.cpu(), drafted.ranks.cpu(), drafted.depths.cpu()
+        kept_depths = depths[kept]
+        # (depth, parent's new index, rank) order = DraftTree's (depth, path) order, level by level.
+        new_index = torch.full((int(parents.shape[0]),), -1, dtype=torch.long)
+        new_index[0] = 0
+        ordered = [torch.zeros(1, dtype=torch.long)]
+        next_index = 1
+        for depth in range(1, int(kept_depths.max()) + 1 if num_keep else 1):
+            level = kept[kept_depths == depth]
+            level = level[torch.argsort(new_index[parents[level]] * self.config.top_k + ranks[level])]
+            new_index[level] = torch.arange(next_index, next_index + int(level.shape[0]))
+            next_index += int(level.shape[0])
+            ordered.append(level)
+        nodes = torch.cat(ordered)  # [T] global indices in node order
+        parents_T = new_index[parents[nodes]]
+        parents_T[0] = -1
+        tree = DraftTree.from_parents(parents_T, ranks[nodes], depths[nodes])
+        return drafted.tokens[nodes.to(drafted.tokens.device)], tree
+
+    @torch.no_grad()
+    def draft(self, state) -> tuple[Draft, HeadCache]:
+        drafted, cache = self.expand(state)
+        tokens, tree = self.rerank(drafted)
+        return Draft(tokens, TreePlan(tree, tokens.device)), cache

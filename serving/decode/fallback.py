@@ -1,6 +1,7 @@
 """Falling back to plain decoding when speculation does not pay: the policy's parameters
 (`FallbackPolicy`), the measured step costs it decides by (`StepCosts`) and the decisions
-themselves (`BatchFallback`, which serving/decode/engine.py asks before each step and tells after).
+themselves (`Fallback`, which serving/decode/engine.py asks before each step and tells after),
+with each sequence's state in its own `SpeculationWindow`.
 
 The engine measures the time of every decode step with `StepCosts.clock` (tests replace it),
 keyed by (batch size, padded tree size), and the tokens per speculative step (tau) per
@@ -19,9 +20,8 @@ batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse
 The stats say so (`DecodeStats.fallback`, `fallbacks`, `fallback_reason`). Seeded sampling
 never falls back: its random stream, hence its output, must not depend on timing.
 
-A sequence here is the engine's `_Sequence`: its `stats`, its speculation window
-(`spec_steps`, `spec_accepted`, `spec_seconds`, `plain_run`) and its flags (`speculating`,
-`may_fall_back`, `finish_reason`).
+A sequence here is the engine's `Sequence`: its `window`, its `stats` (where a fallback is
+reported) and its `finish_reason`.
 """
 
 from __future__ import annotations
@@ -103,42 +103,84 @@ class StepCosts:
         return tau * plain / spec
 
 
-class BatchFallback:
-    """One engine's fallback decisions (module doc) and its counters: the probe steps left,
-    and per batch size the speculative steps run and the steps the batch gate made plain."""
+@dataclass
+class SpeculationWindow:
+    """One sequence's fallback state: whether it drafts, and its current decision window."""
 
-    def __init__(self, decoder):
-        self.decoder = decoder  # its .fallback (FallbackPolicy | None) and .step_costs are read each time
+    speculating: bool  # drafts when the batch gate lets it (False: speculation off, or fallen back)
+    may_fall_back: bool  # False: no policy, speculation off, or seeded sampling
+    steps: int = 0  # speculative steps in the window
+    accepted: int = 0  # draft tokens they accepted
+    seconds: float = 0.0  # their wall time
+    plain_run: int = 0  # plain steps since the last fallback (speculation is retried after retry_after)
+
+
+class Fallback:
+    """One engine's fallback decisions (module doc). The engine asks `drafting(batch)` before
+    each step and tells `observe(...)` after committing it; nothing else reads or writes a
+    sequence's window. Counters: the probe steps left, and per batch size the speculative
+    steps run and the steps the batch gate made plain."""
+
+    def __init__(self, policy: FallbackPolicy | None, costs: StepCosts):
+        self.policy, self.costs = policy, costs
         self.probe_steps = 0  # steps left in which every sequence that may fall back decodes plainly
         self.spec_steps_at: dict[int, int] = {}
         self.gated_steps_at: dict[int, int] = {}
 
-    def record(self, batch_size: int, num_nodes: int, speculative_tokens: list[int], seconds: float) -> None:
-        """A whole step's cost, and the tokens each speculative row emitted (its tau)."""
-        costs = self.decoder.step_costs
-        costs.record(batch_size, num_nodes, seconds)
-        if speculative_tokens:
-            costs.record_tau(batch_size, sum(speculative_tokens) / len(speculative_tokens))
-            self.spec_steps_at[batch_size] = self.spec_steps_at.get(batch_size, 0) + 1
+    def window(self, speculating: bool, seeded: bool) -> SpeculationWindow:
+        """A new sequence's window; seeded sampling never falls back (its output must not depend on timing)."""
+        return SpeculationWindow(speculating=speculating,
+                                 may_fall_back=speculating and self.policy is not None and not seeded)
 
-    def end_step(self) -> None:
+    def drafting(self, batch: list) -> list[bool]:
+        """The one question before a step: which of the batch's sequences draft."""
+        for seq in batch:
+            window = seq.window
+            if seq.stats.fallback and not window.speculating and window.plain_run >= self.policy.retry_after:
+                window.speculating = True  # try speculating again: the text may have become predictable
+        plain = self._plain_step(batch)
+        return [seq.window.speculating and not (plain and seq.window.may_fall_back) for seq in batch]
+
+    def observe(self, batch: list, depths: list[int], emitted: list[int | None], num_nodes: int,
+                seconds: float) -> None:
+        """The one thing after a committed step: each sequence's drafted depth (0: a plain step)
+        and emitted tokens (None: it failed; then the step is no measure of the step cost), the
+        padded tree size and the step's seconds."""
+        speculative = [count for depth, count in zip(depths, emitted) if depth > 0 and count is not None]
+        if all(count is not None for count in emitted):
+            self.costs.record(len(batch), num_nodes, seconds)
+            if speculative:
+                self.costs.record_tau(len(batch), sum(speculative) / len(speculative))
+                self.spec_steps_at[len(batch)] = self.spec_steps_at.get(len(batch), 0) + 1
+        for seq, depth, count in zip(batch, depths, emitted):
+            if count is None:
+                continue
+            window = seq.window
+            if depth == 0:
+                window.plain_run += 1
+            else:
+                window.steps += 1
+                window.accepted += count - 1
+                window.seconds += seconds
         if self.probe_steps:
             self.probe_steps -= 1
+        for seq, count in zip(batch, emitted):
+            if count is not None:
+                self._decide(seq, len(batch))
 
-    def plain_step(self, batch: list) -> bool:
+    def _plain_step(self, batch: list) -> bool:
         """Whether the sequences that may fall back decode plainly this step: while probing the
         plain-step cost, or (batch > 1) when speculation is predicted not to pay at this batch
         size. One speculative step every retry_after keeps the estimate fresh."""
-        policy = self.decoder.fallback
+        policy = self.policy
         if self.probe_steps:
             return True
         size = len(batch)
-        if policy is None or size == 1 or not any(s.may_fall_back and s.speculating for s in batch):
+        if policy is None or size == 1 or not any(s.window.may_fall_back and s.window.speculating for s in batch):
             return False
-        costs = self.decoder.step_costs
-        gain = costs.predicted_gain(size)
+        gain = self.costs.predicted_gain(size)
         if gain is None:
-            if costs.get(size, 1) is None and self.spec_steps_at.get(size, 0) >= policy.warmup_steps:
+            if self.costs.get(size, 1) is None and self.spec_steps_at.get(size, 0) >= policy.warmup_steps:
                 self.probe_steps = policy.probe_steps
                 return True
             return False
@@ -148,46 +190,48 @@ class BatchFallback:
         if gated % policy.retry_after == 0:
             return False
         for seq in batch:
-            if seq.may_fall_back and seq.speculating and not seq.stats.fallback:
-                seq.stats.fallback = True
-                seq.stats.fallback_reason = (f"in a batch of {size} speculation was predicted at {gain:.2f}x plain "
-                                             f"decoding's tokens/s (measured step costs and tau)")
-                seq.stats.fallback_step = seq.stats.steps
-                seq.stats.fallbacks += 1
+            if seq.window.may_fall_back and seq.window.speculating and not seq.stats.fallback:
+                _mark(seq.stats, f"in a batch of {size} speculation was predicted at {gain:.2f}x plain "
+                                 f"decoding's tokens/s (measured step costs and tau)")
         return True
 
-    def after_step(self, seq, batch_size: int) -> None:
+    def _decide(self, seq, batch_size: int) -> None:
         """At the end of each window of warmup_steps speculative steps: keep speculating or fall
-        back; in a batch only the no-acceptance rule is per request (see plain_step)."""
-        policy = self.decoder.fallback
-        if not seq.may_fall_back or not seq.speculating or self.probe_steps or seq.finish_reason is not None \
-                or seq.spec_steps < policy.warmup_steps:
+        back; in a batch only the no-acceptance rule is per request (see _plain_step)."""
+        policy, window = self.policy, seq.window
+        if not window.may_fall_back or not window.speculating or self.probe_steps \
+                or seq.finish_reason is not None or window.steps < policy.warmup_steps:
             return
-        if seq.spec_accepted == 0:
-            _fall_back(seq, f"no draft token accepted in {seq.spec_steps} speculative steps")
+        if window.accepted == 0:
+            self._fall_back(seq, f"no draft token accepted in {window.steps} speculative steps")
             return
-        if batch_size > 1:  # a batch speculates or not as a whole (plain_step)
-            seq.spec_steps, seq.spec_accepted, seq.spec_seconds = 0, 0, 0.0
+        if batch_size > 1:  # a batch speculates or not as a whole (_plain_step)
+            window.steps, window.accepted, window.seconds = 0, 0, 0.0
             return
-        plain_cost = self.decoder.step_costs.get(batch_size, 1)
+        plain_cost = self.costs.get(batch_size, 1)
         if plain_cost is None:
             self.probe_steps = policy.probe_steps  # time plain steps at this batch size, then decide
             return
-        tau = (seq.spec_accepted + seq.spec_steps) / seq.spec_steps
-        spec_rate, plain_rate = (seq.spec_accepted + seq.spec_steps) / seq.spec_seconds, 1.0 / plain_cost
+        tau = (window.accepted + window.steps) / window.steps
+        spec_rate, plain_rate = (window.accepted + window.steps) / window.seconds, 1.0 / plain_cost
         seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
         if spec_rate < (1 - policy.margin) * plain_rate:
-            _fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
-                            f"decoding's {plain_rate:.1f} tokens/s")
+            self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
+                                 f"decoding's {plain_rate:.1f} tokens/s")
         else:
-            seq.spec_steps, seq.spec_accepted, seq.spec_seconds = 0, 0, 0.0  # a new window
+            window.steps, window.accepted, window.seconds = 0, 0, 0.0  # a new window
+
+    @staticmethod
+    def _fall_back(seq, reason: str) -> None:
+        window = seq.window
+        window.speculating = False
+        window.steps, window.accepted, window.seconds, window.plain_run = 0, 0, 0.0, 0
+        _mark(seq.stats, reason)
 
 
-def _fall_back(seq, reason: str) -> None:
-    seq.speculating = False
-    seq.spec_steps, seq.spec_accepted, seq.spec_seconds, seq.plain_run = 0, 0, 0.0, 0
-    seq.stats.fallback = True
-    seq.stats.fallback_reason = reason
-    if seq.stats.fallback_step is None:
-        seq.stats.fallback_step = seq.stats.steps
-    seq.stats.fallbacks += 1
+def _mark(stats, reason: str) -> None:
+    stats.fallback = True
+    stats.fallback_reason = reason
+    if stats.fallback_step is None:
+        stats.fallback_step = stats.steps
+    stats.fallbacks += 1

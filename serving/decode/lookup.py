@@ -23,20 +23,16 @@ from there; when the copy reaches the end of the context it goes on copying its 
 so a loop of period p is drafted for as long as asked (the match just before the suffix is
 exactly p back).
 
-`with_lookup_chain(tree, L)` appends the chain to a tree as nodes T..T+L-1, child of the root
-and of each other. That breaks DraftTree's (depth, path) node order, but not what verify
-and accept need: every parent comes before its children.
+`NgramIndex.draft(output)` is the drafter's one entry point: it takes the sequence's output so
+far and returns the chain and whether it goes alone. `DraftTree.with_lookup_chain`
+(serving/decode/trees.py) adds the chain to the heads' tree as one more branch.
 
 Shape legend: T tree nodes of the heads' draft, L lookup tokens, D max depth.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-import torch
-
-from specheads.serving.decode.trees import DraftTree
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -83,6 +79,15 @@ class NgramIndex:
                 index[tuple(tokens[end - n:end])] = end
             tokens.append(int(token))
 
+    def draft(self, output: list[int], prompt_len: int) -> tuple[list[int], bool]:
+        """Index the output tokens not seen yet (output = tokens after the prompt_len prompt
+        tokens), then -> (the chain, up to num_tokens tokens; whether it goes alone: its match
+        is at least alone_at_ngram tokens long, so the heads' draft is skipped)."""
+        self.extend(output[len(self.tokens) - prompt_len:])
+        chain, matched = self.propose()
+        alone_at = self.config.alone_at_ngram
+        return chain, bool(chain) and alone_at is not None and matched >= alone_at
+
     def propose(self) -> tuple[list[int], int]:
         """-> (up to num_tokens drafted tokens, the matched n-gram's length); ([], 0) if none."""
         tokens, config = self.tokens, self.config
@@ -97,41 +102,3 @@ class NgramIndex:
                 draft.append(tokens[position] if position < context_len else draft[position - context_len])
             return draft, n
         return [], 0
-
-
-def with_lookup_chain(tree: DraftTree, length: int) -> DraftTree:
-    """`tree` plus a chain of `length` nodes under the root (nodes T..T+L-1, rank max_rank+1
-    at depth 1, so its rank paths stay distinct)."""
-    if length < 1:
-        raise ValueError(f"a lookup chain needs at least one token, got {length}")
-    num_base = tree.num_nodes
-    num_nodes = num_base + length
-    chain = torch.arange(num_base, num_nodes)
-    parents = torch.cat([tree.parents, torch.cat([torch.zeros(1, dtype=torch.long), chain[:-1]])])
-    depths = torch.cat([tree.depths, torch.arange(1, length + 1)])
-    first_rank = tree.max_rank + 1
-    ranks = torch.cat([tree.ranks, torch.tensor([first_rank] + [0] * (length - 1), dtype=torch.long)])
-    tree_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
-    tree_mask[:num_base, :num_base] = tree.tree_mask
-    tree_mask[num_base:, 0] = True
-    tree_mask[num_base:, num_base:] = torch.ones(length, length, dtype=torch.bool).tril()
-    max_depth = max(tree.max_depth, length)
-    base_leaves = tree.leaf_paths if num_base > 1 else tree.leaf_paths[:0]  # the root is a parent now
-    leaf_paths = torch.full((base_leaves.shape[0] + 1, max_depth + 1), -1, dtype=torch.long)
-    leaf_paths[:base_leaves.shape[0], :base_leaves.shape[1]] = base_leaves
-    leaf_paths[-1, :length + 1] = torch.cat([torch.zeros(1, dtype=torch.long), chain])
-    chain_paths = tuple((first_rank,) + (0,) * i for i in range(length))
-    return DraftTree(rank_paths=tree.rank_paths + chain_paths, parents=parents, depths=depths, ranks=ranks,
-                     tree_mask=tree_mask, position_offsets=depths.clone(), leaf_paths=leaf_paths)
-
-
-def lookup_from_tree_field(tree: dict | None) -> LookupConfig | None:
-    """The lookup a heads directory's `tree` records (`{"lookup": {"num_tokens": 10, ...}}`,
-    written by `specheads tune` when lookup made the tuned tree faster), or None."""
-    spec = (tree or {}).get("lookup")
-    if spec is None:
-        return None
-    allowed = [f.name for f in fields(LookupConfig)]
-    if not isinstance(spec, dict) or set(spec) - set(allowed):
-        raise ValueError(f"the heads tree's 'lookup' must be an object with keys from {allowed}, got {spec!r}")
-    return LookupConfig(**spec)

@@ -46,7 +46,7 @@ x_i is drawn from q_i, independently of this step's uniforms. Three modes:
 3. sampled drafts with replacement (`replacement=True`): x_1..x_m i.i.d. from q_n.
 Passing q for children that were NOT drawn from it (top-k candidates with `draft_probs`, or
 draws without replacement processed with `replacement=True`) biases the output;
-tests/test_sampling.py shows the statistical test detects both.
+tests/serving/decode/test_sampling.py shows the statistical test detects both.
 
 Numerical guard: a rejection has probability zero when the residual mass is zero; if
 rounding produces one anyway the residual is undefined and p_i is kept.
@@ -86,7 +86,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.serving.decode.trees import DraftTree
+from specheads.serving.decode.trees import DraftTree, accepted_path
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Medusa's defaults for typical acceptance
 DEFAULT_POSTERIOR_ALPHA = 0.3
@@ -256,16 +256,12 @@ def _reject_sampled(p_V: torch.Tensor, q_V: torch.Tensor, tokens: list[int], uni
 
 
 def _accept_greedy(tree: DraftTree, tree_tokens_T: torch.Tensor, target_logits_TV: torch.Tensor) -> TreeSample:
-    """serving/decode/steps.py's accept rule, reproduced exactly."""
+    """The greedy rule (serving/decode/trees.py accepted_path) as a TreeSample."""
     device = target_logits_TV.device
     target_tokens_T = target_logits_TV.argmax(dim=-1)
     parents = tree.parents[1:].to(device)
-    match_T = torch.cat([torch.ones(1, dtype=torch.bool, device=device), tree_tokens_T[1:] == target_tokens_T[parents]])
-    match_ext = torch.cat([match_T, torch.zeros(1, dtype=torch.bool, device=device)])  # index -1 -> False
-    leaf_paths = tree.leaf_paths.to(device)
-    accepted_len_L = match_ext[leaf_paths].cumprod(dim=1).sum(dim=1)
-    best = int(accepted_len_L.argmax())
-    nodes = leaf_paths[best, :int(accepted_len_L[best])]
+    correct_T = torch.cat([torch.ones(1, dtype=torch.bool, device=device), tree_tokens_T[1:] == target_tokens_T[parents]])
+    nodes = accepted_path(tree.leaf_paths.to(device), correct_T)
     emitted = torch.cat([tree_tokens_T[nodes[1:]], target_tokens_T[nodes[-1:]]]).tolist()
     is_leaf = int(nodes[-1]) not in set(tree.parents.tolist())
     return TreeSample(nodes=nodes, emitted=emitted, final_kind="bonus" if is_leaf else "recovered", lossless=True)
@@ -279,11 +275,7 @@ def _accept_typical(tree: DraftTree, tree_tokens_T: torch.Tensor, probs_TV: torc
     parents = tree.parents[1:].to(device)
     candidate_prob = probs_TV[parents].gather(-1, tree_tokens_T[1:, None])[:, 0]  # [T-1]
     ok_T = torch.cat([torch.ones(1, dtype=torch.bool, device=device), candidate_prob > threshold_T[parents]])
-    ok_ext = torch.cat([ok_T, torch.zeros(1, dtype=torch.bool, device=device)])
-    leaf_paths = tree.leaf_paths.to(device)
-    accepted_len_L = ok_ext[leaf_paths].cumprod(dim=1).sum(dim=1)
-    best = int(accepted_len_L.argmax())
-    nodes = leaf_paths[best, :int(accepted_len_L[best])]
+    nodes = accepted_path(tree.leaf_paths.to(device), ok_T)
     last = int(nodes[-1])
     final = _sample(probs_TV[last], _uniforms(1, generator, device)[0])
     is_leaf = last not in set(tree.parents.tolist())
@@ -343,3 +335,17 @@ def accept_tree_sampling(tree: DraftTree, tree_tokens_T: torch.Tensor, target_lo
     nodes = torch.tensor(path, dtype=torch.long, device=tree_tokens_T.device)
     return TreeSample(nodes=nodes, emitted=[tokens[n] for n in path[1:]] + [final], final_kind=final_kind,
                       lossless=True)
+
+
+ADAEDL_GAMMA = 0.5  # Pinsker: TV <= sqrt(KL / 2); AdaEDL's bound 1 - sqrt(gamma * H)
+
+
+def acceptance_bound(logits: torch.Tensor, gamma: float = ADAEDL_GAMMA) -> torch.Tensor:
+    """AdaEDL's lower bound on the probability that a drafted token is accepted,
+    clamp(1 - sqrt(gamma * H(softmax(logits))), 0, 1) over the last dim (H in nats): [..., V] -> [...].
+
+    Acceptance = 1 - TV(p, q) >= 1 - sqrt(KL / 2) (Pinsker, gamma = 1/2), with the draft's
+    entropy standing in for the unknown KL, as AdaEDL does. Medusa's depth cut
+    (serving/decode/medusa.py) and EAGLE-2's early stop (serving/decode/eagle.py) read it."""
+    entropy = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1).clamp(min=0.0)
+    return (1.0 - (gamma * entropy).sqrt()).clamp(0.0, 1.0)

@@ -1,7 +1,10 @@
-"""Step-level batched decoding: sequences join and leave a running batch between steps.
+"""Continuous batching around the engine: requests join and leave a running batch between steps.
 
-`BatchSession` is the engine's interface for a scheduler (the HTTP server's worker): it
-owns up to `max_batch_size` sequences; `add()` admits one (its prefill runs on the next
+`Scheduler` is what a server worker (serving/server/worker.py) drives: it gives each
+admitted request an id, reports a new request's first token with the next step's updates
+(so every update comes from `step()`), retires finished sequences from the engine's rows,
+and cancels by id. The engine itself knows rows, not requests. It owns up to
+`max_batch_size` sequences; `add()` admits one (its prefill runs on the next
 `step()`), `step()` advances every active sequence by one decode step and reports each
 one's new tokens, `cancel()` drops one at once. A session is used from one thread only.
 
@@ -17,12 +20,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from specheads.serving.decode.steps import SpeculativeDecoder
+from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 from specheads.serving.decode.faults import SequenceFailed, describe, is_fatal
 from specheads.serving.decode.stats import GenerationResult
 
-__all__ = ["BatchSession", "SequenceRequest", "SequenceUpdate"]
+__all__ = ["Scheduler", "SequenceRequest", "SequenceUpdate"]
 
 
 @dataclass
@@ -33,7 +36,7 @@ class SequenceUpdate:
     result: GenerationResult | None = None  # set when finished
 
 
-class BatchSession:
+class Scheduler:
     """Up to max_batch_size sequences decoded together (see the module docstring).
 
     max_cache_len bounds every sequence's prompt + max_new_tokens + one tree; default the

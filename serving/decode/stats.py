@@ -1,13 +1,26 @@
 """What one request's decoding returns (`GenerationResult`) and what it counted (`DecodeStats`).
 
-Metrics (DESIGN.md invariant 8): alpha = accepted draft tokens / drafted tokens, where a
-step drafts `tree.max_depth` tokens (what one path can contribute, not the node count);
-tau = tokens emitted per verify step = accepted draft tokens + 1 bonus.
+Metrics (DESIGN.md invariant 8), defined once in `alpha_tau` and read by generate, bench,
+tune, the server's responses and /metrics alike:
+- alpha = accepted draft tokens / drafted tokens, where a step drafts `tree.max_depth`
+  tokens (what one path can contribute, not the node count);
+- tau = tokens emitted per *speculative* verify step = accepted draft tokens + 1 bonus.
+  Plain steps (speculation off, probing the plain cost, fallen back) are not counted: they
+  emit one token by construction, so counting them would make tau after a fallback measure
+  the fallback instead of the drafts. Tokens/s is where fallbacks show.
+Both are 0.0 when nothing was drafted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def alpha_tau(accepted_tokens: int, drafted_tokens: int, speculative_steps: int) -> tuple[float, float]:
+    """(alpha, tau) from the counts (module doc): the one definition."""
+    alpha = accepted_tokens / drafted_tokens if drafted_tokens else 0.0
+    tau = (accepted_tokens + speculative_steps) / speculative_steps if speculative_steps else 0.0
+    return alpha, tau
 
 
 @dataclass
@@ -30,13 +43,33 @@ class DecodeStats:
     lookup_steps: int = 0  # steps that verified an n-gram lookup chain (serving/decode/lookup.py)
     lookup_accepted: int = 0  # draft tokens accepted from lookup chains (part of accepted_tokens)
 
+    def count_step(self, depth: int, num_accepted: int, seconds: float) -> None:
+        """One committed step that drafted `depth` tokens along a path (0: a plain step) and
+        accepted num_accepted of them."""
+        self.decode_s += seconds
+        self.steps += 1
+        if depth == 0:  # a plain step (speculation off, probing or fallen back)
+            self.plain_steps += 1
+            return
+        self.drafted_tokens += depth
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < depth:
+            self.accepted_per_position += [0] * (depth - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def speculative_steps(self) -> int:
+        """Verify steps that drafted (tau's denominator)."""
+        return self.steps - self.plain_steps
+
     @property
     def alpha(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        return alpha_tau(self.accepted_tokens, self.drafted_tokens, self.speculative_steps)[0]
 
     @property
     def tau(self) -> float:
-        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+        return alpha_tau(self.accepted_tokens, self.drafted_tokens, self.speculative_steps)[1]
 
     @property
     def tokens_per_s(self) -> float:

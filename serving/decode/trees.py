@@ -1,4 +1,6 @@
-"""Static draft trees: which candidate tokens a decode step drafts and how they attend.
+"""Draft trees: which candidate tokens a decode step drafts, how they attend, and which
+path is accepted. Every tree constructor, the parser of a heads directory's `tree` field and
+the longest-accepted-path rule live here.
 
 A tree is data. Node 0 is the root: the token the target already chose, so it is certain.
 Every other node comes from a rank-path: (0, 2) is "the top-1 candidate of depth 1, then
@@ -9,17 +11,32 @@ Nodes are ordered by (depth, path), so a parent always comes before its children
 node indices are stable for a given set of paths. All tensors live on the CPU; the
 decoder moves the ones it uses to the target's device once per tree.
 
+Constructors (all return a `DraftTree`): `from_paths` (rank paths), `chain(depth)`,
+`from_calibration` (best-first from measured accuracy), `default` (a prior guess),
+`from_parents` (nodes already in order, tensor ops: EAGLE-2's per-step trees),
+`with_lookup_chain` (one more branch: an n-gram chain under the root) and `truncated`
+(the nodes above a depth: AdaEDL's cuts of a static Medusa tree).
+`TreePlan` is a tree's tensors on the target's device; `Draft` is one sequence's drafted
+tokens with their plan. `DynamicTreeConfig` is the shape of an EAGLE-2 tree drafted anew
+every step. `parse_tree_field` reads a heads directory's `tree` field into a `TreeSpec`.
+
+Acceptance (`accepted_path`): a drafted node is correct when the rule says so (greedy: its
+token is the target's argmax at its parent; Medusa-2's typical rule: its probability clears
+the threshold); the longest root-to-leaf run of correct nodes is accepted, the first leaf
+winning ties. Leaf paths are padded with -1, which indexes an appended False.
+
 Shape legend: T tree nodes (root included), L leaves, D max depth.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
 import torch
 
 from specheads.heads.tree_paths import expand_paths
+from specheads.serving.decode.lookup import LookupConfig
 
 # The tree used when a heads directory records none: Medusa-style expansion over a prior
 # guess of head accuracy (top-1 accuracy decaying with depth, lower ranks halving). Small
@@ -120,24 +137,71 @@ class DraftTree:
         return cls.from_paths(expand_paths(accuracy, num_nodes))
 
     @classmethod
-    def from_heads_config(cls, config) -> "DraftTree":
-        """The tree a heads directory records (config.tree["paths"]).
-
-        Without one: calibrated accuracy (config.calibration["accuracy"]) when present,
-        otherwise a prior guess, each expanded to DEFAULT_NUM_DRAFT_NODES draft nodes.
-        """
-        tree = config.tree or {}
-        if tree.get("paths"):
-            return cls.from_paths(tree["paths"])
-        accuracy = (config.calibration or {}).get("accuracy")
-        if not accuracy:
-            return cls.default(config.num_heads)
-        return cls.from_calibration(accuracy[:config.num_heads], DEFAULT_NUM_DRAFT_NODES)
-
-    @classmethod
     def default(cls, num_depths: int) -> "DraftTree":
         """A small tree for heads with no measured accuracy (see prior_accuracy)."""
         return cls.from_calibration(prior_accuracy(num_depths), DEFAULT_NUM_DRAFT_NODES)
+
+    @classmethod
+    def from_parents(cls, parents_T: torch.Tensor, ranks_T: torch.Tensor, depths_T: torch.Tensor) -> "DraftTree":
+        """A tree from nodes already in (depth, path) order, with tensor ops (EAGLE-2 builds one
+        every step). parents [T] (root -1), ranks [T], depths [T] long on the CPU; the result
+        equals from_paths(its rank paths)."""
+        num_nodes = int(parents_T.shape[0])
+        max_depth = int(depths_T[-1])
+        tree_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
+        tree_mask[0, 0] = True
+        bounds = torch.searchsorted(depths_T, torch.arange(max_depth + 2)).tolist()  # depth d: [bounds[d], bounds[d+1])
+        for depth in range(1, max_depth + 1):
+            lo, hi = bounds[depth], bounds[depth + 1]
+            tree_mask[lo:hi] = tree_mask[parents_T[lo:hi]]
+            level = torch.arange(lo, hi)
+            tree_mask[level, level] = True
+        is_parent = torch.zeros(num_nodes, dtype=torch.bool)
+        is_parent[parents_T[1:]] = True
+        leaves = (~is_parent).nonzero().flatten()
+        rows, cols = tree_mask[leaves].nonzero(as_tuple=True)  # a leaf's ancestors, one per depth
+        leaf_paths = torch.full((int(leaves.shape[0]), max_depth + 1), -1, dtype=torch.long)
+        leaf_paths[rows, depths_T[cols]] = cols
+        parent_list, rank_list = parents_T.tolist(), ranks_T.tolist()
+        paths: list[tuple[int, ...]] = [()]
+        for node in range(1, num_nodes):
+            paths.append(paths[parent_list[node]] + (rank_list[node],))
+        return cls(rank_paths=tuple(paths[1:]), parents=parents_T, depths=depths_T, ranks=ranks_T,
+                   tree_mask=tree_mask, position_offsets=depths_T.clone(), leaf_paths=leaf_paths)
+
+    def with_lookup_chain(self, length: int) -> "DraftTree":
+        """This tree plus a chain of `length` nodes under the root: nodes T..T+L-1, the first at
+        rank max_rank+1 so the rank paths stay distinct. That breaks the (depth, path) node
+        order but not what verify and accept need: every parent comes before its children."""
+        if length < 1:
+            raise ValueError(f"a lookup chain needs at least one token, got {length}")
+        num_base = self.num_nodes
+        num_nodes = num_base + length
+        chain = torch.arange(num_base, num_nodes)
+        parents = torch.cat([self.parents, torch.cat([torch.zeros(1, dtype=torch.long), chain[:-1]])])
+        depths = torch.cat([self.depths, torch.arange(1, length + 1)])
+        first_rank = self.max_rank + 1
+        ranks = torch.cat([self.ranks, torch.tensor([first_rank] + [0] * (length - 1), dtype=torch.long)])
+        tree_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
+        tree_mask[:num_base, :num_base] = self.tree_mask
+        tree_mask[num_base:, 0] = True
+        tree_mask[num_base:, num_base:] = torch.ones(length, length, dtype=torch.bool).tril()
+        max_depth = max(self.max_depth, length)
+        base_leaves = self.leaf_paths if num_base > 1 else self.leaf_paths[:0]  # the root is a parent now
+        leaf_paths = torch.full((base_leaves.shape[0] + 1, max_depth + 1), -1, dtype=torch.long)
+        leaf_paths[:base_leaves.shape[0], :base_leaves.shape[1]] = base_leaves
+        leaf_paths[-1, :length + 1] = torch.cat([torch.zeros(1, dtype=torch.long), chain])
+        chain_paths = tuple((first_rank,) + (0,) * i for i in range(length))
+        return DraftTree(rank_paths=self.rank_paths + chain_paths, parents=parents, depths=depths, ranks=ranks,
+                         tree_mask=tree_mask, position_offsets=depths.clone(), leaf_paths=leaf_paths)
+
+    def truncated(self, cut_depth: int) -> "DraftTree":
+        """The tree without nodes at depth >= cut_depth (1: the root alone; > D: the same tree).
+        Nodes are ordered by depth, so its nodes are this tree's first ones."""
+        if cut_depth < 1:
+            raise ValueError(f"cut_depth must be >= 1 (1 keeps the root alone), got {cut_depth}")
+        paths = [path for path in self.rank_paths if len(path) < cut_depth]
+        return DraftTree.from_paths(paths) if paths else DraftTree.chain(0)
 
     @property
     def num_nodes(self) -> int:
@@ -160,3 +224,172 @@ class DraftTree:
     def is_chain(self) -> bool:
         """True when the tree mask is the causal mask (every node a child of the previous)."""
         return bool(torch.equal(self.parents[1:], torch.arange(self.num_nodes - 1)))
+
+
+def accepted_path(leaf_paths_LD: torch.Tensor, correct_T: torch.Tensor) -> torch.Tensor:
+    """The longest root-to-leaf run of correct nodes -> its node indices [A], root first.
+
+    leaf_paths [L, D+1] (padded with -1), correct [T] bool (the root counts as correct); the
+    first leaf wins ties."""
+    correct_ext = torch.cat([correct_T, correct_T.new_zeros(1)])  # [T+1]; index -1 (padding) -> False
+    accepted_len_L = correct_ext[leaf_paths_LD].cumprod(dim=1).sum(dim=1)
+    best = int(accepted_len_L.argmax())
+    return leaf_paths_LD[best, :int(accepted_len_L[best])]
+
+
+class TreePlan:
+    """A tree's tensors on the target's device, prepared once per tree."""
+
+    def __init__(self, tree: DraftTree, device: torch.device):
+        self.tree = tree
+        self.num_nodes = tree.num_nodes
+        self.max_depth = tree.max_depth
+        self.is_chain = tree.is_chain  # then the causal mask is the tree mask
+        self.tree_mask = tree.tree_mask.to(device)  # [T, T]
+        self.position_offsets = tree.position_offsets.to(device)  # [T]
+        self.draft_parents = tree.parents[1:].to(device)  # [T-1]
+        self.leaf_paths = tree.leaf_paths.to(device)  # [L, D+1]
+        self.root_only = torch.zeros(1, dtype=torch.long, device=device)  # the accepted nodes of a plain step
+        self.packed_tree_mask = None  # [T, W] int32, packed on first use by the tree attention path
+
+    def packed(self) -> torch.Tensor:
+        """The tree mask packed for the tree-attention kernel, once per plan (every layer reads it)."""
+        if self.packed_tree_mask is None:
+            from specheads.serving.kernels.tree_attention import pack_tree_mask
+
+            self.packed_tree_mask = pack_tree_mask(self.tree_mask)
+        return self.packed_tree_mask
+
+    def accept_greedy(self, tokens_T: torch.Tensor, target_tokens_T: torch.Tensor) -> torch.Tensor:
+        """Greedy acceptance: a node is correct when its token is the target's argmax at its
+        parent -> the accepted nodes [A], root first."""
+        correct_T = torch.cat([tokens_T.new_ones(1, dtype=torch.bool), tokens_T[1:] == target_tokens_T[self.draft_parents]])
+        return accepted_path(self.leaf_paths, correct_T)
+
+
+@dataclass
+class Draft:
+    """One sequence's draft for one step: the tree's tokens and its plan."""
+
+    tokens: torch.Tensor  # [T] long target ids, node 0 = root
+    plan: TreePlan
+    heads_drafted: bool = True  # False: a plain step, or a lookup chain alone
+    lookup_start: int | None = None  # the first lookup chain node, when the tree has one
+
+    @property
+    def tree(self) -> DraftTree:
+        return self.plan.tree
+
+
+class LookupTrees:
+    """Drafts with an n-gram lookup chain added as one more branch (`DraftTree.with_lookup_chain`),
+    their plans built once per (tree, chain length)."""
+
+    MAX_PLANS = 1024  # dynamic trees make new shapes every step
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._plans: dict = {}  # (base tree's rank paths, chain length) -> plan
+
+    def add_chain(self, draft: Draft, chain: list[int]) -> Draft:
+        key = (draft.tree.rank_paths, len(chain))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = TreePlan(draft.tree.with_lookup_chain(len(chain)), self.device)
+        chain_L = torch.tensor(chain, dtype=torch.long, device=draft.tokens.device)
+        return Draft(torch.cat([draft.tokens, chain_L]), plan, draft.heads_drafted, lookup_start=draft.plan.num_nodes)
+
+
+@dataclass(frozen=True)
+class DynamicTreeConfig:
+    """EAGLE-2 tree shape (serving/decode/eagle.py): `depth` draft levels, `top_k` candidates
+    per expanded node and expanded nodes per level, `num_nodes` drafted nodes kept (root
+    excluded); AdaEDL stops a branch when its acceptance bound < entropy_threshold (None: never)."""
+
+    depth: int
+    top_k: int
+    num_nodes: int
+    entropy_threshold: float | None = None
+
+    def __post_init__(self):
+        for name in ("depth", "top_k", "num_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"tree.dynamic.{name} must be an int >= 1, got {value!r}")
+        threshold = self.entropy_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                      or not 0.0 <= threshold <= 1.0):
+            raise ValueError(f"tree.dynamic.entropy_threshold must be None or a number in [0, 1] "
+                             f"(a lower bound on the acceptance probability), got {threshold!r}")
+
+    @property
+    def max_candidates(self) -> int:
+        """Drafted candidates before the rerank: k at depth 1, k*k at every further depth."""
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+    def to_dict(self) -> dict:
+        """The heads directory's config `tree` field: {"dynamic": {...}}."""
+        return {"dynamic": asdict(self)}
+
+    @classmethod
+    def from_dict(cls, tree: dict) -> "DynamicTreeConfig":
+        """From the config `tree` field ({"dynamic": {...}}); unknown keys fail by dotted name."""
+        if not isinstance(tree, dict) or not isinstance(tree.get("dynamic"), dict):
+            raise ValueError(f"tree must be a dict with a 'dynamic' dict (e.g. {{'dynamic': {{'depth': 5, "
+                             f"'top_k': 8, 'num_nodes': 48}}}}), got {tree!r}")
+        values = tree["dynamic"]
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join('tree.dynamic.' + k for k in unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        missing = sorted(name for name in ("depth", "top_k", "num_nodes") if name not in values)
+        if missing:
+            raise ValueError(f"missing key(s) {', '.join('tree.dynamic.' + k for k in missing)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """What a heads directory's `tree` field asks for: a static tree or an EAGLE-2 dynamic
+    one, Medusa's AdaEDL depth-cut threshold, and the n-gram lookup tuned with it."""
+
+    tree: DraftTree | DynamicTreeConfig
+    entropy_threshold: float | None = None
+    lookup: LookupConfig | None = None
+
+    @classmethod
+    def from_heads_config(cls, config) -> "TreeSpec":
+        """What a HeadsConfig (heads/heads_dir.py) records: parse_tree_field over its tree,
+        head count and calibration."""
+        return parse_tree_field(config.tree, config.num_heads, config.calibration)
+
+
+def parse_tree_field(tree: dict | None, num_heads: int = 1, calibration: dict | None = None) -> TreeSpec:
+    """The one parser of the heads config's `tree` field.
+
+    {"dynamic": {...}}: an EAGLE-2 tree; {"paths": [...]} with an optional
+    "entropy_threshold": that static tree; neither: the calibrated tree
+    (calibration["accuracy"], DEFAULT_NUM_DRAFT_NODES nodes) or the prior guess
+    (`DraftTree.default`). {"lookup": {...}} (written by `specheads tune`) rides along."""
+    field = tree or {}
+    if not isinstance(field, dict):
+        raise ValueError(f"the heads config's tree must be an object, got {tree!r}")
+    lookup_spec = field.get("lookup")
+    lookup = None
+    if lookup_spec is not None:
+        allowed = [f.name for f in fields(LookupConfig)]
+        if not isinstance(lookup_spec, dict) or set(lookup_spec) - set(allowed):
+            raise ValueError(f"the heads tree's 'lookup' must be an object with keys from {allowed}, got {lookup_spec!r}")
+        lookup = LookupConfig(**lookup_spec)
+    if "dynamic" in field:
+        return TreeSpec(DynamicTreeConfig.from_dict(field), None, lookup)
+    if field.get("paths"):
+        static = DraftTree.from_paths(field["paths"])
+    else:
+        accuracy = (calibration or {}).get("accuracy")
+        static = DraftTree.from_calibration(accuracy[:num_heads], DEFAULT_NUM_DRAFT_NODES) if accuracy \
+            else DraftTree.default(num_heads)
+    return TreeSpec(static, field.get("entropy_threshold"), lookup)

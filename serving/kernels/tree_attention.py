@@ -214,3 +214,11 @@ def register_tree_attention() -> str:
     AttentionInterface.register(ATTN_IMPLEMENTATION, tree_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     return ATTN_IMPLEMENTATION
+
+
+def use_tree_attention(model) -> None:
+    """Make `model` attend through the tree attention (registered first). It behaves as SDPA
+    whenever a forward passes no tree_mask, so the model's other users see no change."""
+    name = register_tree_attention()
+    if getattr(model.config, "_attn_implementation", None) != name:
+        model.set_attn_implementation(name)

@@ -21,7 +21,7 @@ token completes it or `finish()` flushes it. Two text sources do this, token by 
   That is `clean_up_tokenization_spaces` on a non-BPE model (WordPiece, Unigram: "a , b ."
   decodes to "a, b."; transformers >= 5 skips it for BPE) and any `_decode` override (CPM).
   `decode_stream_matches` detects both by decoding a probe text both ways
-  (tests/test_detokenize.py::test_cleanup_tokenizers_keep_the_window).
+  (tests/serving/server/test_detokenize.py::test_cleanup_tokenizers_keep_the_window).
 
 Neither source matches decode() for a byte-fallback run of bytes that is not valid UTF-8:
 decode() then turns the run's earlier, valid bytes into U+FFFD too, after they were emitted.
@@ -33,22 +33,19 @@ could be the start of one is held back until it is resolved; when one appears, `
 becomes True, the text ends right before it and `stop_token_index` says how many pushed
 tokens were needed to complete it, so a caller can cut its token list there.
 
-`stream_text` runs a `SpeculativeDecoder` and turns its token deltas into `TextDelta`s,
-closing the decode as soon as a stop string matched.
+serving/server/text_stream.py's `stream_text` runs one request through it.
 """
 
 from __future__ import annotations
 
 import weakref
 from bisect import bisect_left
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import tokenizers
 from packaging.version import Version
 from tokenizers import Tokenizer
 
-from specheads.serving.decode.stats import GenerationResult
 
 # Older tokenizers lack DecodeStream or mis-decode with it (vLLM requires the same version).
 HAS_DECODE_STREAM = Version(tokenizers.__version__) >= Version("0.21.1")
@@ -336,72 +333,3 @@ class IncrementalDetokenizer:
             if any(stop.startswith(tail) for stop in self.stop):
                 return length
         return 0
-
-
-@dataclass
-class TextDelta:
-    token_ids: list[int]  # the new tokens of this step (cut at a stop string)
-    text: str  # the new text they made safe to emit
-
-
-class TextStream:
-    """Iterator of TextDelta; `.result` (GenerationResult) is set once it is exhausted."""
-
-    def __init__(self, deltas: Iterator[TextDelta]):
-        self._deltas = deltas
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> "TextStream":
-        return self
-
-    def __next__(self) -> TextDelta:
-        try:
-            return next(self._deltas)
-        except StopIteration as stop:
-            self.result = stop.value
-            raise
-
-
-def stream_text(decoder, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, *, stop: Sequence[str] = (),
-                eos_token_id: int | list[int] | None = None, sampling=None, speculate: bool = True,
-                skip_special_tokens: bool = True) -> TextStream:
-    """Stream a SpeculativeDecoder's output as text deltas, ending at the first stop string.
-
-    The last delta carries the text flushed by finish(). `.result.tokens` is cut right after
-    the token that completed the stop string (finish_reason "stop"); the text excludes it.
-    """
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stop, skip_special_tokens)  # validates stop
-    return TextStream(_text_deltas(decoder, detokenizer, list(prompt_ids), max_new_tokens, eos_token_id,
-                                   sampling, speculate))
-
-
-def _text_deltas(decoder, detokenizer: IncrementalDetokenizer, prompt_ids: list[int], max_new_tokens: int,
-                 eos_token_id, sampling, speculate: bool):
-    stream = decoder.stream(prompt_ids, max_new_tokens, eos_token_id, sampling=sampling, speculate=speculate)
-    tokens: list[int] = []
-    for delta in stream:
-        text = detokenizer.push(delta)
-        if detokenizer.stopped:
-            keep = detokenizer.stop_token_index - len(tokens)
-            tokens.extend(delta[:keep])
-            yield TextDelta(list(delta[:keep]), text)
-            return _stopped_result(stream, tokens)
-        tokens.extend(delta)
-        if delta or text:
-            yield TextDelta(list(delta), text)
-    tail = detokenizer.finish()
-    result = stream.result
-    if detokenizer.stopped:  # the stop string only settled in the flushed tail
-        tokens = tokens[:detokenizer.stop_token_index]
-        result = GenerationResult(tokens=tokens, finish_reason="stop", stats=result.stats, lossless=result.lossless)
-        result.stats.num_new_tokens = len(tokens)
-    if tail:
-        yield TextDelta([], tail)
-    return result
-
-
-def _stopped_result(stream, tokens: list[int]) -> GenerationResult:
-    """The result of a decode closed at a stop string: the decoder's own stats, tokens cut."""
-    partial = stream.close()
-    partial.stats.num_new_tokens = len(tokens)
-    return GenerationResult(tokens=tokens, finish_reason="stop", stats=partial.stats, lossless=partial.lossless)

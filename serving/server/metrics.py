@@ -29,6 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
+from specheads.serving.decode.stats import alpha_tau
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
@@ -109,12 +111,10 @@ class ServerMetrics:
         self.registry.register(self)
 
     def _alpha(self) -> float:
-        drafted = _total(self.draft_tokens)
-        return _total(self.accepted_tokens) / drafted if drafted else 0.0
+        return alpha_tau(_total(self.accepted_tokens), _total(self.draft_tokens), _total(self.drafts))[0]
 
     def _tau(self) -> float:
-        drafts = _total(self.drafts)
-        return (_total(self.accepted_tokens) + drafts) / drafts if drafts else 0.0
+        return alpha_tau(_total(self.accepted_tokens), _total(self.draft_tokens), _total(self.drafts))[1]
 
     def observe_finished(self, finish_reason: str, ttft_s: float, e2e_s: float, prompt_tokens: int,
                          generated_tokens: int, drafts: int, drafted_tokens: int, accepted_tokens: int,

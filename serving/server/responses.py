@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from specheads.serving.decode.stats import alpha_tau
 from specheads.serving.server.worker import Event
 
 
@@ -35,8 +36,8 @@ class ResponseMeta:
 
 
 def aggregate_speculation(stats: list[dict]) -> dict:
-    """Sum per-choice speculation stats; alpha and tau recomputed from the sums (DESIGN.md inv. 8:
-    tau counts speculative verify steps, `drafts`, not plain steps after a fallback)."""
+    """Sum per-choice speculation stats; alpha and tau recomputed from the sums
+    (serving/decode/stats.py alpha_tau)."""
     steps = sum(s["steps"] for s in stats)
     drafts = sum(s["drafts"] for s in stats)
     drafted = sum(s["drafted_tokens"] for s in stats)
@@ -46,7 +47,7 @@ def aggregate_speculation(stats: list[dict]) -> dict:
                     for d in range(depth)]
     return {"enabled": any(s["enabled"] for s in stats), "steps": steps, "drafts": drafts,
             "drafted_tokens": drafted, "accepted_tokens": accepted, "accepted_per_position": per_position,
-            "alpha": accepted / drafted if drafted else 0.0, "tau": (accepted + drafts) / drafts if drafts else 0.0,
+            **dict(zip(("alpha", "tau"), alpha_tau(accepted, drafted, drafts))),
             "fallback": any(s["fallback"] for s in stats),
             "lookup_accepted_tokens": sum(s["lookup_accepted_tokens"] for s in stats)}
 

@@ -17,7 +17,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_SEED = 2 ** 64 - 1
+from specheads.serving.decode.sampling import MAX_SEED
+
 MAX_CHOICES = 64  # n x number of prompts
 MAX_STOP_STRINGS = 16
 

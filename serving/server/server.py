@@ -16,7 +16,8 @@ from typing import Callable
 
 import uvicorn
 
-from specheads.serving.server.app import ServeConfig, ServerState, create_app
+from specheads.serving.server.app import create_app
+from specheads.serving.server.state import ServeConfig, ServerState
 
 
 class _Server(uvicorn.Server):

@@ -1,4 +1,4 @@
-"""The server's engine worker: one thread owns a `BatchSession` and feeds it from a queue.
+"""The server's engine worker: one thread owns a `Scheduler` and feeds it from a queue.
 
 The event loop submits `Job`s (one HTTP request: one or more sequences, the choices).
 The worker admits queued sequences while the batch has room, calls `step()` in a loop,
@@ -25,14 +25,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specheads.serving.decode.scheduler import BatchSession, SequenceRequest
+from specheads.serving.decode.faults import describe, is_fatal
+from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 from specheads.serving.decode.stats import DecodeStats
 from specheads.serving.server.detokenize import IncrementalDetokenizer
-from specheads.serving.decode.faults import describe, is_fatal
 from specheads.serving.server.metrics import ServerMetrics
 
 log = logging.getLogger("specheads.serve")
 IDLE_WAIT_S = 0.05  # how often an idle worker rechecks deadlines and shutdown
+
+
+def speculation_stats(stats: DecodeStats, enabled: bool) -> dict:
+    """One choice's speculation stats, as a response reports them (`drafts`: speculative verify steps)."""
+    return {"enabled": enabled, "steps": stats.steps, "drafts": stats.speculative_steps,
+            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+            "accepted_per_position": list(stats.accepted_per_position), "alpha": stats.alpha, "tau": stats.tau,
+            "fallback": stats.fallback, "lookup_accepted_tokens": stats.lookup_accepted}
 
 
 class QueueFull(Exception):
@@ -118,7 +126,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_queue = max_queue
-        self.session = BatchSession(decoder, max_batch_size=max_concurrency)
+        self.session = Scheduler(decoder, max_batch_size=max_concurrency)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, _Running] = {}
@@ -324,19 +332,14 @@ class Engine:
                 now: float) -> None:
         del self._running[seq_id]
         job, choice = running.job, running.choice
-        drafts = stats.steps - stats.plain_steps  # speculative verify steps
-        speculation = {
-            "enabled": running.speculative, "steps": stats.steps, "drafts": drafts,
-            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
-            "accepted_per_position": list(stats.accepted_per_position), "alpha": stats.alpha,
-            "tau": (stats.accepted_tokens + drafts) / drafts if drafts else 0.0, "fallback": stats.fallback,
-            "lookup_accepted_tokens": stats.lookup_accepted}
+        speculation = speculation_stats(stats, running.speculative)
         if job.done:
             return
         first = running.first_token_at if running.first_token_at is not None else now
         self.metrics.observe_finished(reason, first - job.arrival, now - job.arrival, len(choice.request.input_ids),
-                                      running.num_tokens, drafts, stats.drafted_tokens, stats.accepted_tokens,
-                                      list(stats.accepted_per_position), stats.lookup_accepted)
+                                      running.num_tokens, speculation["drafts"], speculation["drafted_tokens"],
+                                      speculation["accepted_tokens"], speculation["accepted_per_position"],
+                                      speculation["lookup_accepted_tokens"])
         job.post(Event("finish", index=choice.index, text=text, num_tokens=running.num_tokens,
                        finish_reason=reason, stats=speculation))
         job.pending -= 1

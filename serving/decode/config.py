@@ -1,0 +1,112 @@
+"""`SpeculativeDecoder`: validated, typed configuration of a decode (the target, its drafter
+and tree, the attention used to verify, the fallback policy, n-gram lookup). It runs
+nothing and changes nothing on the target; serving/decode/engine.py's `BatchEngine` runs
+requests with it, and serving/decode/generate.py's `generate`/`stream` run one.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from specheads.heads.target import TargetAdapter
+from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDrafter
+from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
+from specheads.serving.decode.lookup import LookupConfig
+from specheads.serving.decode.medusa import MedusaDrafter
+from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreePlan
+
+DEFAULT_EAGLE_DEPTH = 4  # EAGLE heads have no head count: without a tree they draft this deep
+
+
+def is_eagle(heads: nn.Module | None) -> bool:
+    return heads is not None and hasattr(heads, "draft_to_target")
+
+
+class SpeculativeDecoder:
+    """Medusa or EAGLE drafting (picked by the heads' kind), greedy or sampled verification.
+
+    tree: a static `DraftTree`, or (EAGLE heads) a `DynamicTreeConfig`: an EAGLE-2 tree
+    drafted anew every step (AdaEDL early stopping when it sets entropy_threshold). Default:
+    `DraftTree.default` over the heads' depth. entropy_threshold (Medusa, static tree): per
+    step, drop the depths from the first head whose AdaEDL acceptance bound falls below it.
+
+    tap_layers: the target layers an EAGLE head reads (HeadsConfig.tap_layers); default the
+    trainer's default taps. Medusa always reads the final hidden state.
+
+    attn_impl: "sdpa" verifies with a 4-D bool mask through the model's own attention;
+    "tree" through the registered tree attention (serving/kernels/tree_attention.py), which
+    the engine installs on the target when it is built (SDPA whenever no tree is passed, so
+    prefill and other users of the model are unchanged). tree_attention_impl: "torch" |
+    "triton" | None (triton on CUDA or under TRITON_INTERPRET=1).
+
+    fallback: when speculation does not pay for a request, it finishes with plain decoding
+    (serving/decode/fallback.py); None keeps speculating whatever it measures. step_costs:
+    the measured step costs it decides by, shared by this decoder's engines.
+
+    lookup: n-gram lookup drafts from the context (serving/decode/lookup.py), with or without heads.
+    """
+
+    def __init__(self, target: TargetAdapter, heads: nn.Module | None = None,
+                 tree: DraftTree | DynamicTreeConfig | None = None, tap_layers: list[int] | None = None,
+                 attn_impl: str = "sdpa", tree_attention_impl: str | None = None,
+                 fallback: FallbackPolicy | None = FallbackPolicy(), entropy_threshold: float | None = None,
+                 lookup: LookupConfig | None = None, step_costs: StepCosts | None = None):
+        if tree is not None and not isinstance(tree, (DraftTree, DynamicTreeConfig)):
+            raise TypeError(f"tree must be a DraftTree, a DynamicTreeConfig or None, got {type(tree).__name__}")
+        if lookup is not None and not isinstance(lookup, LookupConfig):
+            raise ValueError(f"lookup must be None or a serving.decode.lookup.LookupConfig, got {lookup!r}")
+        if fallback is not None and not isinstance(fallback, FallbackPolicy):
+            raise ValueError(f"fallback must be None or a serving.decode.fallback.FallbackPolicy, got {fallback!r}")
+        if attn_impl not in ("sdpa", "tree"):
+            raise ValueError(f"attn_impl must be 'sdpa' or 'tree', got {attn_impl!r}")
+        if tree_attention_impl not in (None, "torch", "triton"):
+            raise ValueError(f"tree_attention_impl must be None, 'torch' or 'triton', got {tree_attention_impl!r}")
+        dynamic = tree if isinstance(tree, DynamicTreeConfig) else None
+        if dynamic is not None and not is_eagle(heads):
+            raise ValueError("a dynamic tree (DynamicTreeConfig) needs EAGLE heads; Medusa heads use a "
+                             "static DraftTree (optionally with entropy_threshold)")
+        if heads is None and tree is not None and (dynamic is not None or tree.max_depth > 0):
+            raise ValueError("a tree with draft nodes needs heads; pass heads or leave tree unset")
+        if entropy_threshold is not None and not (heads is not None and not is_eagle(heads) and dynamic is None
+                                                  and 0 <= entropy_threshold <= 1):
+            raise ValueError(f"entropy_threshold must be in [0, 1] and needs Medusa heads with a static tree "
+                             f"(EAGLE heads set it in their DynamicTreeConfig), got {entropy_threshold!r}")
+        if tree is None:
+            tree = DraftTree.default(getattr(heads, "num_heads", DEFAULT_EAGLE_DEPTH)) if heads is not None \
+                else DraftTree.chain(0)
+        self.target = target
+        self.dynamic = dynamic
+        self.tree = DraftTree.chain(dynamic.depth) if dynamic is not None else tree  # a dynamic tree's depth
+        self.tap_layers = [target.num_layers]
+        self.drafter = None
+        if dynamic is not None or self.tree.max_depth > 0:
+            if is_eagle(heads):
+                self.tap_layers = list(tap_layers) if tap_layers else _default_eagle_taps(heads, target)
+                target.check_taps(self.tap_layers)
+                self.drafter = DynamicEagleDrafter(heads, target.embeddings(), dynamic) if dynamic is not None \
+                    else StaticEagleDrafter(heads, target.embeddings(), self.tree)
+            elif heads is not None:
+                self.drafter = MedusaDrafter(heads, self.tree, target.device, entropy_threshold)
+        self.is_medusa = isinstance(self.drafter, MedusaDrafter)
+        self.entropy_threshold = entropy_threshold
+        self.lookup = lookup
+        self.max_depth = self.tree.max_depth
+        # The largest tree a step verifies (sizes the cache).
+        self.max_tree_nodes = (dynamic.num_nodes + 1 if dynamic is not None else self.tree.num_nodes) \
+            + (lookup.num_tokens if lookup is not None else 0)
+        self.plain_plan = TreePlan(DraftTree.chain(0), target.device)  # speculation off
+        self.fallback = fallback
+        self.step_costs = step_costs if step_costs is not None else StepCosts()
+        self.attn_impl = attn_impl
+        self.tree_attention_impl = tree_attention_impl
+
+    @property
+    def speculates(self) -> bool:
+        """Whether requests draft at all (heads, n-gram lookup, or both), unless they opt out."""
+        return self.drafter is not None or self.lookup is not None
+
+
+def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
+    from specheads.heads.eagle3 import default_tap_layers
+
+    return default_tap_layers(target.num_layers) if heads.num_taps > 1 else [target.num_layers]

@@ -1,0 +1,86 @@
+"""One request, decoded on its own: `generate` (the result) and `stream` (token deltas as they
+come). Both run it as a batch of one through serving/decode/engine.py's `BatchEngine`, the
+same path the server batches requests on; nothing imports this module back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.serving.decode.config import SpeculativeDecoder
+from specheads.serving.decode.engine import BatchEngine, Sequence, SequenceRequest
+from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.decode.stats import GenerationResult
+
+
+def stream(decoder: SpeculativeDecoder, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
+           eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
+           stop_token_sequences: list[list[int]] | None = None, acceptance: str = "rejection",
+           speculate: bool = True) -> "DecodeStream":
+    """Like generate, but an iterator of token deltas (list[int]: the prefill's first token,
+    then one list per verify step); `.result` holds the GenerationResult once exhausted."""
+    request = SequenceRequest(input_ids, max_new_tokens, eos_token_id, sampling, stop_token_sequences,
+                              speculate, acceptance)
+    if isinstance(max_new_tokens, int) and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompt_len = int(torch.as_tensor(input_ids).reshape(-1).shape[0])
+    engine = BatchEngine(decoder, max_batch_size=1,
+                         max_cache_len=prompt_len + int(max_new_tokens) + decoder.max_tree_nodes)
+    return DecodeStream(engine, engine.check(request))
+
+
+def generate(decoder: SpeculativeDecoder, input_ids: list[int] | torch.Tensor, max_new_tokens: int,
+             eos_token_id: int | list[int] | None = None, *, sampling: SamplingParams | None = None,
+             stop_token_sequences: list[list[int]] | None = None, acceptance: str = "rejection",
+             speculate: bool = True) -> GenerationResult:
+    """Decode up to max_new_tokens new tokens.
+
+    sampling: None or temperature 0 = greedy (the target's own greedy output); otherwise
+    lossless tree rejection sampling (serving/decode/sampling.py) with the heads' top-k
+    candidates, seeded by sampling.seed. acceptance="typical" (sampling only) is Medusa-2's
+    lossy rule; the result then has lossless=False. stop_token_sequences: the output ends
+    right after the first occurrence of any of them (finish_reason "stop"). speculate=False:
+    plain decoding (one target token per step), the heads unused.
+    """
+    tokens = stream(decoder, input_ids, max_new_tokens, eos_token_id, sampling=sampling,
+                    stop_token_sequences=stop_token_sequences, acceptance=acceptance, speculate=speculate)
+    for _ in tokens:
+        pass
+    return tokens.result
+
+
+class DecodeStream:
+    """Iterator of token deltas (list[int]): the prefill's first token, then one list per
+    verify step. `result` is the GenerationResult once exhausted (or closed)."""
+
+    def __init__(self, engine: BatchEngine, seq: Sequence):
+        self.engine, self.seq = engine, seq
+        self._started = False
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        if self.result is not None:
+            raise StopIteration
+        seq = self.seq
+        if not self._started:
+            self._started = True
+            return self.engine.add(seq)
+        if seq.finish_reason is not None:
+            self.result = seq.result()
+            raise StopIteration
+        tokens = self.engine.step()[seq.seq_id]
+        if seq.error is not None:  # the engine ended it alone; a caller of one sequence gets the error itself
+            self.result = seq.result()
+            raise seq.error
+        return tokens
+
+    def close(self) -> GenerationResult:
+        """Stop decoding now; -> the result so far (finish_reason "stop" unless it had already
+        finished), with the decoder's own stats. A caller that cut the output (a stop string
+        in the text) replaces the tokens."""
+        if self.result is None:
+            self.result = self.seq.close()
+        return self.result

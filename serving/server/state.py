@@ -1,0 +1,85 @@
+"""What the server's routes share: its configuration (`ServeConfig`) and state
+(`ServerState`: the model, loaded in a background thread, and the engine worker).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specheads.serving.server.metrics import ServerMetrics
+from specheads.serving.server.worker import Engine
+
+log = logging.getLogger("specheads.serve")
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    api_key: str | None = None
+    max_concurrency: int = 8  # sequences decoded together
+    max_queue: int = 64  # requests waiting for admission before 503
+    max_model_len: int | None = None  # default: the target's max_position_embeddings
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float | None = 600.0
+    public_metrics: bool = False  # /metrics without the API key
+    chat_template: str | None = None  # overrides the tokenizer's
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        for name in ("max_concurrency", "max_body_bytes", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to serve without auth)")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share. `status`: "loading" | "ready" | "failed"."""
+    config: ServeConfig
+    loader: Callable[[], tuple]  # -> (SpeculativeDecoder, tokenizer)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    status: str = "loading"
+    error: str | None = None
+    draining: bool = False
+    engine: Engine | None = None
+    tokenizer: object = None
+    max_model_len: int = 0
+    vocab_size: int = 0
+    eos_token_id: int | None = None
+
+    def load(self) -> None:
+        """Load the model and start the engine (runs in a background thread)."""
+        try:
+            decoder, tokenizer = self.loader()
+            limit = int(getattr(decoder.target.config, "max_position_embeddings", 0) or 0)
+            wanted = self.config.max_model_len
+            if wanted is not None and limit and wanted > limit:
+                raise ValueError(f"--max-model-len {wanted} exceeds the target's max_position_embeddings ({limit})")
+            self.max_model_len = wanted or limit or 2048
+            self.vocab_size = int(decoder.target.config.vocab_size)
+            self.eos_token_id = tokenizer.eos_token_id
+            if self.config.chat_template is not None:
+                tokenizer.chat_template = self.config.chat_template
+            self.tokenizer = tokenizer
+            engine = Engine(decoder, tokenizer, self.metrics, self.config.max_concurrency, self.config.max_queue)
+            engine.start()
+            self.engine = engine
+            self.status = "ready"
+            log.info("model %s ready (max_model_len %d)", self.config.model_name, self.max_model_len)
+        except Exception as err:  # noqa: BLE001 - reported through /health, never raised into uvicorn
+            log.exception("loading the model failed")
+            self.error = f"{type(err).__name__}: {err}"
+            self.status = "failed"
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == "ready" and self.engine is not None and self.engine.healthy and not self.draining

@@ -1,0 +1,195 @@
+"""`specheads tune` (bench/tune.py, specheads/tune_cli.py) on a tiny random Llama with random
+Medusa heads: the sweep's candidates, the stored tree, the sweep record, and that bench and
+the decoder then use the tuned tree. No timing asserts (which setting wins is load-dependent)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from specheads.bench.tune import candidate_settings, format_tuning, static_settings, tune_heads_dir
+from specheads.heads.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_config, read_tuning, save_heads,
+                                       update_tree)
+from specheads.heads.medusa import MedusaHeads
+from specheads.heads.target import TargetAdapter
+from specheads.serving.decode.trees import DraftTree, TreeSpec
+
+NUM_HEADS = 3
+ACCURACY = [[0.6, 0.2, 0.1, 0.05], [0.4, 0.15, 0.05, 0.02], [0.3, 0.1, 0.05, 0.01]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tune")
+    target_dir = make_tiny_model("llama", root / "target", vocab_size=512)  # 512: make_tokenizer's ids fit
+    target = TargetAdapter.from_pretrained(target_dir)
+    torch.manual_seed(0)
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS, 1)
+    config = HeadsConfig(kind="medusa", hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                         num_heads=NUM_HEADS, num_layers=1, tap_layers=[target.num_layers], target=target.identity,
+                         tree={"paths": [[0], [1], [0, 0]]}, calibration={"accuracy": ACCURACY})
+    return root, target_dir, target, heads, config
+
+
+def fresh_heads_dir(setup, name: str):
+    root, _, _, heads, config = setup
+    return save_heads(root / name, heads, config)
+
+
+def test_candidates_cover_chains_and_budgets_without_duplicates(setup):
+    config = setup[4]
+    settings = static_settings(ACCURACY, eagle=False, node_budgets=(4, 8))
+    names = [s.name for s in settings]
+    assert names[:3] == ["chain-1", "chain-2", "chain-3"]
+    keys = [tuple(map(tuple, s.record["paths"])) for s in settings]
+    assert len(set(keys)) == len(keys), "duplicate trees in the sweep"
+    for s in settings:  # every record is a valid tree of the advertised shape
+        tree = DraftTree.from_paths(s.record["paths"])
+        assert (tree.num_nodes - 1, tree.max_depth) == (s.num_nodes, s.max_depth)
+    assert any(s.max_depth == 1 and s.num_nodes == 4 for s in settings)  # a wide, shallow tree too
+    assert len(candidate_settings(config, max_settings=4)) == 4
+    with pytest.raises(ValueError, match="depth limits must be in 1..3"):
+        static_settings(ACCURACY, eagle=False, depths=[4])
+    # EAGLE drafts level by level: a deeper tree is estimated to cost more than Medusa's.
+    medusa = {s.name: s.estimate for s in settings}
+    eagle = {s.name: s.estimate for s in static_settings(ACCURACY, eagle=True, node_budgets=(4, 8))}
+    assert eagle["chain-3"] < medusa["chain-3"]
+
+
+def test_tune_stores_a_loadable_tree_and_one_sweep_entry_per_setting(setup):
+    _, _, target, _, _ = setup
+    heads_dir = fresh_heads_dir(setup, "heads-a")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 9, 7)]
+    report = tune_heads_dir(target, str(heads_dir), prompts, max_new_tokens=10, budget_s=30, max_settings=5,
+                            node_budgets=(4, 6), progress=False)
+    config = read_heads_config(heads_dir)
+    expected = candidate_settings(config, max_settings=5, node_budgets=(4, 6))
+    assert [r["name"] for r in report["settings"]] + [s["name"] for s in report["skipped"]] != []
+    assert sorted(r["name"] for r in report["settings"]) == sorted(s.name for s in expected)
+    assert report["skipped"] == []
+    rates = [r["tokens_per_s"] for r in report["settings"]]
+    assert rates == sorted(rates, reverse=True)
+    for row in report["settings"]:
+        assert row["identical"], row["name"]  # lossless: every tree reproduces plain greedy
+        assert row["tau"] >= 1.0 and 0.0 <= row["alpha"] <= 1.0 and row["step_cost"] > 0
+        assert row["tokens"] == report["plain"]["tokens"]
+    winner = next(r for r in report["settings"] if r["name"] == report["winner"])
+    assert config.tree["paths"] == winner["tree"]["paths"]
+    assert config.tree["tuned"]["setting"] == winner["name"]
+    tree = TreeSpec.from_heads_config(config).tree
+    assert tree.num_nodes - 1 == winner["num_nodes"] and tree.max_depth == winner["max_depth"]
+    stored = read_tuning(heads_dir)
+    assert stored["winner"] == report["winner"] and len(stored["settings"]) == len(expected)
+    assert config.calibration == {"accuracy": ACCURACY}  # only the tree changed
+    assert "(chosen)" in format_tuning(report)
+    assert not [p for p in heads_dir.iterdir() if p.name.startswith(".")], "temp files left behind"
+    # The winner measured again without and with n-gram lookup; stored only when it was faster.
+    lookup = report["lookup"]
+    assert lookup["num_tokens"] == 10 and lookup["without"]["identical"] and lookup["with"]["identical"]
+    assert lookup["chosen"] == (lookup["with"]["tokens_per_s"] > lookup["without"]["tokens_per_s"])
+    assert ("lookup" in config.tree) == lookup["chosen"]
+    assert "n-gram lookup (10 tokens)" in format_tuning(report)
+
+
+def test_tuned_lookup_is_stored_and_used_by_default(tmp_path):
+    from test_server_support import build_tiny_setup
+
+    from specheads.bench.tune import stored_tree
+    from specheads.runner import load_decoder
+    from specheads.serving.decode.lookup import LookupConfig
+    from specheads.serving.decode.trees import parse_tree_field
+
+    row = {"name": "chain-2", "tree": {"paths": [[0], [0, 0]]}, "num_nodes": 2, "tokens_per_s": 10.0,
+           "speedup_vs_plain": 1.2, "tau": 1.5, "step_cost": 1.1}
+    report = {"winner": "chain-2", "device": "cpu", "torch_threads": 1, "settings": [row],
+              "lookup": {"num_tokens": 7, "chosen": True, "with": {"tokens_per_s": 12.0}, "without": {}}}
+    tree = stored_tree(report)
+    assert tree["lookup"] == {"num_tokens": 7} and tree["tuned"]["tokens_per_s_with_lookup"] == 12.0
+    assert "lookup" not in stored_tree(dict(report, lookup=dict(report["lookup"], chosen=False)))
+    assert "lookup" not in stored_tree(dict(report, lookup=None))
+    assert parse_tree_field(tree).lookup == LookupConfig(num_tokens=7)
+    assert parse_tree_field({"paths": [[0]]}).lookup is None and parse_tree_field(None).lookup is None
+    with pytest.raises(ValueError, match="num_tokens"):
+        parse_tree_field({"lookup": {"num_tokens": 0}}).lookup
+    with pytest.raises(ValueError, match="keys from"):
+        parse_tree_field({"lookup": {"tokens": 7}}).lookup
+    target_dir, heads_dir = build_tiny_setup(tmp_path)
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False)[0].lookup is None
+    update_tree(heads_dir, tree)
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False)[0].lookup == LookupConfig(num_tokens=7)
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False, lookup_num_tokens=0)[0].lookup is None
+    assert load_decoder(str(target_dir), str(heads_dir), progress=False,
+                        lookup_num_tokens=3)[0].lookup == LookupConfig(num_tokens=3)
+    assert load_decoder(str(target_dir), None, progress=False, lookup_num_tokens=4)[0].lookup.num_tokens == 4
+    with pytest.raises(ValueError, match="--lookup must be >= 0"):
+        load_decoder(str(target_dir), str(heads_dir), progress=False, lookup_num_tokens=-1)
+
+
+def test_bench_uses_the_tuned_tree(setup):
+    from specheads.bench.harness import heads_trees, run_bench
+    from specheads.bench.prompts import EncodedPrompt
+    from specheads.heads.heads_dir import load_heads
+
+    _, _, target, _, _ = setup
+    heads_dir = fresh_heads_dir(setup, "heads-b")
+    update_tree(heads_dir, {"paths": [[0], [0, 0]], "tuned": {"setting": "chain-2"}}, {"settings": []})
+    heads, config = load_heads(heads_dir, target=target.identity)
+    (tree, info), = heads_trees(config, None)
+    assert info["source"] == "heads-dir-tuned" and tree.max_depth == 2 and tree.is_chain
+    report = run_bench(target, [EncodedPrompt(0, "a", [5, 6, 7])], 6, heads=heads, heads_config=config,
+                       warmup=False, prompt_lookup_num_tokens=0, lookup_num_tokens=0)
+    assert [m["name"] for m in report["methods"]] == ["hf-greedy", "engine-plain", "engine-heads[tuned,2]"]
+    assert all(m["overall"]["identical"] for m in report["methods"])
+
+
+def test_update_tree_rejects_a_tree_without_paths(setup):
+    heads_dir = fresh_heads_dir(setup, "heads-c")
+    before = (heads_dir / "config.json").read_text()
+    with pytest.raises(ValueError, match="'paths'.*'dynamic'"):
+        update_tree(heads_dir, {"num_nodes": 3})
+    assert (heads_dir / "config.json").read_text() == before
+    assert not (heads_dir / TUNING_NAME).exists()
+
+
+def test_tune_cli(setup, tmp_path, capsys):
+    from test_bench import make_tokenizer
+
+    from specheads import tune_cli
+
+    _, target_dir, _, _, _ = setup
+    make_tokenizer(target_dir)
+    heads_dir = fresh_heads_dir(setup, "heads-d")
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "code", "turns": [f"def f{i}(x):"]})
+                                 for i in range(2)) + "\n")
+    parser = argparse.ArgumentParser()
+    tune_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["tune", "--target", str(target_dir), "--heads", str(heads_dir), "--prompts",
+                              str(prompts), "--max-new-tokens", "6", "--budget-s", "20", "--depths", "1,2",
+                              "--node-budgets", "3", "--json", str(tmp_path / "t.json"), "--quiet"])
+    assert tune_cli.run(args) == 0
+    out = capsys.readouterr().out
+    assert "(chosen)" in out
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert {r["name"] for r in report["settings"]} == {"chain-1", "chain-2", "tree-d1-n3", "tree-d2-n3"}
+    assert read_heads_config(heads_dir).tree["tuned"]["setting"] == report["winner"]
+    bad = parser.parse_args(["tune", "--target", str(target_dir), "--heads", str(heads_dir), "--depths", "0"])
+    with pytest.raises(ValueError, match="--depths expects positive integers"):
+        tune_cli.run(bad)
+
+
+def test_a_stored_dynamic_tree_is_benched_as_one(setup):
+    """When tune picks a dynamic tree (EAGLE heads), config.json holds {"dynamic": {...}} and
+    bench hands the decoder a DynamicTreeConfig."""
+    from specheads.bench.harness import heads_trees
+    from specheads.serving.decode.trees import DynamicTreeConfig
+
+    heads_dir = fresh_heads_dir(setup, "heads-e")
+    record = {"depth": 2, "top_k": 4, "num_nodes": 8, "entropy_threshold": None}
+    config = update_tree(heads_dir, {"dynamic": record, "tuned": {"setting": "dynamic-d2-k4-n8"}})
+    (tree, info), = heads_trees(config, None)
+    assert tree == DynamicTreeConfig(**record)
+    assert info == {"source": "heads-dir-tuned", "num_nodes": 9, "num_draft_nodes": 8, "max_depth": 2, "dynamic": True}

@@ -1,0 +1,98 @@
+"""The locally built chat prompts (data/chat_prompts.py): deterministic, distinct, partly
+multi-turn, and disjoint from the evaluation sets (MT-bench ships in bench/prompts;
+Spec-Bench is read from ../shared/data when it is there)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from specheads.data.chat_prompts import build_prompts, write_prompts
+
+from conftest import REPO
+
+ROOT = REPO  # the repository
+EVAL_SETS = [ROOT / "bench" / "prompts" / "mt_bench_question.jsonl",
+             ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"]
+NUM = 3000
+
+
+def normal(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip()
+
+
+def eval_turns() -> list[str]:
+    turns = []
+    for path in EVAL_SETS:
+        if path.exists():
+            turns += [t for line in path.read_text().splitlines() for t in json.loads(line)["turns"]]
+    return turns
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return build_prompts(NUM, seed=0)
+
+
+def test_prompts_are_deterministic_distinct_and_partly_multi_turn(prompts, tmp_path):
+    assert prompts == build_prompts(NUM, seed=0) != build_prompts(NUM, seed=1)
+    firsts = [p["turns"][0] for p in prompts]
+    assert len(set(firsts)) == NUM
+    assert 0.4 < sum(len(p["turns"]) == 2 for p in prompts) / NUM < 0.6
+    assert len({p["category"] for p in prompts}) >= 8
+    path = write_prompts(tmp_path / "p.jsonl", 10)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == build_prompts(10)
+    with pytest.raises(ValueError, match="num >= 1"):
+        build_prompts(0)
+
+
+def test_no_evaluation_prompt_is_among_the_training_prompts(prompts):
+    if not EVAL_SETS[1].exists():
+        pytest.skip(f"Spec-Bench questions not found at {EVAL_SETS[1]} (MT-bench is checked by the next test)")
+    check_disjoint(prompts, eval_turns())
+
+
+def test_no_mt_bench_prompt_is_among_the_training_prompts(prompts):
+    turns = [t for line in EVAL_SETS[0].read_text().splitlines() for t in json.loads(line)["turns"]]
+    assert len(turns) == 160
+    check_disjoint(prompts, turns)
+
+
+def check_disjoint(prompts: list[dict], turns: list[str]) -> None:
+    train = {normal(t) for p in prompts for t in p["turns"]}
+    train_heads = {t[:60] for t in train}
+    for turn in map(normal, turns):
+        assert turn not in train, turn
+        assert turn[:60] not in train_heads, turn
+
+
+def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monkeypatch):
+    import dataclasses
+
+    import specheads.data.regenerate as regenerate_module
+    from specheads.data.chat_prompts import self_distilled_chat
+    from specheads.training.config import load_recipe
+    from specheads.training.trainer import _materialize_chat_source
+    from test_server_support import build_tiny_setup
+
+    target_dir, _ = build_tiny_setup(tmp_path)
+    cache = tmp_path / "cache"
+    replies = self_distilled_chat(str(target_dir), 4, 4, cache_dir=cache, log=lambda _: None)
+    lines = [json.loads(line) for line in replies.read_text().splitlines()]
+    assert len(lines) == 4 and all(m["messages"][0]["role"] == "user" for m in lines)
+    assert [m["messages"][0]["content"] for m in lines] == [p["turns"][0] for p in build_prompts(4)]
+
+    def no_second_generation(*args, **kwargs):
+        raise AssertionError("the cached replies were generated again")
+
+    monkeypatch.setattr(regenerate_module, "regenerate", no_second_generation)
+    assert self_distilled_chat(str(target_dir), 4, 4, cache_dir=cache, log=lambda _: None) == replies
+    with pytest.raises(AssertionError, match="generated again"):  # other settings: another cache entry
+        self_distilled_chat(str(target_dir), 5, 4, cache_dir=cache, log=lambda _: None)
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(cache))
+    recipe = load_recipe(ROOT / "recipes" / "smollm2-135m-eagle3.yaml", profile="cpu")
+    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, chat_prompts=4, chat_max_new_tokens=4))
+    assert _materialize_chat_source(recipe, str(target_dir)).data.source == str(replies)

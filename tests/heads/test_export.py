@@ -1,0 +1,419 @@
+"""heads/export*.py and `specheads export`: foreign layouts out and back, exactly."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specheads import export_cli
+from specheads.heads import export_eagle3
+from specheads.heads.export import detect_format, export_heads, import_heads
+from specheads.heads.heads_dir import (HeadsConfig, build_heads, eagle_heads_config, load_heads,
+                                      save_heads)
+from specheads.heads.medusa import MedusaHeads
+from specheads.heads.target import TargetAdapter, TargetIdentity
+
+HIDDEN, VOCAB, NUM_HEADS, NUM_LAYERS = 32, 96, 3, 2
+TARGET = TargetIdentity(architecture="LlamaForCausalLM", model_type="llama", hidden_size=HIDDEN,
+                        vocab_size=VOCAB, num_layers=4, name_or_path="org/tiny-target")
+
+
+def make_medusa_dir(directory, dtype=torch.float32):
+    torch.manual_seed(0)
+    heads = MedusaHeads(HIDDEN, VOCAB, NUM_HEADS, NUM_LAYERS)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(std=0.3)
+    heads.to(dtype)
+    config = HeadsConfig(kind="medusa", hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=NUM_HEADS,
+                         num_layers=NUM_LAYERS, tap_layers=[TARGET.num_layers], target=TARGET,
+                         tree={"paths": [[0], [1], [0, 0]]}, calibration={"top1": [0.5, 0.25, 0.1]},
+                         dtype=str(dtype).removeprefix("torch."))
+    save_heads(directory, heads, config)
+    return heads, config
+
+
+def read_config(directory):
+    return json.loads((directory / "config.json").read_text())
+
+
+def assert_same_state(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert torch.equal(a[key], b[key]), key
+
+
+def medusa_reference_logits(weight, bias, lm_head, hidden):
+    """One head computed from per-head tensors, the way Medusa/vLLM run it."""
+    x = hidden
+    for w, b in zip(weight, bias):
+        x = x + F.silu(x @ w.T + b)
+    return x @ lm_head.T
+
+
+# Medusa (FasterDecoding layout) and vLLM's MedusaModel layout.
+
+def expected_medusa_keys(fmt):
+    keys = []
+    for i in range(NUM_HEADS):
+        for j in range(NUM_LAYERS):
+            if fmt == "medusa":
+                keys += [f"{i}.{j}.linear.weight", f"{i}.{j}.linear.bias"]
+            else:
+                keys += [f"blocks.{i}.layers.{j}.weight", f"blocks.{i}.layers.{j}.bias"]
+        keys.append(f"{i}.{NUM_LAYERS}.weight" if fmt == "medusa" else f"lm_heads.{i}.weight")
+    return sorted(keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["medusa", "vllm-medusa"])
+def test_medusa_round_trip_is_exact(fmt, dtype, tmp_path):
+    heads, config = make_medusa_dir(tmp_path / "heads", dtype)
+    export_heads(tmp_path / "heads", fmt, tmp_path / "foreign")
+    import_heads(tmp_path / "foreign", tmp_path / "back")
+
+    assert read_config(tmp_path / "back") == config.to_dict()
+    assert_same_state(load_file(str(tmp_path / "back" / "model.safetensors")),
+                      load_file(str(tmp_path / "heads" / "model.safetensors")))
+    loaded, loaded_config = load_heads(tmp_path / "back", dtype=dtype)
+    assert loaded_config == config
+    hidden = torch.randn(2, 5, HIDDEN, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden), heads(hidden))
+
+
+@pytest.mark.parametrize("fmt", ["medusa", "vllm-medusa"])
+def test_medusa_export_has_documented_keys_and_semantics(fmt, tmp_path):
+    heads, _ = make_medusa_dir(tmp_path / "heads")
+    export_heads(tmp_path / "heads", fmt, tmp_path / "foreign")
+    weights_name = "medusa_lm_head.safetensors" if fmt == "medusa" else "model.safetensors"
+    assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == sorted(["config.json", weights_name])
+    state = load_file(str(tmp_path / "foreign" / weights_name))
+    assert sorted(state) == expected_medusa_keys(fmt)
+
+    foreign = read_config(tmp_path / "foreign")
+    specheads_block = foreign.pop("specheads")
+    assert specheads_block["kind"] == "medusa"
+    if fmt == "medusa":
+        assert foreign == {"medusa_num_heads": NUM_HEADS, "medusa_num_layers": NUM_LAYERS,
+                           "base_model_name_or_path": TARGET.name_or_path, "hidden_size": HIDDEN,
+                           "vocab_size": VOCAB}
+    else:
+        assert foreign == {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": HIDDEN,
+                           "vocab_size": VOCAB, "num_heads": NUM_HEADS, "num_hidden_layers": NUM_LAYERS,
+                           "truncated_vocab_size": VOCAB, "medusa_fc_bias": True}
+
+    # The per-head tensors compute what our stacked module computes (not just a bijection).
+    hidden = torch.randn(7, HIDDEN)
+    with torch.no_grad():
+        ours = heads(hidden.view(1, 7, HIDDEN))[:, 0]
+    for i in range(NUM_HEADS):
+        if fmt == "medusa":
+            weight = [state[f"{i}.{j}.linear.weight"] for j in range(NUM_LAYERS)]
+            bias = [state[f"{i}.{j}.linear.bias"] for j in range(NUM_LAYERS)]
+            lm_head = state[f"{i}.{NUM_LAYERS}.weight"]
+        else:
+            weight = [state[f"blocks.{i}.layers.{j}.weight"] for j in range(NUM_LAYERS)]
+            bias = [state[f"blocks.{i}.layers.{j}.bias"] for j in range(NUM_LAYERS)]
+            lm_head = state[f"lm_heads.{i}.weight"]
+        torch.testing.assert_close(medusa_reference_logits(weight, bias, lm_head, hidden), ours[i],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def write_target_config(directory):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2).save_pretrained(directory)
+    return directory
+
+
+def test_medusa_trained_elsewhere_needs_the_target(tmp_path):
+    heads, _ = make_medusa_dir(tmp_path / "heads")
+    export_heads(tmp_path / "heads", "medusa", tmp_path / "foreign")
+    # Strip our block and save the weights as Medusa's training script's .pt twin.
+    foreign = read_config(tmp_path / "foreign")
+    foreign.pop("specheads")
+    foreign.pop("hidden_size")
+    foreign.pop("vocab_size")
+    (tmp_path / "foreign" / "config.json").write_text(json.dumps(foreign))
+    state = load_file(str(tmp_path / "foreign" / "medusa_lm_head.safetensors"))
+    (tmp_path / "foreign" / "medusa_lm_head.safetensors").unlink()
+    torch.save(state, tmp_path / "foreign" / "medusa_lm_head.pt")
+
+    with pytest.raises(ValueError, match="--target"):
+        import_heads(tmp_path / "foreign", tmp_path / "back")
+    target_dir = write_target_config(tmp_path / "target")
+    import_heads(tmp_path / "foreign", tmp_path / "back", target=str(target_dir))
+    loaded, config = load_heads(tmp_path / "back")
+    assert config.target.name_or_path == str(target_dir)
+    assert config.target.num_layers == 3 and config.tap_layers == [3]
+    assert (config.num_heads, config.num_layers, config.tree, config.dtype) == (NUM_HEADS, NUM_LAYERS, None, "float32")
+    hidden = torch.randn(1, 4, HIDDEN)
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden), heads(hidden))
+    # A target the heads do not fit is named.
+    with pytest.raises(ValueError, match="vocab_size"):
+        import_heads(tmp_path / "foreign", tmp_path / "bad",
+                     target=dataclasses.replace(TARGET, vocab_size=VOCAB + 1))
+
+
+def test_vllm_medusa_without_bias_and_with_prefix(tmp_path):
+    heads, _ = make_medusa_dir(tmp_path / "heads")
+    with torch.no_grad():
+        heads.block_bias.zero_()
+    directory = tmp_path / "foreign"
+    directory.mkdir()
+    state = {}
+    for i in range(NUM_HEADS):
+        for j in range(NUM_LAYERS):
+            state[f"medusa_heads.blocks.{i}.layers.{j}.weight"] = heads.block_weight[i, j].detach().clone()
+        state[f"medusa_heads.lm_heads.{i}.weight"] = heads.lm_head_weight[i].detach().clone()
+    save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(
+        {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": HIDDEN, "vocab_size": VOCAB,
+         "num_heads": NUM_HEADS, "num_hidden_layers": NUM_LAYERS}))
+    import_heads(directory, tmp_path / "back", target=TARGET)
+    loaded, _ = load_heads(tmp_path / "back")
+    hidden = torch.randn(1, 3, HIDDEN)
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden), heads(hidden))
+
+
+def test_unknown_layout_names_the_expected_ones(tmp_path):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="unknown heads layout") as err:
+        import_heads(tmp_path / "llama", tmp_path / "out")
+    for expected in ("LlamaForCausalLMEagle3", "medusa_num_heads", "MedusaModel"):
+        assert expected in str(err.value)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        import_heads(tmp_path / "missing", tmp_path / "out")
+    make_medusa_dir(tmp_path / "heads")
+    with pytest.raises(ValueError, match="already a specheads"):
+        import_heads(tmp_path / "heads", tmp_path / "out")
+    with pytest.raises(ValueError, match="eagle3 heads"):
+        export_heads(tmp_path / "heads", "eagle3", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_replaces_atomically(tmp_path):
+    make_medusa_dir(tmp_path / "heads")
+    out = tmp_path / "foreign"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    export_heads(tmp_path / "heads", "vllm-medusa", out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "heads"]  # no temp dirs left
+
+
+# EAGLE-3: the layout on a synthetic state with the module's parameter names and shapes.
+
+EAGLE_HEADS, EAGLE_KV_HEADS, INTERMEDIATE, DRAFT_VOCAB = 4, 2, 64, 40
+
+
+def eagle3_fields():
+    return {"hidden_size": HIDDEN, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
+            "num_attention_heads": EAGLE_HEADS, "num_kv_heads": EAGLE_KV_HEADS,
+            "intermediate_size": INTERMEDIATE, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+
+
+def eagle3_state():
+    torch.manual_seed(1)
+    head_dim = HIDDEN // EAGLE_HEADS
+    shapes = {
+        "fc.weight": (HIDDEN, 3 * HIDDEN),
+        "midlayer.input_layernorm.weight": (HIDDEN,),
+        "midlayer.hidden_norm.weight": (HIDDEN,),
+        "midlayer.self_attn.q_proj.weight": (EAGLE_HEADS * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.k_proj.weight": (EAGLE_KV_HEADS * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.v_proj.weight": (EAGLE_KV_HEADS * head_dim, 2 * HIDDEN),
+        "midlayer.self_attn.o_proj.weight": (HIDDEN, EAGLE_HEADS * head_dim),
+        "midlayer.post_attention_layernorm.weight": (HIDDEN,),
+        "midlayer.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+        "midlayer.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+        "midlayer.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+        "norm.weight": (HIDDEN,),
+        "lm_head.weight": (DRAFT_VOCAB, HIDDEN),
+    }
+    state = {name: torch.randn(shape) for name, shape in shapes.items()}
+    draft_to_target = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
+    state["d2t"] = draft_to_target - torch.arange(DRAFT_VOCAB)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    state["t2d"] = t2d
+    return state
+
+
+def eagle3_config(taps=(1, 2, 3)):
+    return {"kind": "eagle3", **eagle3_fields(), "tap_layers": list(taps), "target": dataclasses.asdict(TARGET),
+            "dtype": "float32", "max_position_embeddings": 2048}
+
+
+def test_eagle3_layout_keys_config_and_round_trip():
+    config, state = eagle3_config(), eagle3_state()
+    foreign, foreign_state = export_eagle3.to_eagle3(config, state)
+    assert list(foreign_state) == list(export_eagle3.EAGLE3_WEIGHT_NAMES)
+    assert sorted(foreign_state) == sorted(state)
+    assert foreign == {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_attention_heads": EAGLE_HEADS,
+        "num_key_value_heads": EAGLE_KV_HEADS, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "hidden_act": "silu", "norm_before_residual": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32", "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True},
+    }
+    assert detect_format(foreign) == "eagle3"
+    fields, back = export_eagle3.from_eagle3(foreign, foreign_state, TARGET.num_layers)
+    assert fields == {**eagle3_fields(), "max_position_embeddings": 2048, "tap_layers": [1, 2, 3]}
+    assert_same_state(back, state)
+    # d2t really maps draft ids to target ids: the t2d set.
+    targets = torch.arange(DRAFT_VOCAB) + back["d2t"]
+    assert torch.equal(torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, targets, True), back["t2d"])
+
+
+def test_eagle3_export_lets_the_official_eagle_runtime_load_the_target_embeddings(tiny_llama_dir):
+    # SafeAILab/EAGLE cnets.Model copies the target's embed_tokens only when the config has no
+    # target_hidden_size, and loads the file with strict=False: the field must be absent.
+    target = TargetAdapter.from_pretrained(str(tiny_llama_dir))
+    config = eagle_heads_config(target, num_steps=2, draft_vocab_size=DRAFT_VOCAB).to_dict()
+    assert config["max_position_embeddings"] == target.text_config.max_position_embeddings == 512
+    state = build_heads(HeadsConfig.from_dict(config)).state_dict()
+    foreign, _ = export_eagle3.to_eagle3(config, state)
+    assert "target_hidden_size" not in foreign
+    assert foreign["max_position_embeddings"] == 512  # the target's own, not a fixed 8192
+    # Heads written before HeadsConfig recorded it still export, with the engines' fallback.
+    del config["max_position_embeddings"]
+    assert export_eagle3.to_eagle3(config, state)[0]["max_position_embeddings"] == 8192
+
+
+def test_eagle3_layer_id_conventions():
+    """ours: tap i = input of layer i. vLLM: same (top-level key). SGLang: output of layer id (nested key)."""
+    num_layers = 32
+    assert export_eagle3.taps_to_vllm_ids([2, 16, 29], num_layers) == [2, 16, 29]
+    assert export_eagle3.taps_to_sglang_ids([2, 16, 29], num_layers) == [1, 15, 28]
+    # SpecForge writes the SGLang convention: [1, 15, 28] means target layers 2, 16, 29's inputs.
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "use_aux_hidden_state": True}}
+    assert export_eagle3.taps_from_foreign(nested, num_layers, "x") == [2, 16, 29]
+    top = {"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}
+    assert export_eagle3.taps_from_foreign(top, num_layers, "x") == [2, 16, 29]
+    both = {**nested, "eagle_aux_hidden_state_layer_ids": [2, 16, 29]}
+    assert export_eagle3.taps_from_foreign(both, num_layers, "x") == [2, 16, 29]
+    with pytest.raises(ValueError, match="different target layers"):
+        export_eagle3.taps_from_foreign({**nested, "eagle_aux_hidden_state_layer_ids": [1, 15, 28]}, num_layers, "x")
+    # No ids: both engines' default, (2, L // 2, L - 3) as inputs of layers.
+    assert export_eagle3.taps_from_foreign({}, num_layers, "x") == [2, 16, 29]
+    with pytest.raises(ValueError, match="--target"):
+        export_eagle3.taps_from_foreign({}, None, "x")
+    with pytest.raises(ValueError, match="no EAGLE-3 layer id"):
+        export_eagle3.taps_to_vllm_ids([0, 2, num_layers], num_layers)
+
+
+def test_tap_i_is_what_vllm_captures_before_layer_i(tiny_llama_dir):
+    """Our tap i is the input of decoder layer i, the state vLLM/SGLang capture as
+    `hidden_states + residual` before running layer i; the converters rely on it."""
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    captured = {}
+
+    def capture(index):
+        def hook(module, args, kwargs):
+            captured[index] = (args[0] if args else kwargs["hidden_states"]).clone()
+        return hook
+
+    layers = target.model.model.layers
+    handles = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        ids = torch.randint(0, target.vocab_size, (1, 6))
+        out = target(ids, list(range(1, target.num_layers)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for position, tap in enumerate(range(1, target.num_layers)):
+        assert torch.equal(out.taps[position], captured[tap])
+
+
+def test_eagle3_import_fills_identity_maps_and_refuses_bad_configs():
+    state = eagle3_state()
+    state["lm_head.weight"] = torch.randn(VOCAB, HIDDEN)
+    del state["d2t"], state["t2d"]
+    state["embed_tokens.weight"] = torch.randn(VOCAB, HIDDEN)
+    foreign = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": HIDDEN, "vocab_size": VOCAB,
+               "intermediate_size": INTERMEDIATE, "num_attention_heads": EAGLE_HEADS, "rms_norm_eps": 1e-5,
+               "rope_theta": 500000.0, "num_hidden_layers": 1}
+    fields, back = export_eagle3.from_eagle3(foreign, state, 32)
+    assert fields["draft_vocab_size"] == VOCAB and fields["num_kv_heads"] == EAGLE_HEADS
+    assert fields["tap_layers"] == [2, 16, 29]
+    assert torch.equal(back["d2t"], torch.zeros(VOCAB, dtype=torch.int64))
+    assert bool(back["t2d"].all()) and "embed_tokens.weight" not in back
+    with pytest.raises(ValueError, match="num_hidden_layers=2"):
+        export_eagle3.from_eagle3({**foreign, "num_hidden_layers": 2}, state, 32)
+    with pytest.raises(ValueError, match="missing"):
+        export_eagle3.from_eagle3(foreign, {"fc.weight": state["fc.weight"]}, 32)
+    with pytest.raises(ValueError, match="not exportable"):
+        export_eagle3.to_eagle3(eagle3_config(), {**eagle3_state(), "extra": torch.zeros(1)})
+    for bad in ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, {"norm_before_residual": True},
+                {"hidden_act": "gelu"}, {"attention_bias": True}):
+        with pytest.raises(ValueError, match="cannot be imported exactly"):
+            export_eagle3.from_eagle3({**foreign, **bad}, state, 32)
+
+
+def test_eagle3_directory_round_trip_with_the_real_module(tmp_path):
+    names = {f.name for f in dataclasses.fields(HeadsConfig)}
+    values = {name: value for name, value in eagle3_config().items() if name in names}
+    values.update(num_heads=1, num_layers=1) if {"num_heads", "num_layers"} <= names else None
+    config = HeadsConfig(**{**values, "target": TARGET})
+    heads = build_heads(config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(std=0.3)
+    assert sorted(heads.state_dict()) == sorted(export_eagle3.EAGLE3_WEIGHT_NAMES)
+    save_heads(tmp_path / "heads", heads, config)
+    export_heads(tmp_path / "heads", "eagle3", tmp_path / "foreign")
+    import_heads(tmp_path / "foreign", tmp_path / "back")
+    assert read_config(tmp_path / "back") == config.to_dict()
+    assert_same_state(load_file(str(tmp_path / "back" / "model.safetensors")),
+                      load_file(str(tmp_path / "heads" / "model.safetensors")))
+    loaded, _ = load_heads(tmp_path / "back")
+    assert_same_state(loaded.state_dict(), heads.state_dict())
+
+    # Trained elsewhere: no specheads block, the target from --target, SGLang-style ids only.
+    foreign = read_config(tmp_path / "foreign")
+    del foreign["specheads"], foreign["eagle_aux_hidden_state_layer_ids"]
+    (tmp_path / "foreign" / "config.json").write_text(json.dumps(foreign))
+    with pytest.raises(ValueError, match="--target"):
+        import_heads(tmp_path / "foreign", tmp_path / "elsewhere")
+    import_heads(tmp_path / "foreign", tmp_path / "elsewhere", target=TARGET)
+    loaded, imported = load_heads(tmp_path / "elsewhere", target=TARGET)
+    assert imported.kind == "eagle3" and imported.tap_layers == [1, 2, 3]
+    assert (imported.num_heads, imported.num_layers, imported.tree) == (4, 1, None)
+    assert_same_state(loaded.state_dict(), heads.state_dict())
+
+
+# The CLI glue.
+
+def run_cli(argv):
+    parser = argparse.ArgumentParser(prog="specheads")
+    export_cli.add_parser(parser.add_subparsers(dest="command"))
+    return export_cli.run(parser.parse_args(argv))
+
+
+def test_cli_export_and_import(tmp_path, capsys):
+    make_medusa_dir(tmp_path / "heads")
+    assert run_cli(["export", str(tmp_path / "heads"), "--format", "medusa", "--out", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "medusa_lm_head.safetensors").is_file()
+    assert run_cli(["export", "--import", str(tmp_path / "m"), "--out", str(tmp_path / "back")]) == 0
+    assert "imported" in capsys.readouterr().out
+    assert read_config(tmp_path / "back") == read_config(tmp_path / "heads")
+    with pytest.raises(ValueError, match="--format"):
+        run_cli(["export", str(tmp_path / "heads"), "--out", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="only used with --import"):
+        run_cli(["export", str(tmp_path / "heads"), "--format", "medusa", "--out", str(tmp_path / "x"),
+                 "--target", "t"])

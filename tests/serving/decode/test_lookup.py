@@ -1,0 +1,470 @@
+"""N-gram lookup drafting (serving/decode/lookup.py) alone and beside the heads' tree.
+
+Unit level: `NgramIndex` against a brute-force reference (longest n-gram first, the most
+recent continuation, loops drafted by copying the draft itself), `LookupConfig`
+validation, and `with_lookup_chain`'s tree tensors checked against trees rebuilt from
+their parents. Engine level, on the tiny random Llama: greedy decoding with lookup (no
+heads, random Medusa heads, a random EAGLE-3 head on a static and on a dynamic tree, with
+and without `alone_at_ngram`) equals HF greedy `generate`, and lookup chains really are
+accepted on prompts whose greedy continuation loops. The EAGLE head's own cache stays
+aligned with the target's committed positions across steps that skipped the head. In a
+batch, greedy rows equal decoding alone and seeded sampled rows (which look up too) equal
+the same seeded request alone. (That sampling with lookup keeps the target's distribution
+is tested by chi-square in test_decode_sampling.py.)
+
+Tiny random models loop only from some contexts, so the fixture picks, among short random
+patterns repeated, the prompts whose greedy continuation repeats most.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specheads.heads.medusa import MedusaHeads
+from specheads.heads.target import TargetAdapter
+from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
+from specheads.serving.decode.config import SpeculativeDecoder
+from specheads.serving.decode.generate import generate
+from specheads.serving.decode.steps import DecodeState, accept
+from specheads.serving.decode.eagle import commit_head_rows
+from specheads.serving.decode.trees import DynamicTreeConfig
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.lookup import LookupConfig, NgramIndex
+from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.decode.trees import Draft, DraftTree, TreePlan
+
+from test_batch import run_session
+from test_eagle3 import random_head
+
+NUM_NEW = 40
+NUM_HEADS = 3
+TREE_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+PROMPT_LEN = 9
+NUM_CANDIDATES = 48
+NUM_REPETITIVE = 3
+
+
+# -- NgramIndex --------------------------------------------------------------------------------------
+
+
+def reference_propose(tokens: list[int], config: LookupConfig) -> tuple[list[int], int]:
+    """Brute force: for n = max_ngram..min_ngram, the latest earlier occurrence of the last n
+    tokens that has a continuation; copy from there, then from the draft itself."""
+    for n in range(min(config.max_ngram, len(tokens)), config.min_ngram - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                context = list(tokens)
+                for offset in range(config.num_tokens):
+                    context.append(context[start + n + offset])
+                return context[len(tokens):], n
+    return [], 0
+
+
+def index_config(**kwargs) -> LookupConfig:
+    """A config for NgramIndex alone (alone_at_ngram only matters to the engine)."""
+    return LookupConfig(alone_at_ngram=None, **kwargs)
+
+
+def test_ngram_index_prefers_the_longest_match():
+    tokens = [1, 2, 3, 4, 8, 2, 3, 5, 1, 2, 3]  # (1, 2, 3) -> 4 at the start; (2, 3) -> 5 more recently
+    assert NgramIndex(index_config(num_tokens=3, max_ngram=3), tokens).propose() == ([4, 8, 2], 3)
+    assert NgramIndex(index_config(num_tokens=3, max_ngram=2), tokens).propose() == ([5, 1, 2], 2)
+    assert NgramIndex(index_config(num_tokens=2, max_ngram=1), tokens).propose() == ([5, 1], 1)
+
+
+def test_ngram_index_takes_the_most_recent_continuation():
+    config = index_config(num_tokens=4, max_ngram=1)
+    assert NgramIndex(config, [4, 1, 4, 2, 4]).propose() == ([2, 4, 2, 4], 1)  # not (4 -> 1), the older one
+    assert NgramIndex(config, [4, 1, 7, 4, 1, 9, 4]).propose() == ([1, 9, 4, 1], 1)
+
+
+def test_ngram_index_drafts_a_loop_by_copying_its_own_output():
+    config = index_config(num_tokens=10, max_ngram=3)
+    assert NgramIndex(config, [5, 6, 7, 5, 6, 7, 5]).propose() == ([6, 7, 5] * 3 + [6], 3)
+    assert NgramIndex(config, [3, 9, 9]).propose() == ([9] * 10, 1)  # period 1: (9, 9) has no earlier match
+    assert NgramIndex(index_config(num_tokens=5, max_ngram=2), [8, 1, 2, 1, 2]).propose() == ([1, 2, 1, 2, 1], 2)
+
+
+def test_ngram_index_without_a_match_and_min_ngram():
+    config = index_config(num_tokens=4, max_ngram=3)
+    assert NgramIndex(config, [1, 2, 3, 4, 9]).propose() == ([], 0)
+    assert NgramIndex(config, [7]).propose() == ([], 0)
+    assert NgramIndex(config).propose() == ([], 0)
+    tokens = [5, 6, 7, 5]
+    assert NgramIndex(config, tokens).propose() == ([6, 7, 5, 6], 1)
+    assert NgramIndex(index_config(num_tokens=4, max_ngram=3, min_ngram=2), tokens).propose() == ([], 0)
+    # (6, 7, 5) matches with 3 tokens, so min_ngram=3 still drafts.
+    assert NgramIndex(index_config(num_tokens=2, max_ngram=3, min_ngram=3), [5, 6, 7, 5, 6, 7, 5]).propose() \
+        == ([6, 7], 3)
+
+
+@pytest.mark.parametrize("config", [index_config(), index_config(num_tokens=7, max_ngram=4, min_ngram=2),
+                                    index_config(num_tokens=3, max_ngram=1, min_ngram=1)])
+def test_ngram_index_extend_equals_building_at_once_and_the_brute_force(config):
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (3, 6):
+        tokens = torch.randint(0, vocab, (80,), generator=generator).tolist()
+        incremental = NgramIndex(config, tokens[:1])
+        position = 1
+        while position < len(tokens):
+            chunk = int(torch.randint(0, 5, (1,), generator=generator))  # empty chunks too
+            incremental.extend(tokens[position:position + chunk])
+            position = min(position + chunk, len(tokens))
+            prefix = tokens[:position]
+            assert incremental.tokens == prefix
+            expected = reference_propose(prefix, config)
+            assert incremental.propose() == expected
+            assert NgramIndex(config, prefix).propose() == expected
+
+
+# -- LookupConfig --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_tokens=0), "num_tokens"), (dict(num_tokens=-2), "num_tokens"), (dict(num_tokens=2.0), "num_tokens"),
+    (dict(num_tokens=True), "num_tokens"), (dict(max_ngram=0), "max_ngram"), (dict(max_ngram="3"), "max_ngram"),
+    (dict(min_ngram=0, alone_at_ngram=None), "min_ngram"), (dict(min_ngram=4, max_ngram=3), "min_ngram"),
+    (dict(alone_at_ngram=4), "alone_at_ngram"), (dict(alone_at_ngram=0), "alone_at_ngram"),
+    (dict(min_ngram=2, alone_at_ngram=1), "alone_at_ngram"), (dict(alone_at_ngram=2.0), "alone_at_ngram"),
+    (dict(alone_at_ngram=True), "alone_at_ngram"),
+])
+def test_lookup_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LookupConfig(**kwargs)
+
+
+def test_lookup_config_accepts_good_values():
+    assert LookupConfig() == LookupConfig(num_tokens=10, max_ngram=3, min_ngram=1, alone_at_ngram=3)
+    LookupConfig(num_tokens=1, max_ngram=1, min_ngram=1, alone_at_ngram=1)
+    LookupConfig(num_tokens=4, max_ngram=5, min_ngram=2, alone_at_ngram=None)
+    assert LookupConfig(max_ngram=2).alone_at_ngram == 2  # "max" follows max_ngram
+    assert LookupConfig(max_ngram=5, alone_at_ngram="max").alone_at_ngram == 5
+    with pytest.raises(ValueError, match="alone_at_ngram"):
+        LookupConfig(alone_at_ngram="min")
+
+
+# -- with_lookup_chain ------------------------------------------------------------------------------------
+
+
+def ancestors(parents: list[int], node: int) -> set[int]:
+    out = set()
+    while node >= 0:
+        out.add(node)
+        node = parents[node]
+    return out
+
+
+def check_tree_tensors(tree: DraftTree) -> None:
+    """Every tensor of `tree` agrees with what its parents imply."""
+    parents = tree.parents.tolist()
+    num_nodes = tree.num_nodes
+    assert parents[0] == -1 and all(0 <= parents[i] < i for i in range(1, num_nodes))
+    for node in range(1, num_nodes):
+        assert int(tree.depths[node]) == int(tree.depths[parents[node]]) + 1
+    assert torch.equal(tree.position_offsets, tree.depths)
+    expected_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
+    for node in range(num_nodes):
+        expected_mask[node, sorted(ancestors(parents, node))] = True
+    assert torch.equal(tree.tree_mask, expected_mask)
+    leaves = [n for n in range(num_nodes) if n not in set(parents[1:])]
+    got = {tuple(int(x) for x in row if x >= 0) for row in tree.leaf_paths}
+    assert got == {tuple(sorted(ancestors(parents, leaf))) for leaf in leaves}
+    assert tree.num_leaves == len(leaves)
+    assert tree.max_depth == int(tree.depths.max())
+    assert len(tree.rank_paths) == num_nodes - 1 and len(set(tree.rank_paths)) == num_nodes - 1
+    for node in range(1, num_nodes):  # a node's rank path extends its parent's by its rank
+        path = tree.rank_paths[node - 1]
+        assert path[-1] == int(tree.ranks[node]) and len(path) == int(tree.depths[node])
+        if parents[node] > 0:
+            assert path[:-1] == tree.rank_paths[parents[node] - 1]
+
+
+def test_with_lookup_chain_appends_a_chain_under_the_root():
+    base = DraftTree.from_paths([[0], [1], [0, 0]])  # nodes: 0 root, 1 (0,), 2 (1,), 3 (0, 0)
+    tree = base.with_lookup_chain(3)  # chain nodes 4, 5, 6
+    assert tree.num_nodes == 7 and tree.max_depth == 3 and not tree.is_chain
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 0, 4, 5]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 1, 2, 3]
+    assert tree.position_offsets.tolist() == [0, 1, 1, 2, 1, 2, 3]
+    assert tree.ranks.tolist() == [0, 0, 1, 0, 2, 0, 0]
+    assert tree.rank_paths == ((0,), (1,), (0, 0), (2,), (2, 0), (2, 0, 0))
+    assert torch.equal(tree.tree_mask[:4, :4], base.tree_mask)  # base nodes unchanged
+    assert not tree.tree_mask[:4, 4:].any()  # and blind to the chain
+    assert tree.tree_mask[4:].tolist() == [[True, False, False, False, True, False, False],
+                                           [True, False, False, False, True, True, False],
+                                           [True, False, False, False, True, True, True]]
+    assert tree.leaf_paths.tolist() == [[0, 2, -1, -1], [0, 1, 3, -1], [0, 4, 5, 6]]
+    check_tree_tensors(tree)
+
+
+@pytest.mark.parametrize("paths, length", [
+    ([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1),
+    ([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 6),
+    ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], 2),  # a chain base: the result has two branches
+    ([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 10),
+])
+def test_with_lookup_chain_keeps_every_tree_invariant(paths, length):
+    base = DraftTree.from_paths(paths)
+    tree = base.with_lookup_chain(length)
+    check_tree_tensors(tree)
+    num_base = base.num_nodes
+    assert tree.num_nodes == num_base + length and tree.max_depth == max(base.max_depth, length)
+    for field in ("parents", "depths", "ranks", "position_offsets"):
+        assert torch.equal(getattr(tree, field)[:num_base], getattr(base, field)), field
+    assert torch.equal(tree.tree_mask[:num_base, :num_base], base.tree_mask)
+    assert tree.rank_paths[:num_base - 1] == base.rank_paths
+    assert tree.num_leaves == base.num_leaves + 1
+    chain_leaf = tree.leaf_paths[-1]
+    assert chain_leaf[:length + 1].tolist() == [0] + list(range(num_base, num_base + length))
+    assert not tree.is_chain
+
+
+@pytest.mark.parametrize("length", [1, 4])
+def test_with_lookup_chain_on_a_root_only_tree_is_a_pure_chain(length):
+    tree = DraftTree.chain(0).with_lookup_chain(length)
+    check_tree_tensors(tree)
+    assert tree.is_chain and tree.num_nodes == length + 1 and tree.max_depth == length
+    assert tree.leaf_paths.tolist() == [list(range(length + 1))]
+    assert torch.equal(tree.tree_mask, torch.ones(length + 1, length + 1, dtype=torch.bool).tril())
+    assert TreePlan(tree, torch.device("cpu")).is_chain  # verified with the model's causal mask
+
+
+@pytest.mark.parametrize("length", [0, -1])
+def test_with_lookup_chain_needs_a_token(length):
+    with pytest.raises(ValueError, match="at least one token"):
+        DraftTree.chain(2).with_lookup_chain(length)
+
+
+def test_accept_on_a_combined_tree_picks_the_longest_match():
+    tree = DraftTree.from_paths([[0], [1], [0, 0]]).with_lookup_chain(3)  # chain nodes 4, 5, 6
+    plan = TreePlan(tree, torch.device("cpu"))
+    tokens = torch.tensor([10, 11, 12, 13, 11, 5, 6])
+
+    def run(target_after_node: list[int], draft_tokens: torch.Tensor = tokens):
+        logits = torch.nn.functional.one_hot(torch.tensor(target_after_node), 128).float()  # argmax = the given token
+        return accept(Draft(draft_tokens, plan), logits, torch.zeros(len(target_after_node), 1), None, None)
+
+    # The heads' branch 0 -> 1 -> 3 matches (3 nodes), the chain 0 -> 4 -> 5 -> 6 matches (4 nodes).
+    step = run([11, 13, 0, 40, 5, 6, 23])
+    assert step.nodes.tolist() == [0, 4, 5, 6] and step.emitted == [11, 5, 6, 23]
+    # The chain breaks after one token: the heads' longer branch wins.
+    step = run([11, 13, 0, 40, 7, 6, 23])
+    assert step.nodes.tolist() == [0, 1, 3] and step.emitted == [11, 13, 40]
+    # Only the chain's first token matches, the heads' nothing.
+    step = run([11 + 100, 0, 0, 0, 9, 0, 0])
+    assert step.nodes.tolist() == [0] and step.emitted == [111]
+    step = run([20, 0, 0, 0, 21, 9, 0], torch.tensor([10, 99, 98, 97, 20, 21, 22]))
+    assert step.nodes.tolist() == [0, 4, 5] and step.emitted == [20, 21, 9]
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+
+def hf_greedy(target: TargetAdapter, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def lookup_hits(prompt: list[int], continuation: list[int]) -> int:
+    """Continuation tokens a 1-token lookup would have drafted right (a cheap repetition score)."""
+    index = NgramIndex(LookupConfig(num_tokens=1), prompt)
+    hits = 0
+    for token in continuation:
+        hits += index.propose()[0] == [token]
+        index.extend([token])
+    return hits
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir):
+    """(target, prompts, HF greedy references); prompts[:NUM_REPETITIVE] loop under greedy decoding."""
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    generator = torch.Generator().manual_seed(11)
+    candidates = []
+    for index in range(NUM_CANDIDATES):
+        pattern = torch.randint(3, target.vocab_size, (1 + index % 3,), generator=generator).tolist()
+        candidates.append((pattern * PROMPT_LEN)[:PROMPT_LEN])
+    ids = torch.tensor(candidates)
+    with torch.no_grad():  # one batched generate to rank the candidates; the references are per prompt
+        continuations = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                              max_new_tokens=NUM_NEW, eos_token_id=None,
+                                              pad_token_id=0)[:, PROMPT_LEN:].tolist()
+    ranked = sorted(range(NUM_CANDIDATES), key=lambda i: -lookup_hits(candidates[i], continuations[i]))
+    prompts = [candidates[i] for i in ranked[:NUM_REPETITIVE]]
+    prompts.append(torch.randint(3, target.vocab_size, (13,), generator=generator).tolist())  # no repeats
+    references = [hf_greedy(target, prompt, NUM_NEW) for prompt in prompts]
+    return target, prompts, references
+
+
+def random_medusa(target: TargetAdapter) -> MedusaHeads:
+    torch.manual_seed(0)
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS)
+    heads.init_lm_heads_from(target.lm_head())  # plausible candidates: often the target's own top tokens
+    nn.init.normal_(heads.block_weight, std=0.2)
+    return heads.eval()
+
+
+def make_decoder(target: TargetAdapter, kind: str, lookup: LookupConfig | None) -> SpeculativeDecoder:
+    """fallback=None: whether a request speculates must not depend on measured timings here."""
+    if kind == "lookup":
+        return SpeculativeDecoder(target, lookup=lookup, fallback=None)
+    if kind == "medusa":
+        return SpeculativeDecoder(target, random_medusa(target), DraftTree.from_paths(TREE_PATHS), lookup=lookup,
+                                  fallback=None)
+    head, config = random_head(target, seed=3)
+    tree = DraftTree.from_paths(TREE_PATHS) if kind == "eagle3-static" \
+        else DynamicTreeConfig(depth=3, top_k=2, num_nodes=6)
+    return SpeculativeDecoder(target, head, tree, tap_layers=config.tap_layers, lookup=lookup, fallback=None)
+
+
+def test_fixture_prompts_loop_under_greedy_decoding(setup):
+    target, prompts, references = setup
+    for prompt, reference in zip(prompts[:NUM_REPETITIVE], references):
+        assert lookup_hits(prompt, reference) >= 4, (prompt, reference)
+
+
+@pytest.mark.parametrize("alone_at_ngram", [None, 3])
+@pytest.mark.parametrize("kind", ["lookup", "medusa", "eagle3-static", "eagle3-dynamic"])
+def test_greedy_decoding_with_lookup_is_lossless(setup, kind, alone_at_ngram):
+    target, prompts, references = setup
+    lookup = LookupConfig(alone_at_ngram=alone_at_ngram)
+    decoder = make_decoder(target, kind, lookup)
+    base_nodes = 1 if kind == "lookup" else 7 if kind == "eagle3-dynamic" else len(TREE_PATHS) + 1
+    assert decoder.max_tree_nodes == base_nodes + lookup.num_tokens  # the cache holds one combined tree
+    for index, (prompt, reference) in enumerate(zip(prompts, references)):
+        result = generate(decoder, prompt, NUM_NEW)
+        stats = result.stats
+        assert result.tokens == reference, (kind, index)
+        assert result.finish_reason == "length" and stats.num_new_tokens == NUM_NEW
+        assert 0 <= stats.lookup_accepted <= stats.accepted_tokens
+        assert stats.lookup_steps <= stats.steps
+        assert 1 + stats.steps + stats.accepted_tokens >= NUM_NEW  # tau counts the lookup tokens too
+        if index < NUM_REPETITIVE:
+            assert stats.lookup_steps > 0 and stats.lookup_accepted > 0, (kind, index, stats)
+            assert stats.steps < NUM_NEW - 1  # fewer verify steps than plain decoding
+        if kind == "lookup":
+            # Without heads every speculative step is a lookup step; the rest are plain.
+            assert stats.lookup_steps + stats.plain_steps == stats.steps
+            assert stats.lookup_accepted == stats.accepted_tokens
+
+
+def test_lookup_without_a_match_is_plain_decoding(setup):
+    target, _, _ = setup
+    decoder = make_decoder(target, "lookup", LookupConfig())
+    prompt = list(range(20, 32))
+    reference = hf_greedy(target, prompt, 5)
+    context = prompt + reference
+    assert len(set(context)) == len(context)  # no token repeats, so no n-gram ever matches
+    result = generate(decoder, prompt, 5)
+    assert result.tokens == reference
+    assert result.stats.lookup_steps == 0 and result.stats.plain_steps == result.stats.steps == 4
+
+
+def test_speculate_false_and_lookup_off_never_look_up(setup):
+    target, prompts, references = setup
+    decoder = make_decoder(target, "medusa", LookupConfig())
+    result = generate(decoder, prompts[0], NUM_NEW, speculate=False)
+    assert result.tokens == references[0]
+    assert result.stats.lookup_steps == 0 and result.stats.plain_steps == result.stats.steps
+    plain_heads = generate(make_decoder(target, "medusa", None), prompts[0], NUM_NEW)
+    assert plain_heads.tokens == references[0] and plain_heads.stats.lookup_steps == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3-static", "eagle3-dynamic"])
+def test_eagle_head_cache_stays_aligned_when_lookup_skips_the_head(setup, kind):
+    """After every step the head's cache covers the committed positions minus the rows still
+    waiting for its next run (those the lookup-alone steps committed), and holds exactly what
+    the head computes over the whole committed context at once."""
+    target, prompts, references = setup
+    decoder = make_decoder(target, kind, LookupConfig(alone_at_ngram=2))
+    head, embeddings = decoder.drafter.head, target.embeddings()
+    skipped = ran = 0
+    for prompt, reference in zip(prompts, references):
+        engine = BatchEngine(decoder, max_batch_size=1, max_cache_len=len(prompt) + NUM_NEW + decoder.max_tree_nodes)
+        seq = engine.check(SequenceRequest(prompt, NUM_NEW))
+        engine.add(seq)
+        with torch.inference_mode():
+            while seq.finish_reason is None:
+                cached_before = 0 if seq.state.draft_cache is None else seq.state.draft_cache.keys.shape[2]
+                engine.step()
+                state = seq.state
+                cached = 0 if state.draft_cache is None else state.draft_cache.keys.shape[2]
+                if cached == cached_before:
+                    skipped += 1
+                else:
+                    ran += 1
+                assert cached + state.hidden.shape[0] == state.prefix_len
+                assert state.next_tokens.shape[0] == state.hidden.shape[0]
+                if seq.finish_reason is not None:
+                    break
+                context = prompt + seq.tokens  # committed positions + the root
+                assert len(context) == state.prefix_len + 1
+                assert state.next_tokens.tolist() == context[state.prefix_len - state.hidden.shape[0] + 1:]
+                if cached:
+                    taps = target(torch.tensor([context[:-1]]), decoder.tap_layers).taps
+                    full = DecodeState(cache=None, prefix_len=state.prefix_len, root=state.root,
+                                       hidden=torch.cat(taps, dim=-1)[0], next_tokens=torch.tensor(context[1:]))
+                    _, reference_cache = commit_head_rows(head, embeddings, full)
+                    torch.testing.assert_close(state.draft_cache.keys, reference_cache.keys[:, :, :cached],
+                                               atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(state.draft_cache.values, reference_cache.values[:, :, :cached],
+                                               atol=1e-4, rtol=1e-4)
+        assert seq.result().tokens == reference
+    assert skipped > 0 and ran > 0  # both kinds of step happened
+
+
+@pytest.mark.parametrize("kind", ["lookup", "medusa"])
+def test_batch_mixing_greedy_and_seeded_sampling(setup, kind):
+    target, prompts, references = setup
+    decoder = make_decoder(target, kind, LookupConfig(alone_at_ngram=None if kind == "medusa" else 3))
+    greedy_new = [NUM_NEW, 25, 33, NUM_NEW]
+    sampled = [(prompts[0], 30, SamplingParams(temperature=0.8, seed=5)),
+               (prompts[1], 24, SamplingParams(temperature=1.0, top_k=20, seed=17))]
+    requests = [SequenceRequest(p, m) for p, m in zip(prompts, greedy_new)]
+    requests.insert(1, SequenceRequest(sampled[0][0], sampled[0][1], sampling=sampled[0][2]))
+    requests.insert(4, SequenceRequest(sampled[1][0], sampled[1][1], sampling=sampled[1][2]))
+    greedy_rows = [0, 2, 3, 5]
+    tokens, results, batched_steps = run_session(decoder, requests)
+    assert batched_steps > 5
+    for row, (reference, max_new) in zip(greedy_rows, zip(references, greedy_new)):
+        assert tokens[row] == results[row].tokens == reference[:max_new], row
+        alone = generate(decoder, requests[row].input_ids, max_new)
+        assert alone.tokens == tokens[row]
+    assert sum(results[row].stats.lookup_accepted for row in greedy_rows[:NUM_REPETITIVE]) > 0
+    for row, (prompt, max_new, sampling) in zip([1, 4], sampled):
+        result = results[row]
+        assert len(result.tokens) == max_new
+        alone = generate(decoder, prompt, max_new, sampling=sampling)
+        assert tokens[row] == result.tokens == alone.tokens, row
+        assert alone.stats.lookup_steps == result.stats.lookup_steps
+
+
+def test_tree_attention_path_with_lookup_is_lossless(setup, tiny_llama_dir):
+    """attn_impl="tree" (the PyTorch reference of the tree-attention function): the combined
+    trees are passed packed, alone and padded in a batch."""
+    _, prompts, references = setup
+    tree_target = TargetAdapter.from_pretrained(tiny_llama_dir)  # its own model: the decoder switches attention
+    decoder = SpeculativeDecoder(tree_target, random_medusa(tree_target), DraftTree.from_paths(TREE_PATHS),
+                                 lookup=LookupConfig(alone_at_ngram=None), fallback=None, attn_impl="tree",
+                                 tree_attention_impl="torch")
+    result = generate(decoder, prompts[0], NUM_NEW)
+    assert result.tokens == references[0] and result.stats.lookup_accepted > 0
+    session = Scheduler(decoder, max_batch_size=len(prompts), max_cache_len=128)
+    ids = {session.add(SequenceRequest(prompt, NUM_NEW)): index for index, prompt in enumerate(prompts)}
+    tokens = {index: [] for index in ids.values()}
+    while session.num_active:
+        for update in session.step():
+            tokens[ids[update.seq_id]].extend(update.new_tokens)
+    assert [tokens[index] for index in range(len(prompts))] == references
+
+
+@pytest.mark.parametrize("bad", ["x", {"num_tokens": 4}, 10])
+def test_decoder_rejects_a_lookup_that_is_not_a_config(setup, bad):
+    target, _, _ = setup
+    with pytest.raises(ValueError, match="lookup"):
+        SpeculativeDecoder(target, lookup=bad)

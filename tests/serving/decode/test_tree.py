@@ -1,0 +1,102 @@
+"""DraftTree: construction from rank-paths, validation, chains, calibration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specheads.heads.heads_dir import HeadsConfig
+from specheads.heads.target import TargetIdentity
+from specheads.heads.tree_paths import expand_paths
+from specheads.serving.decode.trees import DraftTree, TreeSpec
+
+# Nodes in (depth, path) order: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0), 6 (0,0,0)
+EXAMPLE_PATHS = [[0, 0, 0], [1], [0, 1], [0], [1, 0], [0, 0]]  # deliberately unsorted
+
+
+def test_from_paths_matches_hand_built_example():
+    tree = DraftTree.from_paths(EXAMPLE_PATHS)
+    assert tree.num_nodes == 7 and tree.max_depth == 3 and tree.num_leaves == 3 and tree.max_rank == 1
+    assert tree.rank_paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.ranks.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert torch.equal(tree.position_offsets, tree.depths)
+    expected_mask = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert tree.tree_mask.dtype == torch.bool
+    assert torch.equal(tree.tree_mask, expected_mask)
+    assert tree.leaf_paths.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
+    assert not tree.is_chain
+
+
+def test_leaf_paths_follow_parents():
+    tree = DraftTree.from_paths(expand_paths([[0.8, 0.1, 0.05], [0.6, 0.2], [0.5, 0.1], [0.4]], 20))
+    for path in tree.leaf_paths.tolist():
+        nodes = [n for n in path if n >= 0]
+        assert nodes[0] == 0
+        assert all(tree.parents[child] == parent for parent, child in zip(nodes, nodes[1:]))
+        assert [int(tree.depths[n]) for n in nodes] == list(range(len(nodes)))
+    # A node's mask row is exactly its root path.
+    for node in range(tree.num_nodes):
+        ancestors, n = set(), node
+        while n >= 0:
+            ancestors.add(n)
+            n = int(tree.parents[n])
+        assert set(torch.nonzero(tree.tree_mask[node]).flatten().tolist()) == ancestors
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([[0], [0, 1, 0]], r"prefix \[0, 1\]"),
+    ([[1, 0]], r"prefix \[1\]"),
+    ([[0], [0]], "duplicate"),
+    ([[]], "empty"),
+    ([[0], [-1]], ">= 0"),
+])
+def test_from_paths_rejects_malformed_paths(paths, message):
+    with pytest.raises(ValueError, match=message):
+        DraftTree.from_paths(paths)
+
+
+def test_chain():
+    tree = DraftTree.chain(4)
+    assert tree.num_nodes == 5 and tree.max_depth == 4 and tree.num_leaves == 1
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
+    assert torch.equal(tree.tree_mask, torch.ones(5, 5, dtype=torch.bool).tril())
+    assert tree.leaf_paths.tolist() == [[0, 1, 2, 3, 4]]
+    assert tree.is_chain
+    root_only = DraftTree.chain(0)
+    assert root_only.num_nodes == 1 and root_only.max_depth == 0 and root_only.leaf_paths.tolist() == [[0]]
+    with pytest.raises(ValueError):
+        DraftTree.chain(-1)
+
+
+def test_from_calibration_uses_expand_paths():
+    accuracy = [[0.9, 0.05, 0.02], [0.7, 0.1], [0.5]]
+    tree = DraftTree.from_calibration(accuracy, num_nodes=5)
+    assert tree.num_nodes == 6  # 5 draft nodes + root
+    assert set(tree.rank_paths) == set(expand_paths(accuracy, 5))
+    assert tree.rank_paths[0] == (0,)
+
+
+def _heads_config(tree=None, calibration=None, num_heads=3):
+    target = TargetIdentity("LlamaForCausalLM", "llama", 64, 256, 2, "tiny")
+    return HeadsConfig(kind="medusa", hidden_size=64, vocab_size=256, num_heads=num_heads, num_layers=1,
+                       tap_layers=[2], target=target, tree=tree, calibration=calibration)
+
+
+def test_from_heads_config():
+    tree = TreeSpec.from_heads_config(_heads_config(tree={"paths": [[0], [1], [0, 0]]})).tree
+    assert tree.rank_paths == ((0,), (1,), (0, 0))
+    calibrated = TreeSpec.from_heads_config(_heads_config(calibration={"accuracy": [[0.9, 0.1], [0.8], [0.7]]})).tree
+    assert calibrated.max_depth <= 3 and calibrated.num_nodes > 1
+    default = TreeSpec.from_heads_config(_heads_config(num_heads=4)).tree
+    assert 1 < default.num_nodes and default.max_depth <= 4
+    assert default.rank_paths == DraftTree.default(4).rank_paths
