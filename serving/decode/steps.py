@@ -124,9 +124,12 @@ def accept(draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor, sampl
     """One sequence's accepted path from its verify logits (padding rows past its tree ignored)."""
     plan = draft.plan
     logits_TV = logits_TV[:plan.num_nodes]
+    if (sampling is None or sampling.is_greedy) and plan.num_nodes == 1:  # a plain step: the target's token
+        root = logits_TV.argmax(dim=-1)
+        return Outcome(nodes=plan.root_only, root=root, emitted=root.tolist(), hidden=hidden_TH[:1])
     if sampling is None or sampling.is_greedy:
         target_tokens_T = logits_TV.argmax(dim=-1)
-        nodes = plan.root_only if plan.num_nodes == 1 else plan.accept_greedy(draft.tokens, target_tokens_T)
+        nodes = plan.accept_greedy(draft.tokens, target_tokens_T)
         root = target_tokens_T[nodes[-1:]]
         emitted = torch.cat([draft.tokens[nodes[1:]], root]).tolist()
     else:

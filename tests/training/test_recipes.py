@@ -15,8 +15,11 @@ from specheads.train import main as train_main
 from specheads.training.config import load_recipe
 from specheads.training.dry_run import estimate_memory, launch_world_size
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+from conftest import REPO
+
+RECIPES_DIR = REPO / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+assert RECIPES, f"no recipes found in {RECIPES_DIR}"  # an empty parametrization would pass silently
 LAUNCH_LINE = re.compile(r"# deepspeed (--hostfile \S+ --num_nodes \d+ )?--num_gpus \d+ "
                          r"--module specheads\.train recipes/(?P<name>\S+\.yaml)( --profile gpu)?$")
 # Parameter counts of the meta-built targets, cross-checked with the model cards: Llama-3.1-8B's
