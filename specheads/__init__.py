@@ -18,7 +18,9 @@ _EXPORTS = {
     "save_heads": "specheads.heads.heads_dir",
     "load_heads": "specheads.heads.heads_dir",
     "DraftTree": "specheads.serving.decode.trees",
-    "SpeculativeDecoder": "specheads.serving.decode.steps",
+    "SpeculativeDecoder": "specheads.serving.decode.config",
+    "generate": "specheads.serving.decode.generate",
+    "stream": "specheads.serving.decode.generate",
     "build_tiny_target": "specheads.data.tiny_target",
 }
 
