@@ -245,7 +245,7 @@ def _forward_ms(ctx, target, cache, num_tree: int, attn: str) -> float:
 
 def section_verify_vs_decode(ctx) -> dict:
     from specheads.serving.decode.cache import TreeStaticCache
-    from specheads.serving.kernels.tree_attention import register_tree_attention
+    from specheads.serving.kernels.tree_attention import use_tree_attention
 
     target = bench_target(ctx)
     model = target.model
@@ -256,7 +256,7 @@ def section_verify_vs_decode(ctx) -> dict:
     rows = []
     for attn in ("sdpa", "tree"):  # the model is this section's own: no need to switch it back
         if attn == "tree":
-            model.set_attn_implementation(register_tree_attention())
+            use_tree_attention(model)
         for num_tree in (1, *ctx.verify_trees):
             ms = _forward_ms(ctx, target, cache, num_tree, attn)
             decode_ms = ms if num_tree == 1 else decode_ms
@@ -290,7 +290,7 @@ def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -
     the engine's generate; more: a Scheduler), each after a warm-up run."""
     groups, rows = [prompts[i:i + batch] for i in range(0, len(prompts), batch)], []
     for name, make in {"hf-greedy": None, **decoders}.items():
-        decoder = make() if make else None  # built in turn: a kernel decoder switches the model's attention
+        decoder = make() if make else None  # built in turn: a tree-attention engine switches the model's attention
 
         def run(group):
             if decoder is None:
@@ -323,7 +323,7 @@ def section_end_to_end(ctx) -> dict:
     decoders = {"engine-plain": lambda: SpeculativeDecoder(target, fallback=None),
                 "engine-medusa-random": lambda: SpeculativeDecoder(target, medusa, tree, fallback=None),
                 "engine-medusa-oracle": lambda: SpeculativeDecoder(target, oracle, tree, fallback=None),
-                # Last: the kernel path switches the model's attention function (restored below).
+                # Last: its engine switches the model's attention function (restored below).
                 "engine-medusa-oracle+kernel": lambda: SpeculativeDecoder(target, oracle, tree, fallback=None,
                                                                           attn_impl="tree")}
     try:
