@@ -35,7 +35,8 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
     return costs
 
 
-def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeats: int) -> dict[int, float]:
+def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeats: int,
+                      draft_vocab_size: int) -> dict[int, float]:
     """ms of one EAGLE-3 chain draft of each depth (one head run per level), in steady state."""
     from specheads.heads.heads_dir import build_heads, eagle_heads_config
     from specheads.serving.decode.cache import TreeStaticCache
@@ -43,7 +44,7 @@ def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeat
     from specheads.serving.decode.steps import prefill
     from specheads.serving.decode.trees import DraftTree
 
-    config = eagle_heads_config(target, num_steps=max(depths), draft_vocab_size=8192)
+    config = eagle_heads_config(target, num_steps=max(depths), draft_vocab_size=draft_vocab_size)
     head = build_heads(config).eval()
     costs = {}
     for depth in depths:
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trees", default="1,4,8,16,32,64")
     p.add_argument("--depths", default="1,2,3,4,5,6")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="the heads' draft vocabulary (the recipes' size)")
     args = p.parse_args(argv)
     target = TargetAdapter.from_pretrained(resolve_target_name(args.target))
     plain = SpeculativeDecoder(target)
@@ -86,16 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     for num_nodes, ms in verify.items():
         print(f"  T={num_nodes:3d}  {ms:8.1f} ms  {ms / verify[trees[0]]:5.2f}x T={trees[0]}")
     depths = [int(d) for d in args.depths.split(",")]
-    print("EAGLE-3 draft (one decoder layer, chain):")
-    for depth, ms in eagle_draft_costs(target, prompt_1P, depths, args.repeats).items():
+    print(f"EAGLE-3 draft (one decoder layer, chain, {args.draft_vocab} draft vocab):")
+    for depth, ms in eagle_draft_costs(target, prompt_1P, depths, args.repeats, args.draft_vocab).items():
         print(f"  depth {depth}  {ms:7.1f} ms")
-    medusa = SpeculativeDecoder(target, MedusaHeads(target.hidden_size, target.vocab_size, max(depths)),
-                                DraftTree.chain(max(depths)))
     hidden_1H, root_1 = state.hidden[-1:], state.root
-    with torch.inference_mode():
-        ms = time_ms(lambda: medusa.drafter.draft_tokens(hidden_1H, root_1), target.device, 1,
-                     args.repeats)
-    print(f"Medusa draft ({max(depths)} heads with their own lm_heads, one call): {ms:.1f} ms")
+    for vocab in sorted({target.vocab_size, min(args.draft_vocab, target.vocab_size)}, reverse=True):
+        heads = MedusaHeads(target.hidden_size, target.vocab_size, max(depths), draft_vocab_size=vocab)
+        medusa = SpeculativeDecoder(target, heads, DraftTree.chain(max(depths)))
+        with torch.inference_mode():
+            ms = time_ms(lambda: medusa.drafter.draft_tokens(hidden_1H, root_1), target.device, 1, args.repeats)
+        print(f"Medusa draft ({max(depths)} heads over {heads.draft_vocab_size} tokens, one call): {ms:.1f} ms")
     return 0
 
 

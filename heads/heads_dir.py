@@ -1,7 +1,8 @@
 """The heads directory: the one artefact that joins training and serving.
 
     <dir>/config.json        HeadsConfig as JSON (kind, sizes, taps, target identity, tree)
-    <dir>/model.safetensors  the head weights (EAGLE heads: the draft-vocab maps d2t/t2d too)
+    <dir>/model.safetensors  the head weights (EAGLE heads: the draft-vocab maps d2t/t2d
+                             too; Medusa heads with a draft vocab: token_map)
 
 Head kinds: "medusa" (heads/medusa.py); "eagle3" and its EAGLE-1/2 variant "eagle"
 (heads/eagle3.py). For the EAGLE kinds `num_heads` is the number of draft depths the head
@@ -52,6 +53,8 @@ class HeadsConfig:
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
     intermediate_size: int | None = None
+    # EAGLE: the draft vocab (= vocab_size for "eagle"); Medusa: None (the full vocab) or its
+    # token_map's size (heads/medusa.py).
     draft_vocab_size: int | None = None
     rope_theta: float | None = None
     rms_norm_eps: float | None = None
@@ -145,7 +148,8 @@ def build_heads(config: HeadsConfig) -> nn.Module:
     if config.kind == "medusa":
         from specheads.heads.medusa import MedusaHeads
 
-        return MedusaHeads(config.hidden_size, config.vocab_size, config.num_heads, config.num_layers)
+        return MedusaHeads(config.hidden_size, config.vocab_size, config.num_heads, config.num_layers,
+                           config.draft_vocab_size)
     if config.kind in EAGLE_KINDS:
         from specheads.heads.eagle3 import Eagle3Head
 

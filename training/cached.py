@@ -84,5 +84,5 @@ def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: T
                             loss_mask_BT, engine.module.draft_to_target(), taps_BTnH)
     else:
         hidden_BTH = batch[f"tap_{target.num_layers}"].to(device, dtype)
-        result = heads_loss(heads_spec, engine(hidden_BTH), teacher_BTV, loss_mask_BT)
+        result = heads_loss(heads_spec, engine(hidden_BTH), teacher_BTV, loss_mask_BT, engine.module.draft_to_target())
     return result, loss_mask_BT

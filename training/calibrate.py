@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specheads.heads.target import TargetAdapter
-from specheads.heads.eagle3 import next_token_embeddings
+from specheads.heads.eagle3 import Eagle3Head, next_token_embeddings
 from specheads.heads.tree_paths import expand_paths, expected_accept_length
 
 
@@ -29,13 +29,14 @@ def measure_accuracy(heads: nn.Module, target: TargetAdapter, input_ids_NT: torc
                      tap_layers: list[int] | None = None, num_depths: int | None = None,
                      ) -> tuple[list[list[float]], list[int]]:
     """-> accuracy [K][R] and the number of positions each head was scored on [K]."""
-    if hasattr(heads, "draft_to_target"):
+    if isinstance(heads, Eagle3Head):
         return measure_eagle_accuracy(heads, target, input_ids_NT, loss_mask_NT, max_rank, batch_size,
                                       max_batches, tap_layers, num_depths)
     heads.eval()
     dtype = next(heads.parameters()).dtype
     num_heads = heads.num_heads
-    max_rank = min(max_rank, heads.vocab_size)
+    max_rank = min(max_rank, heads.draft_vocab_size)
+    draft_ids = heads.draft_to_target()  # [Vd] target ids, or None for the full vocab
     # Accumulated on the host: batches live on the target's device (a GPU in real runs).
     hits_KR = torch.zeros(num_heads, max_rank, dtype=torch.float64)
     counts_K = torch.zeros(num_heads, dtype=torch.float64)
@@ -48,6 +49,8 @@ def measure_accuracy(heads: nn.Module, target: TargetAdapter, input_ids_NT: torc
         greedy_BT = out.logits.argmax(-1)  # [B, T] target's prediction of token t+1
         logits_KBTV = heads(out.taps[0].to(dtype))
         candidates_KBTR = logits_KBTV.topk(max_rank, dim=-1).indices  # [K, B, T, R] best first
+        if draft_ids is not None:
+            candidates_KBTR = draft_ids[candidates_KBTR]  # draft ids -> target ids
         seq_len = input_ids_BT.shape[1]
         for k in range(num_heads):
             num_pos = seq_len - k - 1

@@ -143,8 +143,9 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
         if full is None:
             full = masters.get(id(param), param)
         state[name] = full.detach().to("cpu", torch.float32).clone()
+    saved = set(engine.module.state_dict(keep_vars=True))  # names only: persistent buffers, no gather
     for name, buffer in engine.module.named_buffers():
-        if keep is None or name in keep:
+        if name in saved and (keep is None or name in keep):
             state[name] = buffer.detach().to("cpu").clone()
     return state
 

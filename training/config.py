@@ -114,7 +114,9 @@ class HeadsSpec:
     ttt_steps: int = _field(7, POSITIVE_INT, "EAGLE: draft steps unrolled in training (= tree depth)")
     ttt_step_weight: float = _field(0.8, POSITIVE_NUMBER, "EAGLE: step j's loss is weighted by this ** j")
     feature_loss_weight: float = _field(1.0, NON_NEGATIVE_NUMBER, "EAGLE-1/2: weight of the feature regression")
-    draft_vocab_size: int = _field(32000, POSITIVE_INT, "EAGLE-3: most frequent tokens kept (clamped to vocab)")
+    draft_vocab_size: int | None = _field(None, OPTIONAL_POSITIVE_INT,
+                                          "most frequent training tokens the heads predict (clamped to the vocab); "
+                                          "null = EAGLE-3: 32000, Medusa: the full vocab")
     tap_layers: list | None = _field(None, OPTIONAL_INT_LIST,
                                      "EAGLE-3: target layer inputs fused; null = inputs of layers 2, N//2, N-3")
     num_attention_heads: int | None = _field(None, OPTIONAL_POSITIVE_INT, "EAGLE: null = the target's")

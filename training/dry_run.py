@@ -268,7 +268,8 @@ def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | No
 
 def _describe_heads(config) -> str:
     if config.kind == "medusa":
-        return (f"medusa: {config.num_heads} heads x {config.num_layers} residual block(s), "
+        vocab = f"a draft vocab of {config.draft_vocab_size}" if config.draft_vocab_size else "the full vocab"
+        return (f"medusa: {config.num_heads} heads x {config.num_layers} residual block(s) over {vocab}, "
                 f"reading tap {config.tap_layers}")
     return (f"{config.kind}: taps {config.tap_layers}, {config.num_heads} draft steps, draft vocab "
             f"{config.draft_vocab_size}, attention {config.num_attention_heads}/{config.num_kv_heads} heads, "

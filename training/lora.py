@@ -150,7 +150,7 @@ def joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec, lora_cfg, a
     logits_BTV, heads_out, taps = engine(input_ids_BT, adapter_on)
     eagle = heads_spec.kind in EAGLE_KINDS
     result = heads_loss(heads_spec, heads_out, logits_BTV.detach(), loss_mask_BT,
-                        engine.module.heads.draft_to_target() if eagle else None,
+                        engine.module.heads.draft_to_target(),
                         taps.detach() if eagle else None)
     if not adapter_on:
         return result, None, result.loss

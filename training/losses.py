@@ -3,7 +3,8 @@
 Head k (0-based) at position t predicts token t+k+2. The target's own distribution for
 that token is softmax(target logits at position t+k+1), so head k is trained with
 KL(p_target[t+k+1] || q_head_k[t]) for t in [0, T-k-2], on positions where both t and
-t+k+1 are real tokens. KL and soft cross-entropy have the same gradient; KL is reported
+t+k+1 are real tokens (with a draft vocab, p_target restricted to it and renormalised, as
+for EAGLE). KL and soft cross-entropy have the same gradient; KL is reported
 because 0 means "the head is the target".
 
 EAGLE (eagle_ttt_loss): step j of the unrolled head at position t predicts token t+2+j, so
@@ -32,8 +33,31 @@ class DistillOutput:
     head_count: torch.Tensor  # [K] counted positions per head
 
 
+def _restricted_kl(head_BNV: torch.Tensor, teacher_full_BNV: torch.Tensor, mask_BN: torch.Tensor,
+                   draft_ids_V: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One head (or step): KL(teacher restricted to the draft vocab || head), masked mean.
+
+    head [B, N, Vd] over the draft vocab, teacher [B, N, V]; draft_ids [Vd] (target id of each
+    draft id) or None when Vd = V. -> (loss, top-1 agreement with the teacher's full-vocab
+    argmax, counted positions, mask as float [B, N])."""
+    head_BNV, teacher_full_BNV = head_BNV.float(), teacher_full_BNV.float()
+    teacher_BNV = teacher_full_BNV if draft_ids_V is None else teacher_full_BNV.index_select(-1, draft_ids_V)
+    mask_BN = mask_BN.to(torch.float32)
+    log_q = F.log_softmax(head_BNV, dim=-1)
+    log_p = F.log_softmax(teacher_BNV, dim=-1)
+    kl_BN = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, N]
+    count = mask_BN.sum()
+    denom = count.clamp(min=1.0)
+    head_argmax_BN = head_BNV.argmax(-1)
+    if draft_ids_V is not None:
+        head_argmax_BN = draft_ids_V[head_argmax_BN]
+    agree_BN = (head_argmax_BN == teacher_full_BNV.argmax(-1)).to(torch.float32)
+    return (kl_BN * mask_BN).sum() / denom, (agree_BN * mask_BN).sum() / denom, count, mask_BN
+
+
 def medusa_distill_loss(head_logits_KBTV: torch.Tensor, target_logits_BTV: torch.Tensor,
-                        loss_mask_BT: torch.Tensor) -> DistillOutput:
+                        loss_mask_BT: torch.Tensor, draft_ids_V: torch.Tensor | None = None) -> DistillOutput:
+    """head logits [K, B, T, Vd] (Vd = V, or the draft vocab of draft_ids [Vd])."""
     num_heads, _, seq_len, _ = head_logits_KBTV.shape
     if seq_len < num_heads + 2:
         raise ValueError(f"blocks of {seq_len} tokens are too short for {num_heads} heads: head k needs "
@@ -41,17 +65,12 @@ def medusa_distill_loss(head_logits_KBTV: torch.Tensor, target_logits_BTV: torch
     losses, top1s, counts = [], [], []
     for k in range(num_heads):
         num_pos = seq_len - k - 1  # positions t in [0, T-k-2]
-        head_BNV = head_logits_KBTV[k, :, :num_pos].float()  # [B, T-k-1, V] positions t
-        teacher_BNV = target_logits_BTV[:, k + 1:].float()  # [B, T-k-1, V] positions t+k+1
-        mask_BN = (loss_mask_BT[:, :num_pos] & loss_mask_BT[:, k + 1:]).to(torch.float32)  # [B, T-k-1]
-        log_q = F.log_softmax(head_BNV, dim=-1)  # [B, N, V]
-        log_p = F.log_softmax(teacher_BNV, dim=-1)  # [B, N, V]
-        kl_BN = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, N]
-        count = mask_BN.sum()
-        denom = count.clamp(min=1.0)
-        losses.append((kl_BN * mask_BN).sum() / denom)
-        agree_BN = (head_BNV.argmax(-1) == teacher_BNV.argmax(-1)).to(torch.float32)  # [B, N]
-        top1s.append((agree_BN * mask_BN).sum() / denom)
+        loss, top1, count, _ = _restricted_kl(
+            head_logits_KBTV[k, :, :num_pos],  # positions t
+            target_logits_BTV[:, k + 1:],  # positions t+k+1
+            loss_mask_BT[:, :num_pos] & loss_mask_BT[:, k + 1:], draft_ids_V)
+        losses.append(loss)
+        top1s.append(top1)
         counts.append(count)
     head_loss = torch.stack(losses)  # [K]
     return DistillOutput(
@@ -79,25 +98,18 @@ def eagle_ttt_loss(head_logits_JBTV: torch.Tensor, target_logits_BTV: torch.Tens
     losses, objectives, top1s, counts = [], [], [], []
     for j in range(num_steps):
         num_pos = seq_len - j - 1  # positions t in [0, T-j-2]
-        head_BNV = head_logits_JBTV[j, :, :num_pos].float()  # [B, N, Vd] positions t
-        teacher_full_BNV = target_logits_BTV[:, j + 1:].float()  # [B, N, V] positions t+1+j
-        teacher_BNV = teacher_full_BNV.index_select(-1, draft_ids_V)  # [B, N, Vd]
-        mask_BN = (loss_mask_BT[:, :num_pos] & loss_mask_BT[:, j + 1:]).to(torch.float32)
-        log_q = F.log_softmax(head_BNV, dim=-1)
-        log_p = F.log_softmax(teacher_BNV, dim=-1)
-        kl_BN = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, N]
-        count = mask_BN.sum()
-        denom = count.clamp(min=1.0)
-        loss = (kl_BN * mask_BN).sum() / denom
+        loss, top1, count, mask_BN = _restricted_kl(
+            head_logits_JBTV[j, :, :num_pos],  # positions t
+            target_logits_BTV[:, j + 1:],  # positions t+1+j
+            loss_mask_BT[:, :num_pos] & loss_mask_BT[:, j + 1:], draft_ids_V)
         objective = loss
         if features_JBTH is not None and target_features_BTH is not None:
             regress_BN = F.smooth_l1_loss(features_JBTH[j, :, :num_pos].float(),
                                           target_features_BTH[:, j + 1:].float(), reduction="none").mean(-1)
-            objective = objective + feature_weight * (regress_BN * mask_BN).sum() / denom
-        agree_BN = (draft_ids_V[head_BNV.argmax(-1)] == teacher_full_BNV.argmax(-1)).to(torch.float32)
+            objective = objective + feature_weight * (regress_BN * mask_BN).sum() / count.clamp(min=1.0)
         losses.append(loss)
         objectives.append(objective * step_weight ** j)
-        top1s.append((agree_BN * mask_BN).sum() / denom)
+        top1s.append(top1)
         counts.append(count)
     total_weight = sum(step_weight ** j for j in range(num_steps))
     return DistillOutput(
@@ -112,14 +124,15 @@ def heads_loss(heads_spec, heads_out, teacher_BTV: torch.Tensor, loss_mask_BT: t
                draft_to_target: torch.Tensor | None = None, taps_BTnH: torch.Tensor | None = None) -> DistillOutput:
     """The heads' loss for their kind, whichever way the target's outputs were obtained.
 
-    heads_out: Medusa logits [K, B, T, V], or EAGLE's (logits [J, B, T, V], features
-    [J, B, T, H]). EAGLE-1/2 (kind "eagle") also regress their features onto the single tap
-    (taps_BTnH, detached); EAGLE-3 fuses several taps and does not.
+    heads_out: Medusa logits [K, B, T, Vd], or EAGLE's (logits [J, B, T, Vd], features
+    [J, B, T, H]); draft_to_target [Vd]: the heads' draft vocab (None: Medusa's full vocab).
+    EAGLE-1/2 (kind "eagle") also regress their features onto the single tap (taps_BTnH,
+    detached); EAGLE-3 fuses several taps and does not.
     """
     from specheads.heads.heads_dir import EAGLE_KINDS
 
     if heads_spec.kind not in EAGLE_KINDS:
-        return medusa_distill_loss(heads_out, teacher_BTV, loss_mask_BT)
+        return medusa_distill_loss(heads_out, teacher_BTV, loss_mask_BT, draft_to_target)
     logits_JBTV, features_JBTH = heads_out
     regress = heads_spec.kind == "eagle"
     return eagle_ttt_loss(logits_JBTV, teacher_BTV, loss_mask_BT, draft_to_target, heads_spec.ttt_step_weight,

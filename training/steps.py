@@ -25,7 +25,7 @@ def _medusa_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT
     with torch.no_grad():
         out = target(input_ids_BT, [target.num_layers])  # taps[0]: final post-norm hidden [B, T, H]
     logits_KBTV = engine(out.taps[0].to(dtype))
-    return medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT)
+    return medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT, engine.module.draft_to_target())
 
 
 def _eagle_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers):

@@ -24,8 +24,9 @@ forward, calibration included.
 
 EAGLE heads: the target returns the tap layers' hidden states and logits; the head is
 unrolled heads.ttt_steps times on its own features (heads/eagle3.py, Eagle3Head.forward)
-and scored per step (training/losses.py, eagle_ttt_loss). The EAGLE-3 draft vocab is the
-most frequent training tokens (data/vocab_counts.py, heads/draft_vocab.py).
+and scored per step (training/losses.py, eagle_ttt_loss). The EAGLE-3 draft vocab, and a
+Medusa one when heads.draft_vocab_size is below the vocab, is the most frequent training
+tokens (data/vocab_counts.py, heads/draft_vocab.py).
 
 LoRA joint mode (recipe section `lora`, training/lora.py): the engine wraps a JointModel of
 the heads and the adapted target; checkpoints add the adapter; the run also writes
@@ -54,7 +55,7 @@ from transformers.utils import logging as transformers_logging
 
 from specheads.data.text import BlockSampler, PackedBlocks
 from specheads.data.vocab_counts import count_tokens
-from specheads.heads.draft_vocab import build_draft_vocab
+from specheads.heads.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, build_draft_vocab
 from specheads.heads.export import ADAPTER_SUBDIR
 from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, eagle_heads_config, save_heads
 from specheads.heads.target import TargetAdapter, check_target_exists
@@ -384,7 +385,8 @@ def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks
     import deepspeed
 
     heads = build_heads(_heads_config(recipe, target))
-    if recipe.heads.kind == "eagle3":  # the same maps on every rank: counts over all training blocks
+    if recipe.heads.kind == "eagle3" or getattr(heads, "truncated", False):
+        # The same maps on every rank: counts over all training blocks.
         counts_V = count_tokens(train_blocks.input_ids, train_blocks.loss_mask, target.vocab_size)
         heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
     with _gathered(target, target.lm_head()):
@@ -403,11 +405,12 @@ def _heads_config(recipe: Recipe, target: TargetAdapter) -> HeadsConfig:
     identity = dataclasses.replace(target.identity, name_or_path=_recorded_name(recipe.target.name_or_path))
     spec = recipe.heads
     if spec.kind not in EAGLE_KINDS:
+        draft_vocab = spec.draft_vocab_size if (spec.draft_vocab_size or target.vocab_size) < target.vocab_size else None
         return HeadsConfig(kind=spec.kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                            num_heads=spec.num_heads, num_layers=spec.num_layers,
-                           tap_layers=[target.num_layers], target=identity)
+                           tap_layers=[target.num_layers], target=identity, draft_vocab_size=draft_vocab)
     config = eagle_heads_config(target, spec.kind, num_steps=spec.ttt_steps, tap_layers=spec.tap_layers,
-                                draft_vocab_size=spec.draft_vocab_size,
+                                draft_vocab_size=spec.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE,
                                 num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_kv_heads,
                                 intermediate_size=spec.intermediate_size, identity=identity)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from specheads.heads.eagle3 import Eagle3Head, default_tap_layers
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDrafter
 from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
@@ -19,7 +20,7 @@ DEFAULT_EAGLE_DEPTH = 4  # EAGLE heads have no head count: without a tree they d
 
 
 def is_eagle(heads: nn.Module | None) -> bool:
-    return heads is not None and hasattr(heads, "draft_to_target")
+    return isinstance(heads, Eagle3Head)
 
 
 class SpeculativeDecoder:
@@ -107,6 +108,4 @@ class SpeculativeDecoder:
 
 
 def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
-    from specheads.heads.eagle3 import default_tap_layers
-
     return default_tap_layers(target.num_layers) if heads.num_taps > 1 else [target.num_layers]

@@ -56,6 +56,9 @@ class MedusaDrafter:
         self.heads, self.tree, self.entropy_threshold = heads, tree, entropy_threshold
         self.num_ranks = tree.max_rank + 1
         self.plan = TreePlan(tree, device)
+        # Heads with a draft vocab (heads/medusa.py token_map) rank draft ids; these map them back.
+        draft_ids = getattr(heads, "draft_to_target", lambda: None)()
+        self.draft_ids = None if draft_ids is None else draft_ids.to(device)  # [Vd]
         self.head_index = (tree.depths[1:] - 1).to(device)  # [T-1]
         self.rank_index = tree.ranks[1:].to(device)  # [T-1]
         self.cut_plans = None if entropy_threshold is None else \
@@ -64,10 +67,12 @@ class MedusaDrafter:
     @torch.no_grad()
     def draft_tokens(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, H] at the last committed position, root [B] -> (tree tokens [B, T], the
-        heads' logits [D, B, V] the tokens came from)."""
+        heads' logits [D, B, V] (V: the draft vocab) the tokens came from)."""
         logits_KBV = self.heads(hidden_BH[:, None, :])[:self.tree.max_depth, :, 0, :]
         candidates_KBR = logits_KBV.topk(self.num_ranks, dim=-1).indices
         drafted_NB = candidates_KBR[self.head_index, :, self.rank_index]  # [T-1, B]
+        if self.draft_ids is not None:
+            drafted_NB = self.draft_ids[drafted_NB]  # draft ids -> target ids
         return torch.cat([root_B[:, None], drafted_NB.T], dim=1), logits_KBV
 
     def draft(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> list[Draft]:

@@ -1,6 +1,8 @@
 """heads/: the target adapter, Medusa heads, the heads directory and tree-path expansion."""
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -67,6 +69,29 @@ def test_medusa_heads_are_distinct_and_start_as_target_lm_head(tiny_llama_dir):
     assert not torch.allclose(logits[1], logits[0])
     with pytest.raises(ValueError, match="num_heads"):
         MedusaHeads(32, 64, num_heads=0)
+
+
+def test_medusa_heads_with_a_draft_vocab_predict_its_target_rows(tmp_path, tiny_llama_dir):
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    vocab, draft = target.vocab_size, 40
+    heads = MedusaHeads(target.hidden_size, vocab, num_heads=2, num_layers=1, draft_vocab_size=draft)
+    assert "token_map" not in MedusaHeads(target.hidden_size, vocab, 2).state_dict()  # full vocab: as before
+    chosen = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft].sort().values
+    heads.set_draft_vocab(chosen - torch.arange(draft))
+    heads.init_lm_heads_from(target.lm_head())
+    assert torch.equal(heads.draft_to_target(), chosen)
+    hidden = torch.randn(2, 5, target.hidden_size)
+    logits = heads(hidden)
+    assert logits.shape == (2, 2, 5, draft)
+    for k in range(2):  # a fresh head is the target's lm_head on the draft vocab's rows
+        torch.testing.assert_close(logits[k], target.lm_head()(hidden)[..., chosen])
+    config = dataclasses.replace(medusa_config(target.identity, 2, 1), draft_vocab_size=draft)
+    save_heads(tmp_path / "heads", heads, config)
+    loaded, loaded_config = load_heads(tmp_path / "heads", target=target.identity)
+    assert loaded_config.draft_vocab_size == draft and torch.equal(loaded.draft_to_target(), chosen)
+    torch.testing.assert_close(loaded(hidden), logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="draft_vocab_size must be in \\[1, 256\\]"):
+        MedusaHeads(32, 256, 2, draft_vocab_size=257)
 
 
 def test_heads_directory_round_trip(tmp_path, tiny_llama_dir):

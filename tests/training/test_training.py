@@ -117,6 +117,24 @@ def test_loss_is_zero_and_agreement_one_when_heads_copy_the_target():
     assert (shifted.head_loss > 0.1).all()
 
 
+def test_loss_over_a_draft_vocab_scores_the_renormalised_teacher():
+    torch.manual_seed(0)
+    target_logits_BTV = torch.randn(2, 10, 16)
+    draft_ids = torch.tensor([1, 4, 5, 9, 12, 15])  # [Vd]
+    # Heads that copy the target's logits on the draft vocab: zero KL to the teacher restricted
+    # to it and renormalised, though far from the full-vocab teacher.
+    head_logits_KBTV = torch.stack([torch.roll(target_logits_BTV, -(k + 1), dims=1)[..., draft_ids]
+                                    for k in range(3)])
+    mask_BT = torch.ones(2, 10, dtype=torch.bool)
+    out = medusa_distill_loss(head_logits_KBTV, target_logits_BTV, mask_BT, draft_ids)
+    assert torch.allclose(out.head_loss, torch.zeros(3), atol=1e-6)
+    # Top-1 compares the head's draft id, as a target id, with the teacher's full-vocab argmax.
+    in_vocab = torch.isin(target_logits_BTV.argmax(-1), draft_ids)  # [B, T]
+    expected = [in_vocab[:, k + 1:].float().mean() for k in range(3)]
+    torch.testing.assert_close(out.head_top1, torch.stack(expected))
+    assert 0 < out.head_top1.min() and out.head_top1.max() < 1
+
+
 def test_loss_respects_the_mask():
     torch.manual_seed(0)
     target_logits_BTV = torch.randn(1, 8, 16)

@@ -152,10 +152,13 @@ def test_plain_engine_matches_hf_generate(arch_setup):
     assert total.num_new_tokens == NUM_PROMPTS * NUM_NEW and total.alpha == 0.0
 
 
-def test_random_heads_are_lossless(arch_setup):
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_random_heads_are_lossless(arch_setup, draft_vocab):
     target, cases = arch_setup
     torch.manual_seed(0)
-    heads = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS)
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS, draft_vocab_size=draft_vocab)
+    if draft_vocab is not None:  # draft ids 0..63 are target ids 3, 6, 9, ...
+        heads.set_draft_vocab(torch.arange(draft_vocab) * 2 + 3)
     heads.init_lm_heads_from(target.lm_head())  # plausible candidates: often the target's own top tokens
     nn.init.normal_(heads.block_weight, std=0.2)
     decoder = SpeculativeDecoder(target, heads, DraftTree.from_paths(TREE_PATHS))
@@ -163,6 +166,21 @@ def test_random_heads_are_lossless(arch_setup):
         result = generate(decoder, torch.tensor([case.prompt]), NUM_NEW)
         assert result.tokens == case.reference
         assert 0.0 <= result.stats.alpha <= 1.0
+
+
+def test_heads_with_a_draft_vocab_draft_target_ids(arch_setup):
+    """Fresh heads are the target's lm_head on the draft vocab's rows, so the drafter must
+    propose the target's best token among them, as a target id (not a draft id)."""
+    target, _ = arch_setup
+    draft_ids = torch.arange(64) * 2 + 3
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, 2, draft_vocab_size=64)
+    heads.set_draft_vocab(draft_ids - torch.arange(64))
+    heads.init_lm_heads_from(target.lm_head())
+    drafter = SpeculativeDecoder(target, heads, DraftTree.chain(2)).drafter
+    hidden_BH = torch.randn(3, target.hidden_size)
+    tokens_BT, _ = drafter.draft_tokens(hidden_BH, torch.zeros(3, dtype=torch.long))
+    best = draft_ids[target.lm_head()(hidden_BH)[:, draft_ids].argmax(-1)]  # [B]
+    assert torch.equal(tokens_BT[:, 1], best) and torch.equal(tokens_BT[:, 2], best)
 
 
 def test_oracle_heads_are_lossless_and_accept_whole_paths(arch_setup):
