@@ -5,11 +5,11 @@
 
 Formats (key names and config fields in heads/export_medusa.py and heads/export_eagle3.py):
 
-| format      | heads kind | for                    | config.json marker                         | weights file               |
-|-------------|------------|------------------------|--------------------------------------------|----------------------------|
-| eagle3      | eagle3     | vLLM, SGLang           | architectures ["LlamaForCausalLMEagle3"]   | model.safetensors          |
-| medusa      | medusa     | TGI, TensorRT-LLM      | medusa_num_heads, medusa_num_layers        | medusa_lm_head.safetensors |
-| vllm-medusa | medusa     | vLLM (method "medusa") | architectures ["MedusaModel"]              | model.safetensors          |
+| format      | heads kind | for                    | config.json marker                         | weights file(s)                  |
+|-------------|------------|------------------------|--------------------------------------------|----------------------------------|
+| eagle3      | eagle3     | vLLM, SGLang           | architectures ["LlamaForCausalLMEagle3"]   | model.safetensors                |
+| medusa      | medusa     | Medusa, TGI, TRT-LLM   | medusa_num_heads, medusa_num_layers        | medusa_lm_head.safetensors + .pt |
+| vllm-medusa | medusa     | vLLM (method "medusa") | architectures ["MedusaModel"]              | model.safetensors                |
 
 Every export also writes a "specheads" block (our full HeadsConfig) into config.json, which
 the engines ignore. Import reads it back, so specheads -> foreign -> specheads is exact
@@ -56,6 +56,7 @@ FORMATS = {  # format -> (heads kind, weights file name)
     "medusa": ("medusa", export_medusa.MEDUSA_WEIGHTS_NAME),
     "vllm-medusa": ("medusa", WEIGHTS_NAME),
 }
+TORCH_TWINS = {"medusa": export_medusa.MEDUSA_TORCH_WEIGHTS_NAME}  # also torch.save'd: Medusa's runtime reads it
 _TO_FOREIGN = {"eagle3": export_eagle3.to_eagle3, "medusa": export_medusa.to_medusa,
                "vllm-medusa": export_medusa.to_vllm_medusa}
 IMPORTED_EAGLE_DEPTH = 4  # num_heads (draft depth) of EAGLE-3 heads that do not record one
@@ -82,7 +83,7 @@ def export_heads(heads_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathL
         raise FileNotFoundError(f"heads directory {str(heads_dir)!r} has no {WEIGHTS_NAME}")
     foreign_config, foreign_state = _TO_FOREIGN[fmt](config.to_dict(), load_file(str(weights)))
     foreign_config.setdefault("specheads", config.to_dict())
-    return write_weights_dir(out_dir, foreign_config, foreign_state, FORMATS[fmt][1])
+    return write_weights_dir(out_dir, foreign_config, foreign_state, FORMATS[fmt][1], TORCH_TWINS.get(fmt))
 
 
 def detect_format(config: dict, source: str = "config.json") -> str:

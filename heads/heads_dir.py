@@ -212,11 +212,14 @@ def staged_dir(final_dir: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_weights_dir(directory: str | os.PathLike, config: dict, state: dict[str, torch.Tensor],
-                      weights_name: str = WEIGHTS_NAME) -> Path:
-    """config.json + one safetensors file, written atomically (staged_dir)."""
+                      weights_name: str = WEIGHTS_NAME, torch_twin: str | None = None) -> Path:
+    """config.json + one safetensors file (and, with `torch_twin`, the same tensors
+    torch.save'd under that name), written atomically (staged_dir)."""
     with staged_dir(directory) as tmp:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / weights_name), metadata={"format": "pt"})
+        if torch_twin is not None:
+            torch.save(tensors, tmp / torch_twin)
         atomic_write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return Path(directory)
 

@@ -22,17 +22,23 @@ TARGET = TargetIdentity(architecture="LlamaForCausalLM", model_type="llama", hid
                         vocab_size=VOCAB, num_layers=4, name_or_path="org/tiny-target")
 
 
-def make_medusa_dir(directory, dtype=torch.float32):
+DRAFT_VOCAB = 40  # Medusa heads with a draft vocab (vLLM's truncated_vocab_size + token_map)
+
+
+def make_medusa_dir(directory, dtype=torch.float32, draft_vocab=None):
     torch.manual_seed(0)
-    heads = MedusaHeads(HIDDEN, VOCAB, NUM_HEADS, NUM_LAYERS)
+    heads = MedusaHeads(HIDDEN, VOCAB, NUM_HEADS, NUM_LAYERS, draft_vocab_size=draft_vocab)
     with torch.no_grad():
         for param in heads.parameters():
             param.normal_(std=0.3)
+    if draft_vocab is not None:  # a scattered, ascending set of target ids
+        chosen = torch.randperm(VOCAB)[:draft_vocab].sort().values
+        heads.set_draft_vocab(chosen - torch.arange(draft_vocab))
     heads.to(dtype)
     config = HeadsConfig(kind="medusa", hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=NUM_HEADS,
                          num_layers=NUM_LAYERS, tap_layers=[TARGET.num_layers], target=TARGET,
                          tree={"paths": [[0], [1], [0, 0]]}, calibration={"top1": [0.5, 0.25, 0.1]},
-                         dtype=str(dtype).removeprefix("torch."))
+                         dtype=str(dtype).removeprefix("torch."), draft_vocab_size=draft_vocab)
     save_heads(directory, heads, config)
     return heads, config
 
@@ -71,9 +77,9 @@ def expected_medusa_keys(fmt):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", ["medusa", "vllm-medusa"])
-def test_medusa_round_trip_is_exact(fmt, dtype, tmp_path):
-    heads, config = make_medusa_dir(tmp_path / "heads", dtype)
+@pytest.mark.parametrize("fmt, draft_vocab", [("medusa", None), ("vllm-medusa", None), ("vllm-medusa", DRAFT_VOCAB)])
+def test_medusa_round_trip_is_exact(fmt, draft_vocab, dtype, tmp_path):
+    heads, config = make_medusa_dir(tmp_path / "heads", dtype, draft_vocab)
     export_heads(tmp_path / "heads", fmt, tmp_path / "foreign")
     import_heads(tmp_path / "foreign", tmp_path / "back")
 
@@ -92,9 +98,13 @@ def test_medusa_export_has_documented_keys_and_semantics(fmt, tmp_path):
     heads, _ = make_medusa_dir(tmp_path / "heads")
     export_heads(tmp_path / "heads", fmt, tmp_path / "foreign")
     weights_name = "medusa_lm_head.safetensors" if fmt == "medusa" else "model.safetensors"
-    assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == sorted(["config.json", weights_name])
+    # Medusa's own runtime (MedusaModel.from_pretrained) torch.loads only medusa_lm_head.pt.
+    twins = ["medusa_lm_head.pt"] if fmt == "medusa" else []
+    assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == sorted(["config.json", weights_name] + twins)
     state = load_file(str(tmp_path / "foreign" / weights_name))
     assert sorted(state) == expected_medusa_keys(fmt)
+    for twin in twins:
+        assert_same_state(torch.load(tmp_path / "foreign" / twin, weights_only=True), state)
 
     foreign = read_config(tmp_path / "foreign")
     specheads_block = foreign.pop("specheads")
@@ -123,6 +133,44 @@ def test_medusa_export_has_documented_keys_and_semantics(fmt, tmp_path):
             lm_head = state[f"lm_heads.{i}.weight"]
         torch.testing.assert_close(medusa_reference_logits(weight, bias, lm_head, hidden), ours[i],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_medusa_export_of_a_draft_vocab_is_vllms_token_map(tmp_path):
+    heads, _ = make_medusa_dir(tmp_path / "heads", draft_vocab=DRAFT_VOCAB)
+    export_heads(tmp_path / "heads", "vllm-medusa", tmp_path / "foreign")
+    foreign, state = read_config(tmp_path / "foreign"), load_file(str(tmp_path / "foreign" / "model.safetensors"))
+    assert (foreign["vocab_size"], foreign["truncated_vocab_size"]) == (VOCAB, DRAFT_VOCAB)
+    assert sorted(state) == sorted(expected_medusa_keys("vllm-medusa") + ["token_map"])
+    assert state["token_map"].dtype == torch.int64 and torch.equal(state["token_map"], heads.token_map)
+    assert state["lm_heads.0.weight"].shape == (DRAFT_VOCAB, HIDDEN)
+    # vLLM's compute_logits scatters the Vd logits into a -inf full-vocab row at token_map.
+    hidden = torch.randn(5, HIDDEN)
+    with torch.no_grad():
+        ours = heads(hidden.view(1, 5, HIDDEN))[:, 0]  # [K, 5, Vd]
+    for i in range(NUM_HEADS):
+        weight = [state[f"blocks.{i}.layers.{j}.weight"] for j in range(NUM_LAYERS)]
+        bias = [state[f"blocks.{i}.layers.{j}.bias"] for j in range(NUM_LAYERS)]
+        truncated = medusa_reference_logits(weight, bias, state[f"lm_heads.{i}.weight"], hidden)
+        full = torch.full((5, VOCAB), -torch.inf)
+        full[:, state["token_map"]] = truncated
+        assert torch.equal(full.argmax(-1), heads.token_map[ours[i].argmax(-1)])
+
+
+def test_medusa_layout_refuses_a_draft_vocab(tmp_path):
+    make_medusa_dir(tmp_path / "heads", draft_vocab=DRAFT_VOCAB)
+    with pytest.raises(ValueError, match="draft vocab of 40.*--format vllm-medusa"):
+        export_heads(tmp_path / "heads", "medusa", tmp_path / "foreign")
+    assert not (tmp_path / "foreign").exists()
+
+
+def test_vllm_medusa_truncated_without_token_map_is_refused(tmp_path):
+    make_medusa_dir(tmp_path / "heads", draft_vocab=DRAFT_VOCAB)
+    export_heads(tmp_path / "heads", "vllm-medusa", tmp_path / "foreign")
+    state = load_file(str(tmp_path / "foreign" / "model.safetensors"))
+    state.pop("token_map")
+    save_file(state, str(tmp_path / "foreign" / "model.safetensors"))
+    with pytest.raises(ValueError, match="truncated_vocab_size=40 < vocab_size=96 but the weights have no token_map"):
+        import_heads(tmp_path / "foreign", tmp_path / "back")
 
 
 def write_target_config(directory):
