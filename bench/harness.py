@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specheads.bench.prompts import WARMUP_NEW_TOKENS, EncodedPrompt
@@ -142,14 +143,8 @@ def tree_info(tree, source: str) -> dict:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated q-th percentile (0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    """Linear-interpolated q-th percentile (0..100, numpy's default method); None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def itl_samples(events: list[tuple[float, int]]) -> list[float]:

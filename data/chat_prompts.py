@@ -186,7 +186,7 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     specheads cache; generated on first use, resumed if interrupted, then reused."""
     from specheads.data.regenerate import _target_fingerprint, regenerate, write_json_atomic
     from specheads.data.tiny_target import default_cache_dir
-    from specheads.heads.gguf import file_lock
+    from filelock import FileLock
 
     settings = {"version": CHAT_DATA_VERSION, "target": _target_fingerprint(target_path), "num": num_prompts,
                 "max_new_tokens": max_new_tokens, "seed": seed}
@@ -194,7 +194,7 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     directory = Path(cache_dir or default_cache_dir()) / "chat" / f"{Path(target_path).name}-{key}"
     replies, done = directory / "replies.jsonl", directory / "done.json"
     directory.mkdir(parents=True, exist_ok=True)
-    with file_lock(directory.with_name(directory.name + ".lock")):
+    with FileLock(directory.with_name(directory.name + ".lock")):
         if not done.exists():
             prompts = directory / "prompts.jsonl"
             if not prompts.exists():

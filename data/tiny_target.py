@@ -32,7 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from filelock import FileLock
+
 from specheads.heads import gguf
+from specheads.heads.heads_dir import publish_modes
 
 DEFAULT_TARGET_NAME = "embedded:tiny"
 SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/gguf.py)
@@ -103,13 +106,13 @@ def build_tiny_target(cache_dir: Path | None = None, spec: TinyTargetSpec = DEFA
     if final.is_dir() and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with gguf.file_lock(final.with_name(final.name + ".lock")):
+    with FileLock(final.with_name(final.name + ".lock")):
         if final.is_dir() and not force:  # another process built it while we waited
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            staging.chmod(0o755)  # mkdtemp makes it 0700; a cache entry is ordinary files
             _build_into(staging, spec, progress, final.name)
+            publish_modes(staging)  # mkdtemp makes it 0700; a cache entry is ordinary files
             _swap_into_place(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

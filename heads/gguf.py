@@ -29,7 +29,6 @@ The cache root is the caller's (data/tiny_target.py passes SPECHEADS_CACHE or
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -42,6 +41,10 @@ import time
 import zipfile
 from importlib.metadata import version
 from pathlib import Path
+
+from filelock import FileLock
+
+from specheads.heads.heads_dir import publish_modes
 
 GGUF_FORMAT = 1  # bump when the conversion changes in a way the key does not capture
 GGUF_MAGIC = b"GGUF"
@@ -297,28 +300,17 @@ def build_once(final: Path, build) -> Path:
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(final.with_name(final.name + ".lock")):
+    with FileLock(final.with_name(final.name + ".lock")):
         if final.is_dir():  # another process built it while we waited
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            staging.chmod(0o755)  # mkdtemp makes it 0700; a cache entry is ordinary files
             build(staging)
+            publish_modes(staging)  # mkdtemp makes it 0700; a cache entry is ordinary files
             staging.rename(final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return final
-
-
-@contextlib.contextmanager
-def file_lock(lock_path: Path):
-    """An exclusive fcntl lock on lock_path for the block (the cache's build-once guard)."""
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _say(progress: bool, message: str) -> None:

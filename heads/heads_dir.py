@@ -168,12 +168,29 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish_modes(path: str | os.PathLike) -> None:
+    """Give `path` (a file, or a directory and everything under it) the modes an ordinary
+    open()/mkdir() would: mkstemp/mkdtemp make 0600/0700, which would leave a heads directory
+    or a cache entry unreadable to the other users (a serving container, a teammate) who read it."""
+    mask = _umask()
+    path = Path(path)
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write a file via temp file + fsync + rename, so it is either old or whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would make
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -205,6 +222,7 @@ def staged_dir(final_dir: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".{final_dir.name}.tmp-"))
     try:
         yield tmp
+        publish_modes(tmp)
         replace_dir(tmp, final_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

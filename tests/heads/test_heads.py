@@ -112,6 +112,29 @@ def test_heads_directory_round_trip(tmp_path, tiny_llama_dir):
     assert [p.name for p in tmp_path.iterdir()] == ["heads"]
 
 
+def test_written_artefacts_have_ordinary_modes(tmp_path, tiny_llama_dir):
+    """Heads directories, atomic files and cache entries are readable as an open()/mkdir()
+    under the umask would make them, not mkstemp/mkdtemp's owner-only 0600/0700."""
+    import stat
+
+    from specheads.heads.gguf import build_once
+    from specheads.heads.heads_dir import atomic_write_text
+
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    old = os.umask(0o022)
+    try:
+        heads_dir = save_heads(tmp_path / "heads", MedusaHeads(target.hidden_size, target.vocab_size, 2, 1),
+                               medusa_config(target.identity, 2, 1))
+        atomic_write_text(tmp_path / "report.json", "{}")
+        cache = build_once(tmp_path / "cache" / "entry", lambda d: (d / "weights.bin").write_bytes(b"1"))
+    finally:
+        os.umask(old)
+    mode = lambda path: stat.S_IMODE(path.stat().st_mode)  # noqa: E731
+    assert [mode(heads_dir), mode(cache)] == [0o755, 0o755]
+    assert {p.name: mode(p) for p in [*heads_dir.iterdir(), *cache.iterdir(), tmp_path / "report.json"]} == \
+        {"config.json": 0o644, "model.safetensors": 0o644, "weights.bin": 0o644, "report.json": 0o644}
+
+
 def test_heads_of_another_target_fail_naming_both_values(tmp_path, tiny_llama_dir, tiny_qwen2_dir):
     llama = TargetAdapter.from_pretrained(tiny_llama_dir)
     heads = MedusaHeads(llama.hidden_size, llama.vocab_size, 2, 1)
