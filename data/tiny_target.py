@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from filelock import FileLock
 
 from specheads.heads import gguf
