@@ -62,6 +62,18 @@ def launch(recipe: Path, *overrides: str) -> subprocess.Popen:
     return process
 
 
+def launch_until_first_checkpoint(recipe: Path, output_dir: Path, before: str) -> tuple[subprocess.Popen, Path]:
+    """Launch the two-rank run; -> (the process, its checkpoints/latest) once it has written a
+    checkpoint and still runs."""
+    latest = output_dir / "checkpoints" / "latest"
+    process = launch(recipe, *OVERRIDES)
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, f"the run ended before {before}:\n" + process.communicate()[0][-3000:]
+    return process, latest
+
+
 def shm_buffers(port: int) -> list[Path]:
     """DeepSpeed's CPU allreduce buffers of the run on `port` still in /dev/shm."""
     return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
@@ -124,12 +136,7 @@ def test_two_rank_zero2_run_writes_heads(uninterrupted, tiny_llama_dir):
 
 def test_killed_run_resumes_and_finishes_at_the_configured_step(setup, uninterrupted):
     recipe, output_dir = recipe_for(setup, "killed")
-    latest = output_dir / "checkpoints" / "latest"
-    process = launch(recipe, *OVERRIDES)
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "the run ended before it could be killed:\n" + process.communicate()[0][-3000:]
+    process, latest = launch_until_first_checkpoint(recipe, output_dir, "it could be killed")
     os.killpg(process.pid, signal.SIGKILL)  # launcher and both ranks, mid-run
     process.communicate()
     for buffer in shm_buffers(process.master_port):  # a killed rank cannot unlink its own
@@ -177,12 +184,7 @@ def test_sigterm_stops_both_ranks_after_the_same_step_with_a_checkpoint(setup, u
     """SIGTERM to the whole process group (what a scheduler sends): both ranks finish the step,
     agree to stop, save one whole checkpoint at that step and exit; a re-run finishes exactly."""
     recipe, output_dir = recipe_for(setup, "sigterm")
-    latest = output_dir / "checkpoints" / "latest"
-    process = launch(recipe, *OVERRIDES)
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "the run ended before SIGTERM:\n" + process.communicate()[0][-3000:]
+    process, latest = launch_until_first_checkpoint(recipe, output_dir, "SIGTERM")
     os.killpg(process.pid, signal.SIGTERM)
     out, _ = process.communicate(timeout=120)
     assert process.returncode != 0  # the launcher reports an interrupted run as a failure
