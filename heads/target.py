@@ -15,6 +15,7 @@ consumes (transformers ties `hidden_states[-1]` to `last_hidden_state`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +25,19 @@ from torch import nn
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+AUTO = "auto"  # the device's fast dtype (heads/cpu_layout.auto_dtype)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype name (DTYPES, or "auto": the fast dtype of `device`) -> torch.dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == AUTO:
+        from specheads.heads.cpu_layout import auto_dtype
+
+        return auto_dtype(device)
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be {AUTO!r} or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -94,12 +101,12 @@ def check_target_exists(name_or_path: str) -> None:
 def load_target(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False,
                 attn_implementation: str | None = "sdpa") -> nn.Module:
-    """Load a causal LM, frozen and in eval mode."""
+    """Load a causal LM, frozen and in eval mode (dtype "auto": the device's fast dtype)."""
     from transformers import AutoModelForCausalLM
 
     name_or_path = str(name_or_path)
     check_target_exists(name_or_path)
-    kwargs = {"dtype": resolve_dtype(dtype), "trust_remote_code": trust_remote_code}
+    kwargs = {"dtype": resolve_dtype(dtype, device), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
@@ -115,17 +122,41 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 class TargetAdapter:
-    """A frozen causal LM plus the few things heads need from it."""
+    """A frozen causal LM plus the few things heads need from it.
 
-    def __init__(self, model: nn.Module, name_or_path: str = ""):
+    pack_weights: lay the linear weights out for the CPU's matmul once (heads/cpu_layout.py),
+    for inference only; "auto" packs where it pays (a CPU with oneDNN, fp32 or bf16), True
+    wherever it applies, False never (training: the packed op has no autograd).
+    """
+
+    def __init__(self, model: nn.Module, name_or_path: str = "", pack_weights: bool | str = False):
         self.model = model
         self.config = model.config
         self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.identity = TargetIdentity.from_config(model.config, name_or_path, type(model).__name__)
+        self.packed = None  # heads/cpu_layout.PackedWeights once packed
+        if pack_weights not in (False, True, AUTO):
+            raise ValueError(f"pack_weights must be True, False or {AUTO!r}, got {pack_weights!r}")
+        if pack_weights:
+            from specheads.heads.cpu_layout import pack_linears, packing_pays
+
+            if pack_weights is True or packing_pays(self.dtype, self.device):
+                self.packed = pack_linears(model)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs) -> "TargetAdapter":
-        return cls(load_target(name_or_path, **kwargs), str(name_or_path))
+    def from_pretrained(cls, name_or_path: str | os.PathLike, pack_weights: bool | str = False,
+                        **kwargs) -> "TargetAdapter":
+        return cls(load_target(name_or_path, **kwargs), str(name_or_path), pack_weights=pack_weights)
+
+    @property
+    def layout(self) -> str:
+        """How the linear weights run: "packed" (oneDNN, heads/cpu_layout.py) or "plain"."""
+        return "packed" if self.packed is not None else "plain"
+
+    def plain_weights(self):
+        """A context in which the model runs its original `nn.Linear`s (as transformers
+        loaded it): the baseline a user would run. A no-op when nothing is packed."""
+        return self.packed.plain() if self.packed is not None else contextlib.nullcontext()
 
     @property
     def num_layers(self) -> int:

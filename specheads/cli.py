@@ -35,7 +35,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--heads", help="heads directory (config.json + model.safetensors); omit for plain decoding")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",

@@ -16,7 +16,8 @@ from typing import Sequence
 TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
 # What every command's --dtype accepts: the long names of heads/target.py's DTYPES, which also
 # takes fp32, bf16, fp16 (not imported here: `specheads --help` must not import torch).
-DTYPE_HELP = "float32 | bfloat16 | float16"
+DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a GPU and on a CPU with native "
+              "bf16, else float32; float32 is the exact mode, token-identical to the target's own greedy decoding)")
 
 
 def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
@@ -25,9 +26,11 @@ def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
     return resolve_target(str(name_or_path), progress=progress)
 
 
-def load_target_and_tokenizer(name_or_path: str, *, heads: Sequence[str] = (), dtype: str = "float32",
+def load_target_and_tokenizer(name_or_path: str, *, heads: Sequence[str] = (), dtype: str = "auto",
                               device: str = "cpu", trust_remote_code: bool = False, progress: bool = True):
-    """(TargetAdapter, tokenizer) for anything `--target` accepts (TARGET_HELP).
+    """(TargetAdapter, tokenizer) for anything `--target` accepts (TARGET_HELP), ready for
+    inference: in `dtype` ("auto": the device's fast dtype) with its linear weights packed
+    where that pays (heads/cpu_layout.py).
 
     Each directory in `heads` is checked against the target as soon as the target's config is
     known, before the tokenizer loads, so heads for another model fail with both values named
@@ -35,17 +38,26 @@ def load_target_and_tokenizer(name_or_path: str, *, heads: Sequence[str] = (), d
     path (a local directory or a hub id)."""
     from transformers import AutoTokenizer
 
+    target = load_inference_target(name_or_path, heads=heads, dtype=dtype, device=device,
+                                   trust_remote_code=trust_remote_code, progress=progress)
+    return target, AutoTokenizer.from_pretrained(target.identity.name_or_path, trust_remote_code=trust_remote_code)
+
+
+def load_inference_target(name_or_path: str, *, heads: Sequence[str] = (), dtype: str = "auto", device: str = "cpu",
+                          trust_remote_code: bool = False, progress: bool = True):
+    """The TargetAdapter of `load_target_and_tokenizer`, without the tokenizer (step costs)."""
     from specheads.heads.heads_dir import read_heads_config
     from specheads.heads.target import TargetAdapter
 
     path = resolve_target_name(name_or_path, progress=progress)
-    target = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    target = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                           pack_weights="auto")
     for directory in heads:
         read_heads_config(directory).check_fits(target.identity, source=f"heads at {str(directory)!r}")
-    return target, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return target
 
 
-def load_decoder(target: str, heads: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, progress: bool = True, lookup_num_tokens: int | None = None):
     """(SpeculativeDecoder, tokenizer) for a target and optional heads directory.
 

@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --target)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the tokenizer's; without one, specheads' documented fallback)")
-    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--torch-threads", type=int, default=None,

@@ -35,7 +35,7 @@ def add_parser(subparsers) -> None:
                    help="also measure the winner with n-gram lookup drafts of N tokens and store lookup when it "
                         "is faster (0: skip)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="also write the sweep report here")
-    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -130,7 +130,7 @@ def test_merged_export_decodes_losslessly_against_the_merged_target(lora_run, ta
     probe = torch.tensor([markov_walks(1, seed=5)[0]["input_ids"][:20]])
     with torch.no_grad():
         assert not torch.allclose(merged(probe).logits, base(probe).logits)  # the adapter changed the target
-    decoder, _ = load_decoder(str(out / "target"), str(out / "heads"), progress=False)
+    decoder, _ = load_decoder(str(out / "target"), str(out / "heads"), dtype="float32", progress=False)
     for seed in range(3):
         prompt = markov_walks(1, seed=100 + seed)[0]["input_ids"][:12]
         ids = torch.tensor([prompt])

@@ -66,7 +66,7 @@ def cli_generate_text(target_dir, heads_dir, prompt: str, max_new_tokens: int) -
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         assert cli_main(["generate", "--target", str(target_dir), "--heads", str(heads_dir), "--prompt", prompt,
-                         "--max-new-tokens", str(max_new_tokens), "--json"]) == 0
+                         "--max-new-tokens", str(max_new_tokens), "--json", "--dtype", "float32"]) == 0
     return json.loads(buffer.getvalue().strip().splitlines()[-1])
 
 

@@ -1,0 +1,86 @@
+"""The CPU's fast dtype and packed linear weights (heads/cpu_layout.py): the packed path gives
+the unpacked logits within the dtype's tolerance, `plain_weights()` really runs the original
+layers, and "auto" picks fp32 on a CPU without native bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specheads.heads import cpu_layout
+from specheads.heads.cpu_layout import PackedLinear, auto_dtype, pack_linears
+from specheads.heads.target import TargetAdapter, resolve_dtype
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+# Max |logit difference| allowed between the packed and the plain layout: fp32 sums in another
+# order (about 1e-5 relative); bf16 rounds its outputs to 8 bits of mantissa (about 1e-2 relative).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def _logits(target: TargetAdapter, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return target(input_ids, []).logits.float()
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_logits_match_the_plain_layout(tiny_llama_dir, dtype):
+    plain = TargetAdapter.from_pretrained(tiny_llama_dir, dtype=dtype)
+    packed = TargetAdapter.from_pretrained(tiny_llama_dir, dtype=dtype, pack_weights=True)
+    assert plain.layout == "plain" and packed.layout == "packed"
+    num_linears = sum(type(m) is nn.Linear for m in plain.model.modules())
+    assert packed.packed.num_packed == num_linears > 0
+    assert not any(type(m) is nn.Linear for m in packed.model.modules())
+    input_ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected, got = _logits(plain, input_ids), _logits(packed, input_ids)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= TOLERANCE[dtype] * scale
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@needs_onednn
+def test_plain_weights_runs_the_original_layers_and_packs_again(tiny_llama_dir):
+    target = TargetAdapter.from_pretrained(tiny_llama_dir, pack_weights=True)
+    lm_head = target.model.lm_head
+    assert isinstance(lm_head, PackedLinear)
+    assert lm_head.weight is target.lm_head().weight  # heads read the shared Parameter
+    with target.plain_weights():
+        assert type(target.model.lm_head) is nn.Linear
+        assert target.model.lm_head.weight is lm_head.weight
+        assert not any(isinstance(m, PackedLinear) for m in target.model.modules())
+    assert target.model.lm_head is lm_head
+    # The state dict keeps transformers' names: nothing of the packed layout leaks into it.
+    unpacked = TargetAdapter.from_pretrained(tiny_llama_dir)
+    assert set(target.model.state_dict()) == set(unpacked.model.state_dict())
+
+
+def test_auto_packs_only_where_it_applies(tiny_llama_dir):
+    assert TargetAdapter.from_pretrained(tiny_llama_dir, dtype="float16", pack_weights="auto").layout == "plain"
+    expected = "packed" if torch.backends.mkldnn.is_available() else "plain"
+    assert TargetAdapter.from_pretrained(tiny_llama_dir, dtype="float32", pack_weights="auto").layout == expected
+    with pytest.raises(ValueError, match="pack_weights must be True, False or 'auto'"):
+        TargetAdapter.from_pretrained(tiny_llama_dir, pack_weights="yes")
+
+
+def test_packing_refuses_a_model_that_trains():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="frozen inference models"):
+        pack_linears(model)
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_layout, "cpu_has_native_bf16", lambda: False)
+    assert auto_dtype("cpu") is torch.float32
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    monkeypatch.setattr(cpu_layout, "cpu_has_native_bf16", lambda: True)
+    assert auto_dtype("cpu") is torch.bfloat16
+    assert resolve_dtype("auto") is torch.bfloat16
+    assert auto_dtype("cuda") is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        resolve_dtype("half-ish")
+
+
+def test_auto_dtype_loads_fp32_without_native_bf16(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(cpu_layout, "cpu_has_native_bf16", lambda: False)
+    assert TargetAdapter.from_pretrained(tiny_llama_dir, dtype="auto").dtype is torch.float32
