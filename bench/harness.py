@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from specheads.bench.divergence import summarise_divergences
 from specheads.bench.prompts import WARMUP_NEW_TOKENS, EncodedPrompt
 from specheads.serving.decode.stats import alpha_tau
 
@@ -91,14 +92,17 @@ def _streamer_cls():
     return EventStreamer
 
 
-def hf_method(name: str, kind: str, model, eos_token_id: int | None, **generate_kwargs) -> Method:
+def hf_method(name: str, kind: str, target, eos_token_id: int | None, **generate_kwargs) -> Method:
+    """transformers' own `generate` on the target as transformers loaded it: its plain
+    `nn.Linear`s, not the packed weights the engine runs (heads/cpu_layout.py)."""
     streamer_cls = _streamer_cls()
+    model = target.model
 
     def generate(prompt_ids: list[int], max_new_tokens: int) -> PromptRun:
         input_ids = torch.tensor([prompt_ids], device=model.device)
         start = time.perf_counter()
         streamer = streamer_cls(start)
-        with torch.inference_mode():
+        with torch.inference_mode(), target.plain_weights():
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                  pad_token_id=eos_token_id if eos_token_id is not None else 0,
@@ -215,15 +219,21 @@ def run_methods(methods: list[Method], prompts: list[EncodedPrompt], max_new_tok
 
 
 def build_report(methods: list[Method], prompts: list[EncodedPrompt], runs: dict[str, list[PromptRun]],
-                 config: dict) -> dict:
-    """The JSON report (schema: the docstring of specheads/bench_cli.py)."""
+                 config: dict, checker=None) -> dict:
+    """The JSON report (schema: the docstring of specheads/bench_cli.py). checker: a
+    bench/divergence.DivergenceChecker that scores each first difference from the reference
+    (None: differences are counted, not scored)."""
     reference = runs[methods[0].name]
     categories = sorted({p.category for p in prompts}, key=[p.category for p in prompts].index)
     report = {"schema": SCHEMA, "config": dict(config, num_prompts=len(prompts), max_new_tokens=config.get(
         "max_new_tokens")), "categories": categories, "reference": methods[0].name, "methods": []}
+    if checker is not None:
+        report["config"]["tie_tolerance"] = checker.tolerance
     for method in methods:
         method_runs = runs[method.name]
         identical = [run.tokens == ref.tokens for run, ref in zip(method_runs, reference)]
+        divergences = [None if same or checker is None else checker.check(p.input_ids, ref.tokens, run.tokens)
+                       for p, run, ref, same in zip(prompts, method_runs, reference, identical)]
         by_category = {}
         for category in categories:
             idx = [i for i, p in enumerate(prompts) if p.category == category]
@@ -231,11 +241,14 @@ def build_report(methods: list[Method], prompts: list[EncodedPrompt], runs: dict
                                               [reference[i] for i in idx])
         per_prompt = [{"question_id": p.question_id, "category": p.category, "num_prompt_tokens": len(p.input_ids),
                        "num_tokens": len(r.tokens), "seconds": r.seconds, "steps": r.steps,
-                       "accepted_tokens": r.accepted_tokens, "identical": same}
-                      for p, r, same in zip(prompts, method_runs, identical)]
+                       "accepted_tokens": r.accepted_tokens, "identical": same,
+                       "first_difference": None if d is None else d.to_json()}
+                      for p, r, same, d in zip(prompts, method_runs, identical, divergences)]
+        overall = summarise(method_runs, identical, reference)
+        if checker is not None:
+            overall["divergence"] = summarise_divergences(divergences)
         report["methods"].append({"name": method.name, "kind": method.kind, "tree": method.tree,
-                                  "overall": summarise(method_runs, identical, reference),
-                                  "by_category": by_category, "prompts": per_prompt})
+                                  "overall": overall, "by_category": by_category, "prompts": per_prompt})
     return report
 
 
@@ -251,13 +264,21 @@ def format_report(report: dict) -> str:
 
     def row(label: str, s: dict) -> str:
         depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"][:6]) or "-"
-        same = "yes" if s["identical"] else f"NO ({s['num_identical']}/{s['num_prompts']})"
+        same = "yes" if s["identical"] else f"{s['num_identical']}/{s['num_prompts']}"
+        divergence = s.get("divergence")
+        if divergence and divergence["num_different"]:
+            same += (f", first diff. at {divergence['first_difference_mean']:.0f}, "
+                     f"{divergence['num_near_tie']} near-tie")
+            if divergence["num_not_near_tie"]:
+                same += f", {divergence['num_not_near_tie']} NOT near-tie (bug)"
         return (f"| {label} | {s['num_tokens']} | {s['tokens_per_s']:.1f} | {_fmt(s['speedup'], '.2f')}x | "
                 f"{_fmt(s['itl_p50_ms'], '.2f')} | {_fmt(s['itl_p90_ms'], '.2f')} | {_fmt(s['alpha'], '.3f')} | "
                 f"{_fmt(s['tau'], '.2f')} | {depth} | {same} |")
 
-    lines = [f"### overall ({report['config']['num_prompts']} prompts x {report['config']['max_new_tokens']} "
-             "new tokens, greedy)", "", header, rule]
+    config = report["config"]
+    where = ", ".join(str(config[key]) for key in ("dtype", "layout", "device") if config.get(key))
+    lines = [f"### overall ({config['num_prompts']} prompts x {config['max_new_tokens']} new tokens, greedy"
+             f"{', ' + where if where else ''})", "", header, rule]
     lines += [row(m["name"], m["overall"]) for m in report["methods"]]
     lines += ["", "### by category", "", header.replace("| method |", "| method | category |", 1),
               rule.replace("|---|", "|---|---|", 1)]
@@ -334,7 +355,7 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
 
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens > 0 else None
 
-    methods = [hf_method(REFERENCE, "hf-greedy", target.model, eos_token_id),
+    methods = [hf_method(REFERENCE, "hf-greedy", target, eos_token_id),
                engine_method("engine-plain", "engine-plain", SpeculativeDecoder(target), eos_token_id)]
     if heads_list and heads is not None:
         raise ValueError("pass heads/heads_config or heads_list, not both")
@@ -361,21 +382,51 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
         methods.append(engine_method(f"engine-lookup[{lookup_num_tokens}]", "engine-lookup",
                                      SpeculativeDecoder(target, lookup=lookup, **engine_kwargs(fallback)), eos_token_id))
     if prompt_lookup_num_tokens > 0:
-        methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target.model,
+        methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target,
                                  eos_token_id, prompt_lookup_num_tokens=prompt_lookup_num_tokens))
     if draft_model is not None:
-        methods.append(hf_method("hf-assisted", "hf-assisted", target.model, eos_token_id,
+        methods.append(hf_method("hf-assisted", "hf-assisted", target, eos_token_id,
                                  assistant_model=draft_model))
     return methods
 
 
 def run_bench(target, prompts: list[EncodedPrompt], max_new_tokens: int, *, config: dict | None = None,
-              warmup: bool = True, log: Callable[[str], None] | None = None, **method_kwargs) -> dict:
-    """Python entry point: build the methods, decode, return the JSON report."""
+              warmup: bool = True, log: Callable[[str], None] | None = None, scorer=None, **method_kwargs) -> dict:
+    """Python entry point: build the methods, decode, return the JSON report. Every first
+    difference from hf-greedy is scored by an fp32 copy of the target (`scorer()` builds
+    it; bench/divergence.py); the report's config names the dtype and weight layout."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts:
         raise ValueError("no prompts to bench")
     methods = make_methods(target, **method_kwargs)
     runs = run_methods(methods, prompts, max_new_tokens, warmup=warmup, log=log)
-    return build_report(methods, prompts, runs, dict(config or {}, max_new_tokens=max_new_tokens))
+    checker = None
+    reference = runs[methods[0].name]
+    if any(run.tokens != ref.tokens for method in methods for run, ref in zip(runs[method.name], reference)):
+        checker = divergence_checker(target, scorer)
+    config = dict(config or {}, max_new_tokens=max_new_tokens, dtype=str(target.dtype).removeprefix("torch."),
+                  layout=target.layout)
+    return build_report(methods, prompts, runs, config, checker)
+
+
+def not_near_ties(report: dict) -> list[str]:
+    """Methods with an output that differs from hf-greedy other than after a near-tie of the
+    fp32 target's logits (bench/divergence.py): a bug in any dtype."""
+    return [m["name"] for m in report["methods"] if not m["overall"]["identical"]
+            and (m["overall"].get("divergence") or {"num_not_near_tie": 1})["num_not_near_tie"]]
+
+
+def divergence_checker(target, scorer=None):
+    """A DivergenceChecker at the tolerance of target's dtype. Its fp32 scorer: the target
+    itself in fp32, else `scorer()` (default: the target's directory loaded again in fp32)."""
+    from specheads.bench.divergence import TOLERANCES, DivergenceChecker
+    from specheads.heads.target import TargetAdapter
+
+    if target.dtype == torch.float32:
+        fp32 = target
+    elif scorer is not None:
+        fp32 = scorer()
+    else:
+        fp32 = TargetAdapter.from_pretrained(target.identity.name_or_path, dtype="float32", device=target.device)
+    return DivergenceChecker(fp32, TOLERANCES[target.dtype])

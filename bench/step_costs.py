@@ -1,23 +1,97 @@
 """What one speculative step costs on this machine: verify forwards of T tree tokens against
 one decode step, and the heads' draft cost per depth. These numbers decide which trees can
-pay (a tree of T nodes must emit more than cost(T) / cost(1) tokens per step).
+pay (a tree of T nodes must emit more than cost(T) / cost(1) tokens per step): `specheads
+tune` estimates every candidate tree from them, and `specheads bench` prints and stores them.
 
-    python -m specheads.bench.step_costs --target embedded:smollm2 [--prefix 300] [--trees 1,4,8,16,32,64]
+    python -m specheads.bench.step_costs --target embedded:smollm2 [--dtype auto] [--prefix 300] \
+        [--trees 1,2,4,8,16,32,64] [--heads DIR]
 
-Everything runs through the serving path: the target adapter over a `TreeStaticCache` after
-a prefill of `--prefix` tokens, a 4-D tree mask, and the real drafters (an EAGLE-3 head and
-Medusa heads of the sizes a recipe trains, randomly initialised: their cost does not depend
-on their weights). Each figure is the median of `--repeats` timed calls after one warm-up.
+Everything runs through the serving path, in the dtype and weight layout the engine runs
+(runner.load_target_and_tokenizer: "auto" is the device's fast dtype, packed weights on a
+CPU): the target adapter over a `TreeStaticCache` after a prefill of `--prefix` tokens, a
+4-D tree mask, and the real drafters (the heads of `--heads`, or an EAGLE-3 head and Medusa
+heads of the sizes a recipe trains, randomly initialised: their cost does not depend on
+their weights). Each figure is the median of `--repeats` timed calls after one warm-up.
 Run it alone: two busy cores make every figure meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from specheads.bench.gpu_kernels import time_ms
+
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DRAFT_DEPTHS = (1, 2, 3, 4, 5, 6)
+
+
+@dataclass
+class StepCostTable:
+    """Measured step costs of one target (+ heads) on this machine, in one dtype and layout."""
+
+    dtype: str
+    layout: str  # "packed" | "plain" (heads/cpu_layout.py)
+    threads: int
+    prefix: int  # committed tokens before the timed forwards
+    verify_ms: dict[int, float]  # T -> ms of one verify forward of T tokens (T=1: a decode step)
+    draft_ms: dict[int, float]  # depth -> ms of drafting a chain that deep ({} without heads)
+    draft_kind: str | None = None  # "eagle" (one head run per level) | "medusa" (one call for every depth)
+
+    def verify_cost(self, num_nodes: int) -> float:
+        """One verify of num_nodes tokens in decode steps, interpolated linearly between the
+        measured sizes (beyond the largest: extrapolated from the last two)."""
+        return _interpolate(self.verify_ms, num_nodes) / self.verify_ms[min(self.verify_ms)]
+
+    def draft_cost(self, depth: int) -> float:
+        """Drafting a tree `depth` deep, in decode steps (0 without measured drafts)."""
+        if not self.draft_ms or depth < 1:
+            return 0.0
+        return _interpolate(self.draft_ms, depth) / self.verify_ms[min(self.verify_ms)]
+
+    def step_cost(self, num_nodes: int, depth: int) -> float:
+        """draft + verify of a tree of num_nodes nodes (root included), in decode steps."""
+        return self.verify_cost(num_nodes) + self.draft_cost(depth)
+
+    def to_json(self) -> dict:
+        return {key: ({str(k): v for k, v in value.items()} if isinstance(value, dict) else value)
+                for key, value in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, record: dict) -> "StepCostTable":
+        """The table of `to_json()` (keys beside its fields, such as the bench's "heads" label, are ignored)."""
+        names = {field.name for field in fields(cls)}
+        tables = {key: {int(k): float(v) for k, v in record[key].items()} for key in ("verify_ms", "draft_ms")}
+        return cls(**{**{key: value for key, value in record.items() if key in names}, **tables})
+
+    def format(self, verify: bool = True) -> str:
+        """Markdown: the verify table (unless verify=False), then the draft table."""
+        base = self.verify_ms[min(self.verify_ms)]
+        lines = []
+        if verify:
+            lines += [f"step costs ({self.dtype}, {self.layout} weights, {self.threads} threads, after a "
+                      f"{self.prefix}-token prefix):", "", "| verify T | ms | x decode step |", "|---:|---:|---:|"]
+            lines += [f"| {num} | {ms:.1f} | {ms / base:.2f} |" for num, ms in sorted(self.verify_ms.items())]
+        if self.draft_ms:
+            lines += ["", f"| draft depth ({self.draft_kind}) | ms | x decode step |", "|---:|---:|---:|"]
+            lines += [f"| {depth} | {ms:.1f} | {ms / base:.2f} |" for depth, ms in sorted(self.draft_ms.items())]
+        return "\n".join(lines)
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    keys = sorted(table)
+    if x in table:
+        return table[x]
+    if len(keys) == 1:
+        return table[keys[0]] * x / keys[0]
+    low = max([k for k in keys if k < x], default=keys[0])
+    high = min([k for k in keys if k > x], default=keys[-1])
+    if low == high:  # outside the measured range: the nearest segment's slope
+        low, high = (keys[0], keys[1]) if x < keys[0] else (keys[-2], keys[-1])
+    slope = (table[high] - table[low]) / (high - low)
+    return table[low] + slope * (x - low)
 
 
 def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, float]:
@@ -25,9 +99,9 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
     target, cache = decoder.target, state.cache
     costs = {}
     for num_nodes in trees:
-        tokens_1T = torch.full((1, num_nodes), int(state.root), dtype=torch.long)
-        mask = cache.attention_mask(torch.ones(num_nodes, num_nodes, dtype=torch.bool).tril())
-        positions = (torch.arange(num_nodes) + state.prefix_len)[None]
+        tokens_1T = torch.full((1, num_nodes), int(state.root), dtype=torch.long, device=target.device)
+        mask = cache.attention_mask(torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=target.device).tril())
+        positions = (torch.arange(num_nodes, device=target.device) + state.prefix_len)[None]
         with torch.inference_mode():
             costs[num_nodes] = time_ms(lambda: target(tokens_1T, decoder.tap_layers, attention_mask=mask,
                                                       position_ids=positions, past_key_values=cache,
@@ -35,23 +109,26 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
     return costs
 
 
-def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeats: int,
-                      draft_vocab_size: int) -> dict[int, float]:
-    """ms of one EAGLE-3 chain draft of each depth (one head run per level), in steady state."""
-    from specheads.heads.heads_dir import build_heads, eagle_heads_config
+def draft_costs(target, heads, tap_layers: list[int] | None, prompt_1P: torch.Tensor, depths: list[int],
+                repeats: int) -> dict[int, float]:
+    """ms of one chain draft of each depth by `heads`, in steady state (EAGLE: one head run per
+    level over one new committed position; Medusa: one call of every head)."""
     from specheads.serving.decode.cache import TreeStaticCache
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.steps import prefill
     from specheads.serving.decode.trees import DraftTree
 
-    config = eagle_heads_config(target, num_steps=max(depths), draft_vocab_size=draft_vocab_size)
-    head = build_heads(config).eval()
     costs = {}
     for depth in depths:
-        decoder = SpeculativeDecoder(target, head, DraftTree.chain(depth), tap_layers=config.tap_layers)
+        decoder = SpeculativeDecoder(target, heads, DraftTree.chain(depth), tap_layers=tap_layers)
         with torch.inference_mode():
             state = prefill(target, prompt_1P, decoder.tap_layers,
                             TreeStaticCache(target.config, max_cache_len=prompt_1P.shape[1] + 128))
+            if decoder.is_medusa:
+                hidden_1H, root_1 = state.hidden[-1:], state.root
+                costs[depth] = time_ms(lambda: decoder.drafter.draft_tokens(hidden_1H, root_1), target.device, 1,
+                                       repeats)
+                continue
             _, state.draft_cache = decoder.drafter.draft(state)  # the head's first run covers the whole prompt
             # Steady state: one new committed position per step (a step that accepted nothing).
             state.hidden, state.next_tokens = state.hidden[-1:], state.next_tokens[-1:]
@@ -59,45 +136,73 @@ def eagle_draft_costs(target, prompt_1P: torch.Tensor, depths: list[int], repeat
     return costs
 
 
-def main(argv: list[str] | None = None) -> int:
-    from specheads.heads.medusa import MedusaHeads
-    from specheads.heads.target import TargetAdapter
-    from specheads.runner import resolve_target_name
+def measure_step_costs(target, heads=None, heads_config=None, *, prefix: int = 300,
+                       trees: tuple[int, ...] = VERIFY_SIZES, depths: tuple[int, ...] | None = None,
+                       repeats: int = 7) -> StepCostTable:
+    """The StepCostTable of `target` (+ `heads`, whose tap layers come from heads_config) here."""
     from specheads.serving.decode.cache import TreeStaticCache
-    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.config import SpeculativeDecoder, is_eagle
     from specheads.serving.decode.steps import prefill
-    from specheads.serving.decode.trees import DraftTree
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="embedded:smollm2")
-    p.add_argument("--prefix", type=int, default=300)
-    p.add_argument("--trees", default="1,4,8,16,32,64")
-    p.add_argument("--depths", default="1,2,3,4,5,6")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--draft-vocab", type=int, default=8192, help="the heads' draft vocabulary (the recipes' size)")
-    args = p.parse_args(argv)
-    target = TargetAdapter.from_pretrained(resolve_target_name(args.target))
     plain = SpeculativeDecoder(target)
-    prompt_1P = torch.randint(10, target.vocab_size, (1, args.prefix), generator=torch.Generator().manual_seed(0))
-    trees = [int(t) for t in args.trees.split(",")]
+    generator = torch.Generator().manual_seed(0)
+    prompt_1P = torch.randint(10, target.vocab_size, (1, prefix), generator=generator).to(target.device)
     with torch.inference_mode():
         state = prefill(target, prompt_1P, plain.tap_layers,
-                        TreeStaticCache(target.config, max_cache_len=args.prefix + max(trees) + 8))
-    verify = verify_costs(plain, state, trees, args.repeats)
-    print(f"verify after a {args.prefix}-token prefix, {torch.get_num_threads()} threads:")
-    for num_nodes, ms in verify.items():
-        print(f"  T={num_nodes:3d}  {ms:8.1f} ms  {ms / verify[trees[0]]:5.2f}x T={trees[0]}")
-    depths = [int(d) for d in args.depths.split(",")]
-    print(f"EAGLE-3 draft (one decoder layer, chain, {args.draft_vocab} draft vocab):")
-    for depth, ms in eagle_draft_costs(target, prompt_1P, depths, args.repeats, args.draft_vocab).items():
-        print(f"  depth {depth}  {ms:7.1f} ms")
-    hidden_1H, root_1 = state.hidden[-1:], state.root
-    for vocab in sorted({target.vocab_size, min(args.draft_vocab, target.vocab_size)}, reverse=True):
-        heads = MedusaHeads(target.hidden_size, target.vocab_size, max(depths), draft_vocab_size=vocab)
-        medusa = SpeculativeDecoder(target, heads, DraftTree.chain(max(depths)))
-        with torch.inference_mode():
-            ms = time_ms(lambda: medusa.drafter.draft_tokens(hidden_1H, root_1), target.device, 1, args.repeats)
-        print(f"Medusa draft ({max(depths)} heads over {heads.draft_vocab_size} tokens, one call): {ms:.1f} ms")
+                        TreeStaticCache(target.config, max_cache_len=prefix + max(trees) + 8))
+    verify = verify_costs(plain, state, list(trees), repeats)
+    draft, kind = {}, None
+    if heads is not None:
+        kind = "eagle" if is_eagle(heads) else "medusa"
+        max_depth = heads_config.num_heads if heads_config is not None else getattr(heads, "num_heads", 1)
+        wanted = [d for d in (depths or DRAFT_DEPTHS) if d <= max_depth] or [1]
+        tap_layers = heads_config.tap_layers if heads_config is not None and kind == "eagle" else None
+        draft = draft_costs(target, heads, tap_layers, prompt_1P, wanted, repeats)
+    return StepCostTable(dtype=str(target.dtype).removeprefix("torch."), layout=target.layout,
+                         threads=torch.get_num_threads(), prefix=prefix, verify_ms=verify, draft_ms=draft,
+                         draft_kind=kind)
+
+
+def _random_heads(target, kind: str, num_steps: int, draft_vocab_size: int):
+    """Heads of the sizes a recipe trains, randomly initialised (their cost does not depend on weights)."""
+    from specheads.heads.heads_dir import build_heads, eagle_heads_config
+    from specheads.heads.medusa import MedusaHeads
+
+    if kind == "eagle":
+        config = eagle_heads_config(target, num_steps=num_steps, draft_vocab_size=draft_vocab_size)
+        return build_heads(config).eval().to(target.dtype), config
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, num_steps,
+                        draft_vocab_size=min(draft_vocab_size, target.vocab_size))
+    return heads.eval().to(target.dtype), None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specheads.runner import DTYPE_HELP, TARGET_HELP, load_inference_target
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="embedded:smollm2", help=TARGET_HELP)
+    p.add_argument("--heads", help="a heads directory (default: random EAGLE-3 and Medusa heads of recipe size)")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--prefix", type=int, default=300)
+    p.add_argument("--trees", default=",".join(map(str, VERIFY_SIZES)))
+    p.add_argument("--depths", default=",".join(map(str, DRAFT_DEPTHS)))
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="the random heads' draft vocabulary (the recipes' size)")
+    args = p.parse_args(argv)
+    target = load_inference_target(args.target, heads=[args.heads] if args.heads else [], dtype=args.dtype)
+    trees = tuple(int(t) for t in args.trees.split(","))
+    depths = tuple(int(d) for d in args.depths.split(","))
+    if args.heads:
+        from specheads.heads.heads_dir import load_heads
+
+        heads, config = load_heads(args.heads, target=target.identity, device=target.device, dtype=target.dtype)
+        candidates = [(heads, config)]
+    else:
+        candidates = [_random_heads(target, kind, max(depths), args.draft_vocab) for kind in ("eagle", "medusa")]
+    for index, (heads, config) in enumerate(candidates):
+        table = measure_step_costs(target, heads, config, prefix=args.prefix, trees=trees, depths=depths,
+                                   repeats=args.repeats)
+        print(table.format(verify=index == 0))
     return 0
 
 

@@ -9,8 +9,11 @@ Settings swept:
   calibration): every depth limit d in 1..D as a chain (top-1 only), and best-first
   expansions (heads.tree_paths.expand_paths) of each node budget under each depth limit;
   duplicates removed. When there are more than `max_settings`, the ones with the best
-  estimated speed are kept (dynamic settings come on top): (1 + expected accepted tokens) / (1 + NODE_COST * nodes
-  + DEPTH_COST * depth for EAGLE's sequential drafting).
+  estimated speed are kept (dynamic settings come on top): (1 + expected accepted tokens) /
+  (the step's cost in decode steps). The cost is this machine's, measured first
+  (bench/step_costs.py: a verify of the tree's nodes plus drafting its depth, in the dtype
+  and layout the engine runs); without measured costs, a prior: 1 + NODE_COST * nodes +
+  DEPTH_COST * depth for EAGLE's sequential drafting.
 - dynamic EAGLE-2 trees (EAGLE heads only): serving/decode/trees.py's
   DynamicTreeConfig(depth, top_k, num_nodes) over a small grid.
 
@@ -84,9 +87,18 @@ class Measured:
         self.outputs.append(list(result.tokens))
 
 
+def step_cost(num_nodes: int, depth: int, eagle: bool, costs=None) -> float:
+    """A step drafting num_nodes draft nodes `depth` deep, in decode steps: measured
+    (costs: a bench/step_costs.StepCostTable) or the prior."""
+    if costs is not None:
+        return costs.step_cost(num_nodes + 1, depth)
+    return 1 + NODE_COST * num_nodes + (DEPTH_COST * depth if eagle else 0.0)
+
+
 def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[int] | None = None,
-                    node_budgets: tuple[int, ...] = NODE_BUDGETS) -> list[Setting]:
-    """Chains and calibrated expansions per depth limit, deduplicated, each with its prior estimate."""
+                    node_budgets: tuple[int, ...] = NODE_BUDGETS, costs=None) -> list[Setting]:
+    """Chains and calibrated expansions per depth limit, deduplicated, each with its speed
+    estimate from `costs` (bench/step_costs.StepCostTable; None: the prior)."""
     from specheads.heads.tree_paths import expand_paths, expected_accept_length
     from specheads.serving.decode.trees import DraftTree
 
@@ -104,9 +116,9 @@ def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[in
         seen.add(key)
         tree = DraftTree.from_paths(paths)
         depth = tree.max_depth
-        cost = 1 + NODE_COST * len(paths) + (DEPTH_COST * depth if eagle else 0.0)
         settings.append(Setting(name, "static", tree, {"paths": [list(p) for p in key]}, len(paths), depth,
-                                (1 + expected_accept_length(paths, accuracy)) / cost))
+                                (1 + expected_accept_length(paths, accuracy))
+                                / step_cost(len(paths), depth, eagle, costs)))
 
     for depth in depths:
         add(f"chain-{depth}", [(0,) * d for d in range(1, depth + 1)])
@@ -133,8 +145,9 @@ def dynamic_settings(max_depth: int) -> list[Setting]:
 
 
 def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int] | None = None,
-                       node_budgets: tuple[int, ...] = NODE_BUDGETS) -> list[Setting]:
-    """Every setting to measure for these heads (see the module docstring)."""
+                       node_budgets: tuple[int, ...] = NODE_BUDGETS, costs=None) -> list[Setting]:
+    """Every setting to measure for these heads (see the module docstring); costs: this
+    machine's StepCostTable (None: the prior)."""
     from specheads.serving.decode.trees import prior_accuracy
 
     if max_settings < 1:
@@ -142,7 +155,7 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
     eagle = heads_config.kind != "medusa"
     accuracy = (heads_config.calibration or {}).get("accuracy") or prior_accuracy(heads_config.num_heads)
     accuracy = accuracy[:heads_config.num_heads]
-    static = static_settings(accuracy, eagle=eagle, depths=depths, node_budgets=node_budgets)
+    static = static_settings(accuracy, eagle=eagle, depths=depths, node_budgets=node_budgets, costs=costs)
     static = sorted(static, key=lambda s: -s.estimate)[:max_settings]
     # Dynamic configs come on top of the static ones: the static sweep must not be cut short
     # for them.
@@ -202,8 +215,9 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
          budget_s: float = 120.0, eos_token_id: int | None = None, max_settings: int = 16,
          depths: list[int] | None = None, node_budgets: tuple[int, ...] = NODE_BUDGETS,
          settings: list[Setting] | None = None, progress: bool = True,
-         log: Callable[[str], None] | None = None, lookup_num_tokens: int = 10) -> dict:
+         log: Callable[[str], None] | None = None, lookup_num_tokens: int = 10, costs=None) -> dict:
     """Measure every setting on `prompts` within `budget_s`; -> the tuning report (winner first).
+    costs: this machine's StepCostTable, which ranks the candidates (None: the prior).
 
     Settings the decoder refuses (ValueError, e.g. a tree the heads cannot draft) are
     recorded with their error and skipped, never silently dropped.
@@ -219,7 +233,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     if budget_s <= 0:
         raise ValueError(f"budget_s must be > 0 seconds, got {budget_s}")
     settings = settings if settings is not None else candidate_settings(
-        heads_config, max_settings=max_settings, depths=depths, node_budgets=node_budgets)
+        heads_config, max_settings=max_settings, depths=depths, node_budgets=node_budgets, costs=costs)
     decoders, skipped = {}, []
     plain_decoder = SpeculativeDecoder(target)
     for setting in settings:
@@ -271,7 +285,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     return {"schema": SCHEMA, "winner": winner["name"], "device": device, "torch_threads": torch.get_num_threads(),
             "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "budget_s": budget_s,
             "seconds": time.perf_counter() - start, "plain": plain_row, "settings": rows, "skipped": skipped,
-            "lookup": lookup}
+            "lookup": lookup, "step_costs": costs.to_json() if costs is not None else None}
 
 
 def stored_tree(report: dict) -> dict:
@@ -306,6 +320,11 @@ def format_tuning(report: dict) -> str:
                      f"{'yes' if r['identical'] else 'NO'} |")
     for s in report["skipped"]:
         lines.append(f"| {s['name']} (skipped: {s['error']}) | | | | | | | | | |")
+    if report.get("step_costs"):
+        from specheads.bench.step_costs import StepCostTable
+
+        lines += ["", "Candidates were ranked by these measured costs:", "",
+                  StepCostTable.from_json(report["step_costs"]).format()]
     lookup = report.get("lookup")
     if lookup:
         lines += ["", f"n-gram lookup ({lookup['num_tokens']} tokens) on {report['winner']}, measured again side by "
@@ -316,10 +335,14 @@ def format_tuning(report: dict) -> str:
 
 
 def tune_heads_dir(target, heads_dir: str, prompts: list[list[int]], **kwargs) -> dict:
-    """Load the heads in `heads_dir`, tune, store the winner and the sweep; -> the report."""
+    """Load the heads in `heads_dir`, measure this machine's step costs with them, tune, store
+    the winner and the sweep; -> the report."""
+    from specheads.bench.step_costs import measure_step_costs
     from specheads.heads.heads_dir import load_heads, update_tree
 
     heads, heads_config = load_heads(heads_dir, target=target.identity, device=target.device, dtype=target.dtype)
+    if kwargs.get("costs") is None:
+        kwargs["costs"] = measure_step_costs(target, heads, heads_config)
     report = tune(target, heads, heads_config, prompts, **kwargs)
     report["heads"] = str(heads_dir)
     update_tree(heads_dir, stored_tree(report), report)

@@ -21,8 +21,13 @@ which must share the target's tokenizer). How each metric is measured: bench/har
 
 JSON (--json), schema "specheads.bench/1":
     {"schema": "specheads.bench/1",
-     "config": {"target", "heads", "prompts", "max_new_tokens", "num_prompts", "dtype", "device",
+     "config": {"target", "heads", "prompts", "max_new_tokens", "num_prompts", "device",
+                "dtype",             # what every method ran in ("auto" resolved), HF baselines included
+                "dtype_requested",   # --dtype as given
+                "layout",            # "packed" | "plain": the engine's linear weights (heads/cpu_layout.py)
+                "tie_tolerance",     # only when an output differs: bench/divergence.py
                 "chat_template": bool, "torch", "transformers"},
+     "step_costs": [StepCostTable JSON (bench/step_costs.py), + "heads": label per heads directory],
      "categories": [str, ...],              # in first-seen order
      "reference": "hf-greedy",
      "tuning": {label: tuning.json of that heads dir (bench/tune.py) or null},
@@ -35,7 +40,10 @@ JSON (--json), schema "specheads.bench/1":
                         "lookup_num_tokens": int},         # 0 unless engine-heads+lookup
         "overall": SUMMARY, "by_category": {category: SUMMARY},
         "prompts": [{"question_id", "category", "num_prompt_tokens", "num_tokens", "seconds", "steps",
-                     "accepted_tokens", "identical": bool}]}]}
+                     "accepted_tokens", "identical": bool,
+                     "first_difference": null | {"position", "reference_token", "method_token",
+                                                 "gap",        # |fp32 logit difference| of the two tokens
+                                                 "near_tie"}}]}]}
     SUMMARY = {"num_prompts", "num_tokens", "seconds", "tokens_per_s",
                "speedup": float | null,      # tokens/s over hf-greedy's on the same prompts
                "itl_p50_ms", "itl_p90_ms", "ttft_mean_ms",
@@ -43,6 +51,8 @@ JSON (--json), schema "specheads.bench/1":
                "alpha": float | null,        # null: no drafting, or not observable (HF peers)
                "tau": float | null, "acceptance_by_depth": [float, ...],
                "num_identical": int, "identical": bool,   # token-for-token vs hf-greedy
+               "divergence": {"num_different", "first_difference_mean", "num_near_tie", "num_not_near_tie"},
+                                                          # overall only, when an output differs
                "num_fallbacks": int,   # requests the engine switched to plain decoding (--no-fallback: 0)
                "lookup_accepted": int} # accepted draft tokens that came from n-gram lookup chains
 """
@@ -94,7 +104,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up decode per method")
     p.add_argument("--no-fallback", action="store_true",
                    help="never let the engine switch a request to plain decoding (measures the heads themselves)")
-    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
 
@@ -126,8 +136,10 @@ def run(args) -> int:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from specheads.bench.harness import format_report, heads_label, run_bench
+    from specheads.bench.harness import format_report, heads_label, not_near_ties, run_bench
+    from specheads.bench.step_costs import StepCostTable
     from specheads.heads.heads_dir import load_heads, read_heads_config, read_tuning
+    from specheads.heads.target import TargetAdapter
     from specheads.runner import load_target_and_tokenizer, resolve_target_name
 
     for directory in heads_dirs:  # a missing or foreign heads dir fails before the target loads
@@ -150,7 +162,7 @@ def run(args) -> int:
         draft_model.to(args.device).eval()
     encoded = encode_prompts(tokenizer, prompts)
     config = {"target": args.target, "heads": heads_dirs or None, "prompts": args.prompts or "default",
-              "dtype": args.dtype, "device": args.device,
+              "dtype_requested": args.dtype, "device": args.device,
               "chat_template": bool(getattr(tokenizer, "chat_template", None)),
               "torch": torch.__version__, "transformers": transformers.__version__}
     report = run_bench(target, encoded, args.max_new_tokens, config=config, warmup=not args.no_warmup,
@@ -158,9 +170,16 @@ def run(args) -> int:
                        tree_nodes=tree_nodes, fallback=not args.no_fallback,
                        eos_token_id=tokenizer.eos_token_id,
                        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-                       lookup_num_tokens=args.lookup_num_tokens, draft_model=draft_model)
+                       lookup_num_tokens=args.lookup_num_tokens, draft_model=draft_model,
+                       scorer=lambda: TargetAdapter.from_pretrained(target.identity.name_or_path, dtype="float32",
+                                                                    device=args.device,
+                                                                    trust_remote_code=args.trust_remote_code))
     report["tuning"] = tuning
+    report["step_costs"] = step_costs(target, heads_list)
     print(format_report(report))
+    for table in report["step_costs"]:
+        print(f"\n### {'step costs with ' + table['heads'] if 'heads' in table else 'step costs'}\n\n"
+              + StepCostTable.from_json(table).format())
     if args.json_out:
         from specheads.heads.heads_dir import atomic_write_text
 
@@ -171,8 +190,19 @@ def run(args) -> int:
 
         write_plots(report, args.plot)
         print(f"plots: {args.plot}", file=sys.stderr)
-    not_identical = [m["name"] for m in report["methods"] if not m["overall"]["identical"]]
-    if not_identical:
-        print(f"warning: output differs from hf-greedy for {not_identical} (fp ties in low precision can do this; "
-              "in float32 it is a bug)", file=sys.stderr)
+    bugs = not_near_ties(report)
+    if bugs:
+        print(f"error: output differs from hf-greedy where the fp32 target has no near-tie, for {bugs}: that is not "
+              f"rounding but a bug (tolerance {report['config']['tie_tolerance']} logits, bench/divergence.py)",
+              file=sys.stderr)
     return 0
+
+
+def step_costs(target, heads_list: list[tuple]) -> list[dict]:
+    """The step-cost table (bench/step_costs.py) of the target alone, or with each heads directory."""
+    from specheads.bench.step_costs import measure_step_costs
+
+    if not heads_list:
+        return [measure_step_costs(target).to_json()]
+    return [dict(measure_step_costs(target, module, config).to_json(), heads=label)
+            for label, module, config in heads_list]

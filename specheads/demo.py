@@ -15,8 +15,9 @@ stdlib sources: self-distilled corpus continuations, Medusa and EAGLE-3 heads, t
 on the shipped prompt set.
 
 Every step reuses its output from an earlier run in --workdir unless --retrain. A user error
-(here, or in the training it runs) exits 2 like every command; exit status 1 means the
-speculative output differed from HF greedy's, which is a bug, not bad input.
+(here, or in the training it runs) exits 2 like every command; exit status 1 means a
+speculative output differed from HF greedy's other than after a near-tie of the target's
+logits (bench/divergence.py; in the fp32 exact mode, at all), which is a bug, not bad input.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
 def check_targets(report: dict) -> list[str]:
     """The demo's goals, each as a line 'ok' or 'MISSED'; heads alone and heads + n-gram lookup
     (serving/decode/lookup.py) are reported apart."""
-    from specheads.bench.harness import HEADS_KINDS
+    from specheads.bench.harness import HEADS_KINDS, not_near_ties
 
     methods = {m["name"]: m["overall"] for m in report["methods"]}
     speculative = [m for m in report["methods"] if m["kind"] in HEADS_KINDS]
@@ -180,8 +181,11 @@ def check_targets(report: dict) -> list[str]:
             beats = eagle["tokens_per_s"] > lookup["tokens_per_s"]
             lines.append(f"{'ok' if beats else 'MISSED'}: {m['name']} {eagle['tokens_per_s']:.0f} tok/s vs HF prompt "
                          f"lookup {lookup['tokens_per_s']:.0f} tok/s")
-    same = all(s["identical"] for s in methods.values())
-    lines.append(f"{'ok' if same else 'MISSED'}: every output identical to HF greedy")
+    num_identical = sum(s["num_identical"] for s in methods.values())
+    num_runs = sum(s["num_prompts"] for s in methods.values())
+    lines.append(f"{'MISSED' if not_near_ties(report) else 'ok'}: every output identical to HF greedy, or different "
+                 f"only after a near-tie of the fp32 target's logits ({report['config']['dtype']}: "
+                 f"{num_identical}/{num_runs} identical)")
     return lines
 
 
@@ -217,8 +221,11 @@ def run_demo(args) -> int:
     print("\n".join(check_targets(report)))
     print(f"demo wall time: {time.perf_counter() - start:.0f} s")
     _print_next_steps(target_name, heads_dirs, report)
-    if not all(m["overall"]["identical"] for m in report["methods"]):
-        print("error: speculative output differed from HF greedy output", file=sys.stderr)
+    from specheads.bench.harness import not_near_ties
+
+    bugs = not_near_ties(report)
+    if bugs:
+        print(f"error: the output of {bugs} differed from HF greedy's other than after a near-tie", file=sys.stderr)
         return 1
     return 0
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
+from specheads.bench.step_costs import StepCostTable
 from specheads.bench.tune import candidate_settings, format_tuning, static_settings, tune_heads_dir
 from specheads.heads.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_config, read_tuning, save_heads,
                                        update_tree)
@@ -66,7 +67,10 @@ def test_tune_stores_a_loadable_tree_and_one_sweep_entry_per_setting(setup):
     report = tune_heads_dir(target, str(heads_dir), prompts, max_new_tokens=10, budget_s=30, max_settings=5,
                             node_budgets=(4, 6), progress=False)
     config = read_heads_config(heads_dir)
-    expected = candidate_settings(config, max_settings=5, node_budgets=(4, 6))
+    # The candidates were ranked by the step costs tune measured on this machine first.
+    costs = StepCostTable.from_json(report["step_costs"])
+    assert costs.verify_ms and costs.draft_kind == "medusa" and costs.draft_ms
+    expected = candidate_settings(config, max_settings=5, node_budgets=(4, 6), costs=costs)
     assert [r["name"] for r in report["settings"]] + [s["name"] for s in report["skipped"]] != []
     assert sorted(r["name"] for r in report["settings"]) == sorted(s.name for s in expected)
     assert report["skipped"] == []
