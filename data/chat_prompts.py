@@ -30,7 +30,7 @@ import random
 from pathlib import Path
 
 EMBEDDED_CHAT = "embedded:chat"
-CHAT_DATA_VERSION = 1  # bump when the prompts or their generation change: cached replies are rebuilt
+CHAT_DATA_VERSION = 2  # bump when the prompts or their generation change: cached replies are rebuilt
 
 SUBJECTS = [
     "bees", "volcanoes", "the water cycle", "compound interest", "sourdough bread", "public libraries",
@@ -179,17 +179,20 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
     return Path(output)
 
 
-def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int = 16,
-                        seed: int = 0, cache_dir: str | Path | None = None, log=print) -> Path:
+def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int = 32,
+                        seed: int = 0, dtype: str = "auto", cache_dir: str | Path | None = None, log=print) -> Path:
     """The `embedded:chat` data of a target: `num_prompts` prompts (build_prompts) with the
-    target's own greedy replies (data/regenerate.py), as OpenAI-messages JSON lines in the
-    specheads cache; generated on first use, resumed if interrupted, then reused."""
+    target's own greedy replies (data/regenerate.py, in `dtype`: "auto" is the device's fast
+    dtype), as OpenAI-messages JSON lines in the specheads cache; generated on first use,
+    resumed if interrupted, then reused."""
     from specheads.data.regenerate import _target_fingerprint, regenerate, write_json_atomic
     from specheads.data.tiny_target import default_cache_dir
+    from specheads.heads.target import resolve_dtype
     from filelock import FileLock
 
+    resolved = str(resolve_dtype(dtype)).removeprefix("torch.")
     settings = {"version": CHAT_DATA_VERSION, "target": _target_fingerprint(target_path), "num": num_prompts,
-                "max_new_tokens": max_new_tokens, "seed": seed}
+                "max_new_tokens": max_new_tokens, "seed": seed, "dtype": resolved}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     directory = Path(cache_dir or default_cache_dir()) / "chat" / f"{Path(target_path).name}-{key}"
     replies, done = directory / "replies.jsonl", directory / "done.json"
@@ -201,6 +204,6 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
                 write_prompts(prompts, num_prompts, seed=seed)
             log(f"{EMBEDDED_CHAT}: the target replies to {num_prompts} prompts (once; cached in {directory})")
             progress = regenerate(target_path, str(prompts), str(replies), batch_size=batch_size,
-                                  max_new_tokens=max_new_tokens, log=log)
+                                  max_new_tokens=max_new_tokens, dtype=resolved, log=log)
             write_json_atomic(done, {**settings, "summary": progress.summary()})
     return replies

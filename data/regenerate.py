@@ -9,9 +9,13 @@ with the chat template (the tokenizer's, or data/chat.py's fallback) and its gen
 prompt. Conditioning on the original turns (not on earlier regenerated replies) makes every
 turn independent, so all turns of a batch of conversations are generated together.
 
-Decoding is greedy by default (deterministic), left-padded and batched; generation stops
-at the target's EOS ids (its generation_config's, which for chat models include the
-end-of-turn token, plus the tokenizer's EOS). A generation that comes out empty keeps the
+Decoding is greedy (deterministic) on the serving engine with continuous batching
+(serving/decode/generate.generate_many: up to --batch-size sequences share each target
+forward, and a finished reply's row takes the next prompt at once), in the device's fast
+dtype by default with packed weights (heads/cpu_layout.py); a progress bar shows reply
+tokens/s and the ETA. Generation stops at the target's EOS ids (its generation_config's,
+which for chat models include the end-of-turn token, plus the tokenizer's EOS). Generating
+with the engine is why data/ imports serving.decode here (and only here, lazily). A generation that comes out empty keeps the
 original reply and is counted. Records that are not valid chats are skipped and counted by
 reason (data/records.py); every valid input record gives exactly one output line,
 `{"index": i, "messages": [...]}` in OpenAI shape.
@@ -33,11 +37,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import torch
 
 from specheads.data.chat import ensure_chat_template, generation_prompt_ids
 from specheads.data.records import Conversation, normalize_record
@@ -115,41 +118,66 @@ def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int)
     return progress
 
 
-def _stop_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+def _stop_ids(target, tokenizer) -> list[int]:
+    config = target.model.generation_config
+    ids = config.eos_token_id if config is not None else None
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
 
 
-@torch.no_grad()
-def greedy_continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                         on_batch=None) -> list[list[int]]:
+def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                         on_reply=None) -> list[list[int]]:
     """The target's greedy continuation (token ids, cut before the first stop token) of each
-    token-id prompt, batch_size at a time with left padding; on_batch(n) after each batch."""
-    stop_ids = _stop_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    device = next(model.parameters()).device
-    continuations = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        width = max(len(p) for p in chunk)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)  # [b, L]
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad_id, eos_token_id=stop_ids)  # [b, L + new]
-        for row in out[:, width:].tolist():
-            continuations.append(row[:next((i for i, t in enumerate(row) if t in stop_ids), len(row))])
-        if on_batch is not None:
-            on_batch(len(chunk))
-    return continuations
+    token-id prompt. target: a heads/target.py TargetAdapter (load_generation_target). The
+    engine decodes them with continuous batching, batch_size sequences per target forward
+    (serving/decode/generate.generate_many); on_reply(num_tokens) as each one ends."""
+    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.generate import generate_many
+
+    stop_ids = _stop_ids(target, tokenizer)
+    results = generate_many(SpeculativeDecoder(target, fallback=None), prompts, max_new_tokens, stop_ids,
+                            max_batch_size=batch_size,
+                            on_result=None if on_reply is None else lambda _, result: on_reply(len(result.tokens)))
+    return [result.tokens[:-1] if result.tokens and result.tokens[-1] in stop_ids else result.tokens
+            for result in results]
 
 
-def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> list[str]:
+class ReplyMeter:
+    """A progress bar over `total` units (records, prompts) that also shows the reply tokens
+    generated per second; `reply(n)` counts one finished reply of n tokens."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, initial: int = 0):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="rec", disable=not enabled, leave=True)
+        self.start, self.num_tokens = time.perf_counter(), 0
+
+    def reply(self, num_tokens: int, advance: int = 0) -> None:
+        self.num_tokens += num_tokens
+        rate = self.num_tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.0f} tok/s, {self.num_tokens} tokens", refresh=False)
+        self.bar.update(advance)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def load_generation_target(target: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
+    """The target as the engine generates with it: the device's fast dtype ("auto"), linear
+    weights packed where that pays (heads/cpu_layout.py)."""
+    from specheads.heads.target import TargetAdapter
+
+    return TargetAdapter.from_pretrained(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                         pack_weights="auto")
+
+
+def generate_replies(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                     on_reply=None) -> list[str]:
     """Greedy replies (text) to token-id prompts."""
     return [tokenizer.decode(ids, skip_special_tokens=True).strip()
-            for ids in greedy_continuations(model, tokenizer, prompts, max_new_tokens, batch_size)]
+            for ids in greedy_continuations(target, tokenizer, prompts, max_new_tokens, batch_size, on_reply)]
 
 
 def _user_turns(record) -> list[str] | None:
@@ -163,8 +191,8 @@ def _user_turns(record) -> list[str] | None:
     return []
 
 
-def _converse(model, tokenizer, turn_lists: list[list[str]], progress: Progress, max_new_tokens: int,
-              batch_size: int) -> list[list[dict]]:
+def _converse(target, tokenizer, turn_lists: list[list[str]], progress: Progress, max_new_tokens: int,
+              batch_size: int, on_reply=None) -> list[list[dict]]:
     """User turns -> conversations with the target's replies, one round of replies at a time."""
     conversations: list[list[dict]] = [[] for _ in turn_lists]
     ended: set[int] = set()
@@ -175,7 +203,8 @@ def _converse(model, tokenizer, turn_lists: list[list[str]], progress: Progress,
         for c in active:
             conversations[c].append({"role": "user", "content": turn_lists[c][round_index]})
         prompts = [generation_prompt_ids(tokenizer, conversations[c]) for c in active]
-        for c, reply in zip(active, generate_replies(model, tokenizer, prompts, max_new_tokens, batch_size)):
+        replies = generate_replies(target, tokenizer, prompts, max_new_tokens, batch_size, on_reply)
+        for c, reply in zip(active, replies):
             progress.num_turns += 1
             if reply:
                 conversations[c].append({"role": "assistant", "content": reply})
@@ -186,8 +215,8 @@ def _converse(model, tokenizer, turn_lists: list[list[str]], progress: Progress,
     return conversations
 
 
-def _regenerate_batch(model, tokenizer, records: list, first_index: int, progress: Progress,
-                      max_new_tokens: int, batch_size: int) -> list[str]:
+def _regenerate_batch(target, tokenizer, records: list, first_index: int, progress: Progress,
+                      max_new_tokens: int, batch_size: int, on_reply=None) -> list[str]:
     """-> output lines for the valid records of one batch; counts skips into `progress`."""
     conversations, prompts, slots = [], [], []  # slots[k] = (conversation, turn) prompt k replaces
     turn_records: list[tuple[int, list[str]]] = []  # (index, user turns) of user-turn records
@@ -210,7 +239,7 @@ def _regenerate_batch(model, tokenizer, records: list, first_index: int, progres
             if message["role"] == "assistant":
                 prompts.append(generation_prompt_ids(tokenizer, messages[:turn]))
                 slots.append((len(conversations) - 1, turn))
-    replies = generate_replies(model, tokenizer, prompts, max_new_tokens, batch_size) if prompts else []
+    replies = generate_replies(target, tokenizer, prompts, max_new_tokens, batch_size, on_reply) if prompts else []
     regenerated = [[dict(m) for m in messages] for _, messages in conversations]
     for (conv, turn), reply in zip(slots, replies):
         if reply:
@@ -220,8 +249,8 @@ def _regenerate_batch(model, tokenizer, records: list, first_index: int, progres
     progress.num_turns += len(replies)
     out = list(zip([index for index, _ in conversations], regenerated))
     if turn_records:
-        conversed = _converse(model, tokenizer, [turns for _, turns in turn_records], progress, max_new_tokens,
-                              batch_size)
+        conversed = _converse(target, tokenizer, [turns for _, turns in turn_records], progress, max_new_tokens,
+                              batch_size, on_reply)
         for (index, _), messages in zip(turn_records, conversed):
             if messages:
                 out.append((index, messages))
@@ -233,14 +262,15 @@ def _regenerate_batch(model, tokenizer, records: list, first_index: int, progres
 
 
 def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path: str | None = None,
-               batch_size: int = 8, max_new_tokens: int = 256, dtype: str = "float32", device: str = "cpu",
-               trust_remote_code: bool = False, max_batches: int | None = None, log=print) -> Progress:
+               batch_size: int = 32, max_new_tokens: int = 256, dtype: str = "auto", device: str = "cpu",
+               trust_remote_code: bool = False, max_batches: int | None = None, log=print,
+               progress_bar: bool = True) -> Progress:
     """Regenerate `input_path` into `output_path`, resuming a previous run; -> the progress so far.
 
-    max_batches stops after that many batches (a later call continues).
+    batch_size records at a time (the unit a rerun resumes at); their replies are decoded by the
+    engine with up to batch_size sequences per forward, in `dtype` ("auto": the device's fast
+    dtype). max_batches stops after that many batches (a later call continues).
     """
-    from specheads.heads.target import load_target
-
     if batch_size < 1 or max_new_tokens < 1:
         raise DataError(f"batch size and max new tokens must be >= 1, got {batch_size} and {max_new_tokens}")
     records = load_records(input_path)
@@ -253,11 +283,14 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
         log(f"regenerate: resuming at record {progress.next_record}")
     tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
     ensure_chat_template(tokenizer)
-    model = load_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    generator = load_generation_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    meter = ReplyMeter(len(records), "regenerate: the target's replies", progress_bar, initial=progress.next_record)
     num_batches = 0
     while progress.next_record < len(records) and (max_batches is None or num_batches < max_batches):
         batch = records[progress.next_record:progress.next_record + batch_size]
-        lines = _regenerate_batch(model, tokenizer, batch, progress.next_record, progress, max_new_tokens, batch_size)
+        lines = _regenerate_batch(generator, tokenizer, batch, progress.next_record, progress, max_new_tokens,
+                                  batch_size, meter.reply)
+        meter.reply(0, advance=len(batch))
         with open(output, "ab") as f:
             f.write("".join(lines).encode())
             f.flush()
@@ -267,7 +300,8 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
         progress.num_written += len(lines)
         write_json_atomic(progress_path(output), asdict(progress))
         num_batches += 1
-        log(f"regenerate: {progress.summary()}")
+    meter.close()
+    log(f"regenerate: {progress.summary()}")
     return progress
 
 
@@ -276,10 +310,9 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
 DISTILL_META_SUFFIX = ".meta.json"
 
 
-@torch.no_grad()
 def distill_text(target: str, output_path: str, *, texts: list[str] | None = None, num_records: int = 512,
                  prompt_tokens: tuple[int, int] = (8, 48), max_new_tokens: int = 160, batch_size: int = 32,
-                 seed: int = 0, dtype: str = "float32", device: str = "cpu", progress: bool = True,
+                 seed: int = 0, dtype: str = "auto", device: str = "cpu", progress: bool = True,
                  log=print) -> Path:
     """Write `num_records` token-id records `{"input_ids": prompt + continuation, "prompt_len": n}`:
     the prompt a random window of `texts` (default: the embedded stdlib corpus, train split), the
@@ -291,7 +324,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
     """
     import random
 
-    from specheads.heads.target import load_target
+    from specheads.heads.target import resolve_dtype
 
     lo, hi = prompt_tokens
     if num_records < 1 or max_new_tokens < 1 or batch_size < 1 or not 1 <= lo <= hi:
@@ -300,7 +333,8 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
     output = Path(output_path)
     target_id = _target_fingerprint(target)
     settings = {"target": target_id, "num_records": num_records, "prompt_tokens": [lo, hi],
-                "max_new_tokens": max_new_tokens, "seed": seed, "texts": "stdlib" if texts is None else len(texts)}
+                "max_new_tokens": max_new_tokens, "seed": seed, "texts": "stdlib" if texts is None else len(texts),
+                "dtype": str(resolve_dtype(dtype, device)).removeprefix("torch.")}
     meta = output.with_name(output.name + DISTILL_META_SUFFIX)
     if output.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
         log(f"distill: reusing {output} ({num_records} records)")
@@ -310,7 +344,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
 
         texts = stdlib_texts("train")
     tokenizer = load_tokenizer(target, False)
-    model = load_target(target, dtype=dtype, device=device)
+    generator = load_generation_target(target, dtype=dtype, device=device)
     rng = random.Random(seed)
     docs = [d for d in (tokenizer(t, add_special_tokens=False)["input_ids"]
                         for t in rng.sample(texts, min(len(texts), 4 * num_records))) if len(d) > hi]
@@ -323,17 +357,16 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
         length = rng.randint(lo, hi)
         start = rng.randrange(0, len(doc) - length + 1)
         prompts.append(doc[start:start + length])
-    order = sorted(range(num_records), key=lambda i: len(prompts[i]))  # similar lengths: little padding
-    bar = _progress_bar(num_records, "distill: target greedy continuations", progress)
-    continuations = greedy_continuations(model, tokenizer, [prompts[i] for i in order], max_new_tokens,
-                                         batch_size, on_batch=bar.update)
-    bar.close()
-    records = {i: prompts[i] + continuation for i, continuation in zip(order, continuations)}
-    lines = "".join(json.dumps({"input_ids": records[i], "prompt_len": len(prompts[i])}) + "\n"
-                    for i in range(num_records))
+    meter = ReplyMeter(num_records, "distill: target greedy continuations", progress)
+    continuations = greedy_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size,
+                                         on_reply=lambda num_tokens: meter.reply(num_tokens, advance=1))
+    meter.close()
+    records = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]
+    lines = "".join(json.dumps({"input_ids": record, "prompt_len": len(prompt)}) + "\n"
+                    for record, prompt in zip(records, prompts))
     atomic_write_text(output, lines)
     write_json_atomic(meta, settings)
-    num_tokens = sum(len(r) for r in records.values())
+    num_tokens = sum(len(r) for r in records)
     log(f"distill: wrote {num_records} records, {num_tokens} tokens, to {output}")
     return output
 
@@ -346,8 +379,3 @@ def _target_fingerprint(target: str) -> str:
         return f"{Path(target).resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
     return str(target)
 
-
-def _progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="rec", disable=not enabled, leave=True)

@@ -130,8 +130,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_generate_matches_hf_and_reports_metrics(embedded, embedded_target_dir, trained_heads_dir):
     target, tokenizer = embedded
     prompt = "def join(a, *p):\n    "
+    # fp32, the exact mode (the default "auto" is bf16 on a CPU with native bf16).
     proc = run_cli("generate", "--target", str(embedded_target_dir), "--heads", str(trained_heads_dir),
-                   "--prompt", prompt, "--max-new-tokens", "32", "--json")
+                   "--prompt", prompt, "--max-new-tokens", "32", "--json", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -139,14 +140,15 @@ def test_cli_generate_matches_hf_and_reports_metrics(embedded, embedded_target_d
     assert report["text"] == expected
     assert 0.0 <= report["alpha"] <= 1.0 and report["tau"] >= 1.0 and report["tokens_per_s"] > 0
     assert report["accepted_tokens"] <= report["drafted_tokens"]
-    plain = run_cli("generate", "--target", str(embedded_target_dir), "--prompt", prompt, "--max-new-tokens", "32")
+    plain = run_cli("generate", "--target", str(embedded_target_dir), "--prompt", prompt, "--max-new-tokens", "32",
+                    "--dtype", "float32")
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith(prompt + expected)
     assert "no speculative step" in plain.stderr and "tau=" not in plain.stderr
     # Prompt lookup without heads: the same text, drafted from the prompt's own n-grams.
     repeated = prompt * 4
     looked_up = run_cli("generate", "--target", str(embedded_target_dir), "--prompt", repeated, "--max-new-tokens",
-                        "32", "--lookup", "8", "--json")
+                        "32", "--lookup", "8", "--json", "--dtype", "float32")
     assert looked_up.returncode == 0, looked_up.stderr
     report = json.loads(looked_up.stdout)
     ids = tokenizer(repeated, add_special_tokens=False)["input_ids"]
@@ -248,7 +250,7 @@ def test_distill_text_records_are_prompts_continued_by_target_greedy(embedded, e
     out = tmp_path / "distill.jsonl"
     logs = []
     distill_text(str(embedded_target_dir), str(out), texts=texts, num_records=3, prompt_tokens=(6, 12),
-                 max_new_tokens=10, batch_size=1, progress=False, log=logs.append)
+                 max_new_tokens=10, batch_size=2, dtype="float32", progress=False, log=logs.append)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3
     windows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -259,7 +261,7 @@ def test_distill_text_records_are_prompts_continued_by_target_greedy(embedded, e
         assert continuation == hf_greedy(target.model, prompt, 10, tokenizer.eos_token_id)[:len(continuation)]
     before = out.read_text()
     distill_text(str(embedded_target_dir), str(out), texts=texts, num_records=3, prompt_tokens=(6, 12),
-                 max_new_tokens=10, batch_size=1, progress=False, log=logs.append)
+                 max_new_tokens=10, batch_size=2, dtype="float32", progress=False, log=logs.append)
     assert "reusing" in logs[-1] and out.read_text() == before
     with pytest.raises(ValueError, match="prompt tokens"):
         distill_text(str(embedded_target_dir), str(out), texts=texts, prompt_tokens=(12, 6))

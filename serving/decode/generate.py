@@ -84,3 +84,45 @@ class DecodeStream:
         if self.result is None:
             self.result = self.seq.close()
         return self.result
+
+
+def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
+                  eos_token_id: int | list[int] | None = None, *, max_batch_size: int = 32,
+                  on_result=None) -> list[GenerationResult]:
+    """Decode many prompts with continuous batching (serving/decode/scheduler.py): up to
+    max_batch_size sequences share each target forward, and a finished sequence's row takes
+    the next prompt at once. -> one GenerationResult per prompt, in prompt order; each is
+    what `generate` gives that prompt alone (greedy). on_result(index, result) as each ends.
+    A sequence the engine ends alone (finish_reason "error") raises SequenceFailed here:
+    an offline job must not keep a reply cut short by a fault."""
+    from specheads.serving.decode.faults import SequenceFailed
+    from specheads.serving.decode.scheduler import Scheduler
+
+    if max_new_tokens < 1 or max_batch_size < 1:
+        raise ValueError(f"max_new_tokens and max_batch_size must be >= 1, got {max_new_tokens} and {max_batch_size}")
+    if not prompts:
+        return []
+    longest = max(len(prompt) for prompt in prompts)
+    scheduler = Scheduler(decoder, max_batch_size=min(max_batch_size, len(prompts)),
+                          max_cache_len=longest + max_new_tokens + decoder.max_tree_nodes)
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    index_of: dict[int, int] = {}
+    waiting = iter(range(len(prompts)))
+    pending = True
+    while pending or scheduler.num_active:
+        while pending and scheduler.has_capacity:
+            index = next(waiting, None)
+            if index is None:
+                pending = False
+                break
+            index_of[scheduler.add(SequenceRequest(prompts[index], max_new_tokens, eos_token_id))] = index
+        for update in scheduler.step():
+            if not update.finished:
+                continue
+            index = index_of.pop(update.seq_id)
+            if update.result.finish_reason == "error":
+                raise SequenceFailed(f"prompt {index}: {update.result.error}")
+            results[index] = update.result
+            if on_result is not None:
+                on_result(index, update.result)
+    return results

@@ -272,18 +272,18 @@ def test_regenerate_writes_one_output_per_valid_input(chat_tok, target_512, tmp_
 def test_regenerate_turns_records_into_multi_turn_conversations_with_the_targets_own_replies(
         chat_tok, target_512, tmp_path):
     from specheads.data.chat import generation_prompt_ids
-    from specheads.data.regenerate import generate_replies, regenerate
-    from specheads.heads.target import load_target
+    from specheads.data.regenerate import generate_replies, load_generation_target, regenerate
 
     records = [{"id": "a", "turns": ["hello there", "and then?"]}, {"id": "b", "turns": ["one turn"]},
                {"id": "c", "turns": []}, openai(CHATS[0])]
     source = write_jsonl(tmp_path / "in.jsonl", records)
     output = tmp_path / "out.jsonl"
+    # fp32, the exact mode: a reply decoded in a batch of three equals the same reply decoded alone.
     progress = regenerate(str(target_512), str(source), str(output), tokenizer_path=str(chat_tok),
-                          batch_size=3, max_new_tokens=6, log=lambda _: None)
+                          batch_size=3, max_new_tokens=6, dtype="float32", log=lambda _: None)
     lines = {line["index"]: line["messages"] for line in read_lines(output)}
     assert progress.skipped == {"'turns' is not a non-empty list of non-empty strings": 1}
-    tokenizer, model = load_tok(chat_tok), load_target(str(target_512))
+    tokenizer, model = load_tok(chat_tok), load_generation_target(str(target_512), dtype="float32")
     for index in (0, 1):
         messages = lines[index]
         assert [m["content"] for m in messages if m["role"] == "user"] == records[index]["turns"][:len(messages) // 2]

@@ -351,3 +351,23 @@ def test_a_removal_that_moves_a_new_sequence_forward(setup):
         for update in session.step():
             got[update.seq_id].extend(update.new_tokens)
     assert got[second] == references[1] and got[third] == references[2]
+
+
+def test_generate_many_gives_each_prompt_its_own_greedy_output_in_order(setup):
+    from specheads.serving.decode.generate import generate_many
+
+    target, prompts, references, _ = setup
+    finished = []
+    results = generate_many(SpeculativeDecoder(target), prompts, max(MAX_NEW), max_batch_size=4,
+                            on_result=lambda index, result: finished.append(index))
+    assert sorted(finished) == list(range(len(prompts)))
+    for prompt, reference, result, max_new in zip(prompts, references, results, MAX_NEW):
+        assert result.tokens[:max_new] == reference  # the same greedy run, only longer
+        assert len(result.tokens) == max(MAX_NEW) and result.finish_reason == "length"
+    # EOS ends a sequence early, and its row takes the next prompt at once.
+    eos = references[0][2]
+    results = generate_many(SpeculativeDecoder(target), prompts[:1] * 3, 10, eos, max_batch_size=2)
+    assert all(r.tokens == references[0][:3] and r.finish_reason == "stop" for r in results)
+    assert generate_many(SpeculativeDecoder(target), [], 4) == []
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        generate_many(SpeculativeDecoder(target), prompts, 4, max_batch_size=0)
