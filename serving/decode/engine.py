@@ -48,7 +48,8 @@ from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_mem
 from specheads.serving.decode.lookup import NgramIndex
 from specheads.serving.decode.sampling import SamplingParams, make_generator
 from specheads.serving.decode.stats import DecodeStats, GenerationResult
-from specheads.serving.decode.steps import DecodeState, Outcome, accept, advance, commit, emit, prefill, verify
+from specheads.serving.decode.steps import (DecodeState, Outcome, accept, advance, commit, emit, greedy_tokens,
+                                            prefill, verify)
 from specheads.serving.decode.trees import Draft, LookupTrees
 
 
@@ -279,7 +280,7 @@ class BatchEngine:
             return [self._guard(seq, lambda one=seq: call([one])[0]) for seq in seqs]
 
     def _verify(self, batch: list[Sequence], drafts: list[Draft]) -> list[tuple | None]:
-        """ONE forward over rows [0, n) -> per sequence (logits [T, V], taps [T, nH]). A failed
+        """ONE forward over rows [0, n) -> per sequence (logits [T, V], taps [T, nH], greedy tokens [T]). A failed
         forward of several rows is run again row by row, padded alike so that the rows commit
         together; a row that fails alone ends (None)."""
         prefix_lens = [seq.state.prefix_len for seq in batch]
@@ -287,7 +288,7 @@ class BatchEngine:
         try:
             logits, taps = retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts, prefix_lens),
                                                f"a verify forward of {len(batch)} sequences")
-            return list(zip(logits, taps))
+            return list(zip(logits, taps, greedy_tokens(logits)))  # one argmax for the whole batch
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
             if is_fatal(err):
                 raise
@@ -301,7 +302,7 @@ class BatchEngine:
             one = self._guard(seq, lambda: retry_out_of_memory(
                 lambda: verify(self.decoder, self.cache, [draft], [seq.state.prefix_len], num_nodes),
                 "a verify forward of one sequence"))
-            verified.append(None if one is None else (one[0][0], one[1][0]))
+            verified.append(None if one is None else (one[0][0], one[1][0], greedy_tokens(one[0][0])))
         self.cache.set_rows(0, len(batch), pending_written=True)
         return verified
 
@@ -309,8 +310,9 @@ class BatchEngine:
         return [None if one is None else self._guard(seq, self._accept_one, seq, draft, *one)
                 for seq, draft, one in zip(batch, drafts, verified)]
 
-    def _accept_one(self, seq: Sequence, draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor) -> Outcome:
-        return accept(draft, logits_TV, hidden_TH, seq.sampling, seq.generator, seq.acceptance)
+    def _accept_one(self, seq: Sequence, draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor,
+                    target_tokens_T: torch.Tensor) -> Outcome:
+        return accept(draft, logits_TV, hidden_TH, seq.sampling, seq.generator, seq.acceptance, target_tokens_T)
 
     def _commit(self, batch: list[Sequence], drafts: list[Draft], outcomes: list[Outcome | None],
                 head_caches: list) -> None:

@@ -73,11 +73,18 @@ def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[
     cache.commit()
     logits_1V = out.logits[:, -1]
     if sampling is None or sampling.is_greedy:
-        root = logits_1V.argmax(dim=-1)  # [1]
+        root = greedy_tokens(logits_1V)  # [1]
     else:
         root = torch.multinomial(target_probs(logits_1V, sampling), 1, generator=generator)[0]
     return DecodeState(cache=cache, prefix_len=int(input_ids_1P.shape[1]), root=root,
                        hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The target's argmax over the vocab (last dim), as transformers' greedy search takes it:
+    on fp32 logits (the cast from bf16 is exact; a bf16 argmax on a CPU is ~10x slower), the
+    first index on ties."""
+    return logits.float().argmax(dim=-1)
 
 
 def verify(decoder, cache: TreeStaticCache, drafts: list[Draft], prefix_lens: list[int],
@@ -120,15 +127,19 @@ def verify(decoder, cache: TreeStaticCache, drafts: list[Draft], prefix_lens: li
 
 
 def accept(draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor, sampling: SamplingParams | None,
-           generator: torch.Generator | None, acceptance: str = "rejection") -> Outcome:
-    """One sequence's accepted path from its verify logits (padding rows past its tree ignored)."""
+           generator: torch.Generator | None, acceptance: str = "rejection",
+           target_tokens_T: torch.Tensor | None = None) -> Outcome:
+    """One sequence's accepted path from its verify logits (padding rows past its tree ignored).
+    target_tokens_T: greedy_tokens(logits_TV), when the caller took it for a whole batch at once."""
     plan = draft.plan
     logits_TV = logits_TV[:plan.num_nodes]
-    if (sampling is None or sampling.is_greedy) and plan.num_nodes == 1:  # a plain step: the target's token
-        root = logits_TV.argmax(dim=-1)
+    greedy = sampling is None or sampling.is_greedy
+    if greedy:
+        target_tokens_T = (greedy_tokens(logits_TV) if target_tokens_T is None else target_tokens_T)[:plan.num_nodes]
+    if greedy and plan.num_nodes == 1:  # a plain step: the target's token
+        root = target_tokens_T
         return Outcome(nodes=plan.root_only, root=root, emitted=root.tolist(), hidden=hidden_TH[:1])
-    if sampling is None or sampling.is_greedy:
-        target_tokens_T = logits_TV.argmax(dim=-1)
+    if greedy:
         nodes = plan.accept_greedy(draft.tokens, target_tokens_T)
         root = target_tokens_T[nodes[-1:]]
         emitted = torch.cat([draft.tokens[nodes[1:]], root]).tolist()

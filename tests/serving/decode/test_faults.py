@@ -132,12 +132,12 @@ def test_a_fault_in_one_rows_accept_ends_that_sequence_alone(setup, monkeypatch)
     original = BatchEngine._accept_one
     calls = {"n": 0}
 
-    def faulty_accept(self, seq, draft, logits_TV, hidden_TH):
+    def faulty_accept(self, seq, draft, *verified):
         if seq.seq_id == 1:
             calls["n"] += 1
             if calls["n"] == 2:  # its second decode step
                 raise RuntimeError("injected accept fault")
-        return original(self, seq, draft, logits_TV, hidden_TH)
+        return original(self, seq, draft, *verified)
 
     monkeypatch.setattr(BatchEngine, "_accept_one", faulty_accept)
     results, session = run(decoder, [SequenceRequest(p, MAX_NEW) for p in prompts])
