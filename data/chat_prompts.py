@@ -179,7 +179,7 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
     return Path(output)
 
 
-def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int = 32,
+def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int = 96,
                         seed: int = 0, dtype: str = "auto", cache_dir: str | Path | None = None, log=print) -> Path:
     """The `embedded:chat` data of a target: `num_prompts` prompts (build_prompts) with the
     target's own greedy replies (data/regenerate.py, in `dtype`: "auto" is the device's fast

@@ -47,6 +47,7 @@ from specheads.data.records import Conversation, normalize_record
 from specheads.data.text import DataError, load_records, load_tokenizer
 
 PROGRESS_SUFFIX = ".progress.json"
+REPLY_SLACK_TOKENS = 16  # a decoded reply re-encoded in a later turn's prompt may take this many tokens more
 
 
 @dataclass
@@ -128,20 +129,29 @@ def _stop_ids(target, tokenizer) -> list[int]:
 
 
 def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                         on_reply=None) -> list[list[int]]:
+                         on_reply=None, follow_up=None, max_prompt_len: int | None = None) -> list[list[int]]:
     """The target's greedy continuation (token ids, cut before the first stop token) of each
     token-id prompt. target: a heads/target.py TargetAdapter (load_generation_target). The
     engine decodes them with continuous batching, batch_size sequences per target forward
-    (serving/decode/generate.generate_many); on_reply(num_tokens) as each one ends."""
+    (serving/decode/generate.generate_many); on_reply(num_tokens) as each one ends.
+    follow_up(index, continuation) may return one more prompt, decoded as soon as a row is
+    free (its continuation is appended to the result); max_prompt_len bounds those."""
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.generate import generate_many
 
     stop_ids = _stop_ids(target, tokenizer)
+
+    def cut(result) -> list[int]:
+        return result.tokens[:-1] if result.tokens and result.tokens[-1] in stop_ids else result.tokens
+
+    def finished(index, result):
+        if on_reply is not None:
+            on_reply(len(result.tokens))
+        return follow_up(index, cut(result)) if follow_up is not None else None
+
     results = generate_many(SpeculativeDecoder(target, fallback=None), prompts, max_new_tokens, stop_ids,
-                            max_batch_size=batch_size,
-                            on_result=None if on_reply is None else lambda _, result: on_reply(len(result.tokens)))
-    return [result.tokens[:-1] if result.tokens and result.tokens[-1] in stop_ids else result.tokens
-            for result in results]
+                            max_batch_size=batch_size, on_result=finished, max_prompt_len=max_prompt_len)
+    return [cut(result) for result in results]
 
 
 class ReplyMeter:
@@ -193,25 +203,33 @@ def _user_turns(record) -> list[str] | None:
 
 def _converse(target, tokenizer, turn_lists: list[list[str]], progress: Progress, max_new_tokens: int,
               batch_size: int, on_reply=None) -> list[list[dict]]:
-    """User turns -> conversations with the target's replies, one round of replies at a time."""
-    conversations: list[list[dict]] = [[] for _ in turn_lists]
-    ended: set[int] = set()
-    for round_index in range(max(len(turns) for turns in turn_lists)):
-        active = [c for c, turns in enumerate(turn_lists) if round_index < len(turns) and c not in ended]
-        if not active:
-            break
-        for c in active:
-            conversations[c].append({"role": "user", "content": turn_lists[c][round_index]})
-        prompts = [generation_prompt_ids(tokenizer, conversations[c]) for c in active]
-        replies = generate_replies(target, tokenizer, prompts, max_new_tokens, batch_size, on_reply)
-        for c, reply in zip(active, replies):
-            progress.num_turns += 1
-            if reply:
-                conversations[c].append({"role": "assistant", "content": reply})
-            else:
-                conversations[c].pop()
-                ended.add(c)
-                progress.num_empty_ended += 1
+    """User turns -> conversations with the target's replies. A conversation's next user turn
+    is decoded as soon as its previous reply ends, beside the other conversations' turns."""
+    conversations = [[{"role": "user", "content": turns[0]}] for turns in turn_lists]
+    owner = list(range(len(turn_lists)))  # prompt index -> its conversation
+
+    def replied(index: int, tokens: list[int]) -> list[int] | None:
+        conversation, turns = conversations[owner[index]], turn_lists[owner[index]]
+        reply = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        progress.num_turns += 1
+        if not reply:
+            conversation.pop()
+            progress.num_empty_ended += 1
+            return None
+        conversation.append({"role": "assistant", "content": reply})
+        if len(conversation) // 2 >= len(turns):
+            return None
+        conversation.append({"role": "user", "content": turns[len(conversation) // 2]})
+        owner.append(owner[index])
+        return generation_prompt_ids(tokenizer, conversation)
+
+    # The longest prompt a later turn can make: every user turn, and every earlier reply at its
+    # longest (re-encoded text can take a few tokens more than it was generated in).
+    bound = max(len(generation_prompt_ids(tokenizer, [m for turn in turns for m in (
+        {"role": "user", "content": turn}, {"role": "assistant", "content": ""})][:-1]))
+        + (len(turns) - 1) * (max_new_tokens + REPLY_SLACK_TOKENS) for turns in turn_lists)
+    greedy_continuations(target, tokenizer, [generation_prompt_ids(tokenizer, c) for c in conversations],
+                         max_new_tokens, batch_size, on_reply, follow_up=replied, max_prompt_len=bound)
     return conversations
 
 
@@ -262,7 +280,7 @@ def _regenerate_batch(target, tokenizer, records: list, first_index: int, progre
 
 
 def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path: str | None = None,
-               batch_size: int = 32, max_new_tokens: int = 256, dtype: str = "auto", device: str = "cpu",
+               batch_size: int = 96, max_new_tokens: int = 256, dtype: str = "auto", device: str = "cpu",
                trust_remote_code: bool = False, max_batches: int | None = None, log=print,
                progress_bar: bool = True) -> Progress:
     """Regenerate `input_path` into `output_path`, resuming a previous run; -> the progress so far.

@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="chat records: .jsonl/.json/.parquet or a datasets name")
     p.add_argument("--output", required=True, help="output .jsonl (a rerun resumes it)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
-    p.add_argument("--batch-size", type=int, default=32,
+    p.add_argument("--batch-size", type=int, default=96,
                    help="records per resumable batch; their replies decode together, this many sequences per forward")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (rerun continues)")

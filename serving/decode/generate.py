@@ -88,13 +88,20 @@ class DecodeStream:
 
 def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
                   eos_token_id: int | list[int] | None = None, *, max_batch_size: int = 32,
-                  on_result=None) -> list[GenerationResult]:
+                  on_result=None, max_prompt_len: int | None = None) -> list[GenerationResult]:
     """Decode many prompts with continuous batching (serving/decode/scheduler.py): up to
     max_batch_size sequences share each target forward, and a finished sequence's row takes
     the next prompt at once. -> one GenerationResult per prompt, in prompt order; each is
-    what `generate` gives that prompt alone (greedy). on_result(index, result) as each ends.
-    A sequence the engine ends alone (finish_reason "error") raises SequenceFailed here:
-    an offline job must not keep a reply cut short by a fault."""
+    what `generate` gives that prompt alone (greedy).
+
+    on_result(index, result) is called as each one ends; when it returns a prompt (a list of
+    token ids), that prompt is decoded too, as index len(prompts so far): a conversation's
+    next turn joins the running batch as soon as its previous reply ends. A sequence the
+    engine ends alone (finish_reason "error") raises SequenceFailed: an offline job must not
+    keep a reply cut short by a fault. max_prompt_len sizes the KV cache (default: the longest
+    of `prompts`); a later prompt longer than that is refused with a ValueError."""
+    from collections import deque
+
     from specheads.serving.decode.faults import SequenceFailed
     from specheads.serving.decode.scheduler import Scheduler
 
@@ -102,19 +109,15 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
         raise ValueError(f"max_new_tokens and max_batch_size must be >= 1, got {max_new_tokens} and {max_batch_size}")
     if not prompts:
         return []
-    longest = max(len(prompt) for prompt in prompts)
-    scheduler = Scheduler(decoder, max_batch_size=min(max_batch_size, len(prompts)),
+    prompts = list(prompts)
+    longest = max(max(map(len, prompts)), max_prompt_len or 0)
+    scheduler = Scheduler(decoder, max_batch_size=max_batch_size,
                           max_cache_len=longest + max_new_tokens + decoder.max_tree_nodes)
     results: list[GenerationResult | None] = [None] * len(prompts)
-    index_of: dict[int, int] = {}
-    waiting = iter(range(len(prompts)))
-    pending = True
-    while pending or scheduler.num_active:
-        while pending and scheduler.has_capacity:
-            index = next(waiting, None)
-            if index is None:
-                pending = False
-                break
+    waiting, index_of = deque(range(len(prompts))), {}
+    while waiting or scheduler.num_active:
+        while waiting and scheduler.has_capacity:
+            index = waiting.popleft()
             index_of[scheduler.add(SequenceRequest(prompts[index], max_new_tokens, eos_token_id))] = index
         for update in scheduler.step():
             if not update.finished:
@@ -123,6 +126,9 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
             if update.result.finish_reason == "error":
                 raise SequenceFailed(f"prompt {index}: {update.result.error}")
             results[index] = update.result
-            if on_result is not None:
-                on_result(index, update.result)
+            follow_up = on_result(index, update.result) if on_result is not None else None
+            if follow_up is not None:
+                prompts.append(list(follow_up))
+                results.append(None)
+                waiting.append(len(prompts) - 1)
     return results
