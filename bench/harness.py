@@ -22,6 +22,13 @@ previous event) emitting n tokens contributes n samples of d / n; p50/p90 are ta
 all tokens of a method (or category). tokens/s = new tokens / wall seconds of `generate`
 (prefill included). speedup = tokens/s / hf-greedy tokens/s over the same prompts.
 
+Dtype and identity. Every method runs in the target's dtype (`specheads bench --dtype`,
+"auto" by default: bf16 on a CPU with native bf16); HF methods on the plain `nn.Linear`
+weights transformers loaded, the engine on the packed ones (heads/cpu_layout.py). In fp32
+every output must equal hf-greedy's; in bf16 a verify and HF's one-token steps round
+differently, so outputs may part after a near-tie: each first difference is scored by the
+fp32 target (bench/divergence.py) and one that is not at a near-tie is reported as a bug.
+
 Acceptance (DESIGN.md invariant 8): engine alpha = accepted / drafted draft tokens, tau =
 (accepted + steps) / steps; acceptance_by_depth[d] = share of steps that accepted a
 (d+1)-th draft token. HF peers do not expose drafted counts: alpha is null, tau = new

@@ -155,20 +155,20 @@ def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
 
 
 class ReplyMeter:
-    """A progress bar over `total` units (records, prompts) that also shows the reply tokens
-    generated per second; `reply(n)` counts one finished reply of n tokens."""
+    """A progress bar over `total` replies (its ETA) that also shows the reply tokens generated
+    per second; `reply(n)` counts one finished reply of n tokens."""
 
     def __init__(self, total: int, desc: str, enabled: bool, initial: int = 0):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="rec", disable=not enabled, leave=True)
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="reply", disable=not enabled, leave=True)
         self.start, self.num_tokens = time.perf_counter(), 0
 
-    def reply(self, num_tokens: int, advance: int = 0) -> None:
+    def reply(self, num_tokens: int) -> None:
         self.num_tokens += num_tokens
         rate = self.num_tokens / max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(f"{rate:.0f} tok/s, {self.num_tokens} tokens", refresh=False)
-        self.bar.update(advance)
+        self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
@@ -199,6 +199,17 @@ def _user_turns(record) -> list[str] | None:
     if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
         return turns
     return []
+
+
+def _num_replies(record) -> int:
+    """How many replies regenerating `record` asks for at most (0: it is skipped)."""
+    turns = _user_turns(record)
+    if turns is not None:
+        return len(turns)
+    document, _ = normalize_record(record)
+    if not isinstance(document, Conversation):
+        return 0
+    return sum(message["role"] == "assistant" for message in document.to_list())
 
 
 def _converse(target, tokenizer, turn_lists: list[list[str]], progress: Progress, max_new_tokens: int,
@@ -302,13 +313,14 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
     ensure_chat_template(tokenizer)
     generator = load_generation_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    meter = ReplyMeter(len(records), "regenerate: the target's replies", progress_bar, initial=progress.next_record)
+    replies_R = [_num_replies(record) for record in records]  # the bar's total: every reply at most
+    meter = ReplyMeter(sum(replies_R), "regenerate: the target's replies", progress_bar,
+                       initial=sum(replies_R[:progress.next_record]))
     num_batches = 0
     while progress.next_record < len(records) and (max_batches is None or num_batches < max_batches):
         batch = records[progress.next_record:progress.next_record + batch_size]
         lines = _regenerate_batch(generator, tokenizer, batch, progress.next_record, progress, max_new_tokens,
                                   batch_size, meter.reply)
-        meter.reply(0, advance=len(batch))
         with open(output, "ab") as f:
             f.write("".join(lines).encode())
             f.flush()
@@ -377,7 +389,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
         prompts.append(doc[start:start + length])
     meter = ReplyMeter(num_records, "distill: target greedy continuations", progress)
     continuations = greedy_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size,
-                                         on_reply=lambda num_tokens: meter.reply(num_tokens, advance=1))
+                                         on_reply=meter.reply)
     meter.close()
     records = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]
     lines = "".join(json.dumps({"input_ids": record, "prompt_len": len(prompt)}) + "\n"
