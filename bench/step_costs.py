@@ -4,7 +4,7 @@ pay (a tree of T nodes must emit more than cost(T) / cost(1) tokens per step): `
 tune` estimates every candidate tree from them, and `specheads bench` prints and stores them.
 
     python -m specheads.bench.step_costs --target embedded:smollm2 [--dtype auto] [--prefix 300] \
-        [--trees 1,2,4,8,16,32,64] [--heads DIR]
+        [--trees 1,2,4,8,16,32,64] [--heads DIR] [--plain-weights]
 
 Everything runs through the serving path, in the dtype and weight layout the engine runs
 (runner.load_target_and_tokenizer: "auto" is the device's fast dtype, packed weights on a
@@ -138,8 +138,15 @@ def draft_costs(target, heads, tap_layers: list[int] | None, prompt_1P: torch.Te
 
 def measure_step_costs(target, heads=None, heads_config=None, *, prefix: int = 300,
                        trees: tuple[int, ...] = VERIFY_SIZES, depths: tuple[int, ...] | None = None,
-                       repeats: int = 7) -> StepCostTable:
-    """The StepCostTable of `target` (+ `heads`, whose tap layers come from heads_config) here."""
+                       repeats: int = 7, plain_weights: bool = False) -> StepCostTable:
+    """The StepCostTable of `target` (+ `heads`, whose tap layers come from heads_config) here.
+    plain_weights: measure the target's original `nn.Linear`s instead of its packed ones."""
+    if plain_weights and target.packed is not None:
+        with target.plain_weights():
+            table = measure_step_costs(target, heads, heads_config, prefix=prefix, trees=trees, depths=depths,
+                                       repeats=repeats)
+        table.layout = "plain"
+        return table
     from specheads.serving.decode.cache import TreeStaticCache
     from specheads.serving.decode.config import SpeculativeDecoder, is_eagle
     from specheads.serving.decode.steps import prefill
@@ -188,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", default=",".join(map(str, DRAFT_DEPTHS)))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=8192, help="the random heads' draft vocabulary (the recipes' size)")
+    p.add_argument("--plain-weights", action="store_true",
+                   help="measure the target's linear layers as transformers loaded them, not packed (the baseline)")
     args = p.parse_args(argv)
     target = load_inference_target(args.target, heads=[args.heads] if args.heads else [], dtype=args.dtype)
     trees = tuple(int(t) for t in args.trees.split(","))
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         candidates = [_random_heads(target, kind, max(depths), args.draft_vocab) for kind in ("eagle", "medusa")]
     for index, (heads, config) in enumerate(candidates):
         table = measure_step_costs(target, heads, config, prefix=args.prefix, trees=trees, depths=depths,
-                                   repeats=args.repeats)
+                                   repeats=args.repeats, plain_weights=args.plain_weights)
         print(table.format(verify=index == 0))
     return 0
 

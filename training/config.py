@@ -94,7 +94,9 @@ def _required(check: Check, help: str = ""):
 class TargetConfig:
     name_or_path: str = _required(NON_EMPTY_STR, "a local model directory, a hub id, a .gguf file (or a "
                                                  "directory holding one), embedded:tiny or embedded:smollm2")
-    dtype: str = _field("float32", one_of("float32", "bfloat16", "float16"))
+    # "auto": the device's fast dtype (bf16 on a GPU or a CPU with native bf16). Training keeps
+    # fp32 as its default: the frozen teacher's outputs are the heads' targets.
+    dtype: str = _field("float32", one_of("auto", "float32", "bfloat16", "float16"))
     trust_remote_code: bool = _field(False, BOOL)
 
 
@@ -303,10 +305,10 @@ def check_combinations(recipe: Recipe) -> None:
                               "trains the target; remove data.feature_cache or the lora section")
         if recipe.train.offload_params != "none":
             raise RecipeError("train.offload_params: not supported with lora (needs ZeRO-3)")
-        from specheads.heads.target import DTYPES  # the one dtype-name table; lazily: this module has no torch
+        from specheads.heads.target import resolve_dtype  # the one dtype table; lazily: this module has no torch
 
-        if DTYPES[recipe.target.dtype] != DTYPES[train.precision]:
-            wanted = str(DTYPES[train.precision]).removeprefix("torch.")
+        if resolve_dtype(recipe.target.dtype) != resolve_dtype(train.precision):
+            wanted = str(resolve_dtype(train.precision)).removeprefix("torch.")
             raise RecipeError(f"target.dtype: with lora the target trains inside the DeepSpeed engine, which "
                               f"runs it in train.precision {train.precision!r}; set target.dtype: {wanted} "
                               f"(got {recipe.target.dtype!r}) or change train.precision")

@@ -241,7 +241,8 @@ def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | No
 
     say(f"dry run of {recipe_path}: shapes only (meta device), no weights loaded, nothing launched")
     say(f"target  {recipe.target.name_or_path} ({target.identity.architecture}, {target.num_layers} layers, "
-        f"hidden {target.hidden_size}, vocab {target.vocab_size}, {recipe.target.dtype})")
+        f"hidden {target.hidden_size}, vocab {target.vocab_size}, "
+        f"{str(resolve_dtype(recipe.target.dtype)).removeprefix('torch.')})")
     say(f"        config: {config_source}")
     say(f"heads   {_describe_heads(heads_config)}")
     say("parameters")

@@ -58,7 +58,7 @@ from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, build_draft_vocab
 from specheads.heads.export import ADAPTER_SUBDIR
 from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, eagle_heads_config, save_heads
-from specheads.heads.target import TargetAdapter, check_target_exists
+from specheads.heads.target import TargetAdapter, check_target_exists, resolve_dtype
 from specheads.training import checkpoint
 from specheads.training import lora as lora_mode
 from specheads.training.cached import AUTO as AUTO_CACHE, build_auto_cache, open_cache
@@ -476,7 +476,8 @@ def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBl
             return heads_dir
         if peft_model is not None:
             base = {"name_or_path": recipe.target.name_or_path, "resolved_path": str(Path(target_path).resolve())
-                    if Path(target_path).exists() else target_path, "dtype": recipe.target.dtype,
+                    if Path(target_path).exists() else target_path,
+                    "dtype": str(resolve_dtype(recipe.target.dtype, train_device())).removeprefix("torch."),
                     "trust_remote_code": recipe.target.trust_remote_code, "lora": dataclasses.asdict(recipe.lora)}
             lora_mode.save_adapter(peft_model, output_dir / ADAPTER_SUBDIR, base)
             _say(dist, f"wrote {output_dir / ADAPTER_SUBDIR} (serve the merged target: specheads export "

@@ -18,6 +18,9 @@ def test_step_costs_reports_every_tree_size_and_depth(tiny_llama_dir, capsys):
         assert row in out
     assert "draft depth (eagle)" in out and "draft depth (medusa)" in out
     assert out.count("| 2 |") == 3  # verify T=2, and depth 2 of each drafter
+    assert main(["--target", str(tiny_llama_dir), "--prefix", "8", "--trees", "1", "--depths", "1",
+                 "--repeats", "1", "--dtype", "float32", "--plain-weights"]) == 0
+    assert "step costs (float32, plain weights" in capsys.readouterr().out
 
 
 def _table() -> StepCostTable:

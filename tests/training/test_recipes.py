@@ -213,3 +213,17 @@ def test_dry_run_shows_cpu_offload_as_host_memory(capsys):
 
 def gpu_total(dry_run_text: str) -> float:
     return float(re.search(r"total\s+([\d.]+) GiB", dry_run_text).group(1))
+
+
+def test_target_dtype_auto_is_the_devices_fast_dtype(capsys, tmp_path, tiny_llama_dir, monkeypatch):
+    from specheads.heads import cpu_layout
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"target:\n  name_or_path: {tiny_llama_dir}\n  dtype: auto\nheads:\n  kind: medusa\n"
+                    "  num_heads: 2\n")
+    monkeypatch.setattr(cpu_layout, "cpu_has_native_bf16", lambda: False)
+    head, _ = dry_run(capsys, path)
+    assert "vocab 256, float32)" in head
+    path.write_text(path.read_text().replace("dtype: auto", "dtype: fastest"))
+    assert train_main([str(path), "--dry-run"]) == 2
+    assert "target.dtype" in capsys.readouterr().err
