@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trees", default=",".join(map(str, VERIFY_SIZES)))
     p.add_argument("--depths", default=",".join(map(str, DRAFT_DEPTHS)))
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--draft-vocab", type=int, default=8192, help="the random heads' draft vocabulary (the recipes' size)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="the random heads' draft vocabulary (the recipes' size)")
     p.add_argument("--plain-weights", action="store_true",
                    help="measure the target's linear layers as transformers loaded them, not packed (the baseline)")
     args = p.parse_args(argv)

@@ -13,18 +13,19 @@ Decoding is greedy (deterministic) on the serving engine with continuous batchin
 (serving/decode/generate.generate_many: up to --batch-size sequences share each target
 forward, and a finished reply's row takes the next prompt at once), in the device's fast
 dtype by default with packed weights (heads/cpu_layout.py); a progress bar shows reply
-tokens/s and the ETA. Generation stops at the target's EOS ids (its generation_config's,
-which for chat models include the end-of-turn token, plus the tokenizer's EOS). Generating
-with the engine is why data/ imports serving.decode here (and only here, lazily). A generation that comes out empty keeps the
-original reply and is counted. Records that are not valid chats are skipped and counted by
-reason (data/records.py); every valid input record gives exactly one output line,
-`{"index": i, "messages": [...]}` in OpenAI shape.
+tokens/s and the ETA. Generating with the engine is why data/ imports serving.decode here
+(and only here, lazily). Generation stops at the target's EOS ids (its generation_config's,
+which for chat models include the end-of-turn token, plus the tokenizer's EOS). A
+generation that comes out empty keeps the original reply and is counted. Records that are
+not valid chats are skipped and counted by reason (data/records.py); every valid input
+record gives exactly one output line, `{"index": i, "messages": [...]}` in OpenAI shape.
 
-Records of user turns only, `{"turns": ["...", ...]}` (MT-bench's shape; data/chat_prompts.py
-writes them), become whole conversations: reply k of every conversation in a batch is
-generated in round k, conditioned on the target's own earlier replies (multi-turn
-self-distillation). A reply that comes out empty ends its conversation before that turn
-(counted); a conversation left without any reply is skipped as "empty reply".
+Records of user turns only, `{"turns": ["...", ...]}` (MT-bench's shape;
+data/chat_prompts.py writes them), become whole conversations: each reply is conditioned on
+the target's own earlier replies (multi-turn self-distillation), and a conversation's next
+turn joins the running batch as soon as its previous reply ends. A reply that comes out
+empty ends its conversation before that turn (counted); a conversation left without any
+reply is skipped as "empty reply".
 
 Resumable: output lines are appended one batch of conversations at a time (flushed and
 fsynced), then OUTPUT.progress.json is replaced atomically with the next input record and

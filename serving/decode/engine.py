@@ -280,9 +280,9 @@ class BatchEngine:
             return [self._guard(seq, lambda one=seq: call([one])[0]) for seq in seqs]
 
     def _verify(self, batch: list[Sequence], drafts: list[Draft]) -> list[tuple | None]:
-        """ONE forward over rows [0, n) -> per sequence (logits [T, V], taps [T, nH], greedy tokens [T]). A failed
-        forward of several rows is run again row by row, padded alike so that the rows commit
-        together; a row that fails alone ends (None)."""
+        """ONE forward over rows [0, n) -> per sequence (logits [T, V], taps [T, nH], greedy
+        tokens [T]). A failed forward of several rows is run again row by row, padded alike so
+        that the rows commit together; a row that fails alone ends (None)."""
         prefix_lens = [seq.state.prefix_len for seq in batch]
         self.cache.set_rows(0, len(batch))
         try:
