@@ -135,3 +135,21 @@ def section_kernel_speed(ctx) -> dict:
     return {"rows": rows, "layer_Hq_Hkv_D": list(ctx.layer), "peak_hbm_bytes_per_s": ctx.peak_bw,
             "bytes": f"K+V of one layer (Hkv heads, bf16, before any repeat_kv), rotated over "
                      f"{ctx.rotate_bytes >> 20} MiB of buffers so that reads miss L2"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specheads.bench.gpu_kernels --compile-report`: the kernels' static resources per
+    SM, dtype and head dim, compiled natively with no GPU (serving/kernels/native.py)."""
+    import argparse
+
+    from specheads.serving.kernels import native
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
+    p.add_argument("--compile-report", action="store_true", required=True,
+                   help="compile for sm_80/sm_90 and print registers, stack, shared memory and occupancy")
+    p.parse_args(argv)
+    return native.main([])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

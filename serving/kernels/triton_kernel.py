@@ -27,9 +27,43 @@ S prefix keys, D head dim, W = ceil(T / 32) mask words, P = num_prefix_splits + 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 from triton import knobs
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The split kernel's launch shape (the merge kernel's follows from the head dim)."""
+
+    block_m: int  # (query head, tree node) rows per program
+    block_n: int  # keys per loop iteration; split sizes are multiples of it
+    block_d: int  # the head dim padded to a power of two (tl.arange needs one)
+    num_warps: int
+
+
+def launch_config(head_dim: int, dtype, block_n: int = 32) -> LaunchConfig:
+    """The one place the launch shape is chosen: `launch` runs it and the native compile test
+    (serving/kernels/native.py) compiles it for every SM, dtype and head dim we claim.
+
+    Chosen from the compile report (`python -m specheads.bench.gpu_kernels --compile-report`,
+    README's GPU section), cuobjdump's registers and stack on sm_80 and sm_90. With the former
+    BLOCK_M = 32 and 4 warps every kernel above head dim 64 spilled (bf16 at 128 on sm_90:
+    255 registers, 80 B of stack; fp32: up to 10 KB) and fp32 at head dim 256 needed 172 KB
+    of shared memory, over sm_80's 163 KB. Now: bf16/fp16 up to head dim 64 keep 32 rows and
+    4 warps; up to 128, 16 rows (no spill but 16 B at 96 on sm_80); fp32, and any head dim above 128, 16 rows and 8
+    warps (fp32 at 96-128 spills 40 B on sm_80 only; 256: 16-48 B, 150 KB of shared memory).
+    The same shape serves both SMs."""
+    import torch
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32 or block_d > 128:
+        block_m, num_warps = 16, 8
+    else:
+        block_m, num_warps = (16, 4) if block_d > 64 else (32, 4)
+    return LaunchConfig(block_m=block_m, block_n=block_n, block_d=block_d, num_warps=num_warps)
 
 
 @triton.jit
@@ -157,7 +191,7 @@ def _tree_attn_merge_kernel(
 
 
 def launch(q, k, v, packed_mask, prefix_lens, max_prefix_len: int, scale: float, split_size: int, out,
-           block_m: int = 32, block_n: int = 32) -> None:
+           block_n: int = 32) -> None:
     """Run both kernels; `out` [B, Hq, T, D] (any strides) receives the result.
 
     q [B, Hq, T, D]; k, v [B, Hkv, >= max S+T, D]; packed_mask int32 [B or 1, T, W];
@@ -174,7 +208,8 @@ def launch(q, k, v, packed_mask, prefix_lens, max_prefix_len: int, scale: float,
     o_part = torch.empty(batch, num_q_heads, num_tree, num_parts, head_dim, device=q.device, dtype=torch.float32)
     m_part = torch.empty(batch, num_q_heads, num_tree, num_parts, device=q.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    config = launch_config(head_dim, q.dtype, block_n)
+    block_m, block_d = config.block_m, config.block_d
     stride_mb = packed_mask.stride(0) if packed_mask.shape[0] > 1 else 0
     grid = (triton.cdiv(group * num_tree, block_m), batch * num_kv_heads, num_parts)
     _tree_attn_split_kernel[grid](
@@ -183,6 +218,7 @@ def launch(q, k, v, packed_mask, prefix_lens, max_prefix_len: int, scale: float,
         num_kv_heads, num_q_heads, group, num_tree, split_size, num_prefix_splits, scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and knobs.runtime.interpret),
+        num_warps=config.num_warps,
     )
     _tree_attn_merge_kernel[(batch * num_q_heads * num_tree,)](
         o_part, m_part, l_part, out, *out.stride(), num_q_heads, num_tree, num_parts,
