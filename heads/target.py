@@ -126,7 +126,7 @@ class TargetAdapter:
 
     pack_weights: lay the linear weights out for the CPU's matmul once (heads/cpu_layout.py),
     for inference only; "auto" packs where it pays (a CPU with oneDNN, fp32 or bf16), True
-    wherever it applies, False never (training: the packed op has no autograd).
+    always (a CPU model; tests), False never (training: the packed op has no autograd).
     """
 
     def __init__(self, model: nn.Module, name_or_path: str = "", pack_weights: bool | str = False):
