@@ -25,10 +25,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("prompts", help="write chat prompts built locally (data/chat_prompts.py) for regenerate")
     p.add_argument("--output", required=True, help="output .jsonl of {id, category, turns} records")
-    p.add_argument("--num", type=int, default=2000, help="number of prompts")
+    p.add_argument("--num", type=int, default=6000, help="number of prompts (distinct first turns)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--follow-up-fraction", type=float, default=0.5,
                    help="fraction of prompts with a second user turn (multi-turn replies)")
+    p.add_argument("--third-turn-fraction", type=float, default=0.5,
+                   help="fraction of those with a second turn that also get a third")
 
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
     p.add_argument("--target", required=True,
@@ -67,7 +69,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _prompts(args) -> int:
     from specheads.data.chat_prompts import write_prompts
 
-    path = write_prompts(args.output, args.num, seed=args.seed, follow_up_fraction=args.follow_up_fraction)
+    path = write_prompts(args.output, args.num, seed=args.seed, follow_up_fraction=args.follow_up_fraction,
+                         third_turn_fraction=args.third_turn_fraction)
     print(f"prompts: wrote {args.num} prompt records to {path}")
     return 0
 
