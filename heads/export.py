@@ -10,6 +10,10 @@ Formats (key names and config fields in heads/export_medusa.py and heads/export_
 | eagle3      | eagle3     | vLLM, SGLang           | architectures ["LlamaForCausalLMEagle3"]   | model.safetensors                |
 | medusa      | medusa     | Medusa, TGI, TRT-LLM   | medusa_num_heads, medusa_num_layers        | medusa_lm_head.safetensors + .pt |
 | vllm-medusa | medusa     | vLLM (method "medusa") | architectures ["MedusaModel"]              | model.safetensors                |
+| llama.cpp   | eagle3     | llama.cpp draft-eagle3 | (GGUF: general.architecture "eagle3")      | heads.gguf (+ target.gguf)       |
+
+llama.cpp is the eagle3 layout passed through llama.cpp's own converter; it needs the target's HF
+directory and a llama.cpp source, so it has its own entry point, heads/export_llama_cpp.py.
 
 Every export also writes a "specheads" block (our full HeadsConfig) into config.json, which
 the engines ignore. Import reads it back, so specheads -> foreign -> specheads is exact
