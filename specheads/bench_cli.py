@@ -3,6 +3,7 @@
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
                     [--json OUT.json] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D] [--device D]
+                    [--llama-cpp DIR [--llama-cpp-draft-max N]]
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
 each, through the target tokenizer's chat template when it has one, else raw text.
@@ -18,6 +19,13 @@ engine-lookup[N] (the engine's own n-gram lookup drafts, no heads) and engine-<h
 (each heads directory's first tree plus lookup; serving/decode/lookup.py), both off with
 --lookup-num-tokens 0; hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
 which must share the target's tokenizer). How each metric is measured: bench/harness.py.
+
+--llama-cpp DIR (built llama.cpp binaries: `specheads llama-cpp build` prints where) adds llama.cpp
+rows on the same prompt ids: llama.cpp-plain (the target converted to GGUF, f32 when the bench runs
+fp32, else bf16), llama.cpp-ngram, and llama.cpp-<heads>[N] per EAGLE-3 heads directory (drafting
+N tokens with --spec-type draft-eagle3), each through its own llama-server on 127.0.0.1, one after
+another; identity there is against llama.cpp-plain. See bench/llama_cpp.py. JSON: "llama_cpp":
+{"config", "methods": [{"name", "kind", "server_args", "overall": SUMMARY}]}.
 
 JSON (--json), schema "specheads.bench/1":
     {"schema": "specheads.bench/1",
@@ -107,6 +115,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    p.add_argument("--llama-cpp", metavar="DIR", help="also bench llama.cpp (plain, n-gram, drafting with the EAGLE-3 "
+                   "heads) from the llama-server in DIR, DIR/bin or DIR/build/bin")
+    p.add_argument("--llama-cpp-draft-max", type=int, default=3, metavar="N",
+                   help="draft tokens per llama.cpp EAGLE-3 step (--spec-draft-n-max)")
 
 
 def run(args) -> int:
@@ -129,6 +141,12 @@ def run(args) -> int:
             require_matplotlib()
         except ImportError as err:
             raise UserError(f"--plot: {err}") from err
+    if args.llama_cpp is not None:  # a missing or too-old llama.cpp fails before any model loads
+        from specheads.bench.llama_cpp import find_server
+
+        find_server(args.llama_cpp)
+        if args.llama_cpp_draft_max < 1:
+            raise ValueError(f"--llama-cpp-draft-max must be >= 1, got {args.llama_cpp_draft_max}")
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     # (read first: a bad prompts file fails before any model loads)
 
@@ -175,8 +193,14 @@ def run(args) -> int:
                                                                     device=args.device,
                                                                     trust_remote_code=args.trust_remote_code))
     report["tuning"] = tuning
+    if args.llama_cpp is not None:
+        report["llama_cpp"] = llama_cpp_rows(args, report, encoded, target, heads_list, heads_dirs)
     report["step_costs"] = step_costs(target, heads_list)
     print(format_report(report))
+    if "llama_cpp" in report:
+        from specheads.bench.llama_cpp import format_llama_cpp
+
+        print("\n" + format_llama_cpp(report["llama_cpp"]))
     for table in report["step_costs"]:
         print(f"\n### {'step costs with ' + table['heads'] if 'heads' in table else 'step costs'}\n\n"
               + StepCostTable.from_json(table).format())
@@ -206,3 +230,24 @@ def step_costs(target, heads_list: list[tuple]) -> list[dict]:
         return [measure_step_costs(target).to_json()]
     return [dict(measure_step_costs(target, module, config).to_json(), heads=label)
             for label, module, config in heads_list]
+
+
+def llama_cpp_rows(args, report: dict, encoded, target, heads_list: list[tuple], heads_dirs: list[str]) -> dict:
+    """bench/llama_cpp.py's rows: the converter beside DIR if it has one, else the pinned source's."""
+    import torch
+
+    from specheads.bench.llama_cpp import bench_llama_cpp
+    from specheads.data.tiny_target import default_cache_dir
+    from specheads.heads.export_llama_cpp import LlamaCppError, find_converter, pinned_source
+
+    try:
+        converter = find_converter(args.llama_cpp)
+    except LlamaCppError:
+        converter = find_converter(pinned_source(default_cache_dir()))
+    eagle3 = [(label, directory) for (label, _, config), directory in zip(heads_list, heads_dirs)
+              if config.kind == "eagle3"]
+    return bench_llama_cpp(args.llama_cpp, report, encoded, args.max_new_tokens,
+                           target_dir=target.identity.name_or_path, heads=eagle3, converter=converter,
+                           outtype="f32" if target.dtype == torch.float32 else "bf16",
+                           draft_max=args.llama_cpp_draft_max,
+                           log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -10,6 +10,7 @@
     specheads tune --target T --heads H [--prompts FILE.jsonl] [--budget-s S]
     specheads data regenerate --target T --input FILE --output FILE
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR
+    specheads llama-cpp build
 
 Every subcommand imports its machinery lazily so `specheads --help` is instant. User
 errors (bad paths, mismatched heads, bad recipes) print one clear line and exit 2
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train heads from a recipe (DeepSpeed)")
     _add_generate(sub)
     _add_demo(sub)
-    from specheads import bench_cli, data_cli, export_cli, serve_cli
+    from specheads import bench_cli, data_cli, export_cli, llama_cpp_cli, serve_cli
 
     bench_cli.add_parser(sub)
     from specheads import tune_cli
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_parser(sub)
     export_cli.add_parser(sub)
     data_cli.add_parser(sub)
+    llama_cpp_cli.add_parser(sub)
     return parser
 
 
@@ -162,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             from specheads import export_cli
 
             return export_cli.run(args)
+        if args.command == "llama-cpp":
+            from specheads import llama_cpp_cli
+
+            return llama_cpp_cli.run(args)
         if args.command == "demo":
             from specheads.demo import run_demo
 
