@@ -3,14 +3,21 @@
 Triton's NVIDIA backend ships `ptxas` and `cuobjdump`: `triton.compile` lowers a `@triton.jit`
 kernel to PTX and a cubin for any SM with no GPU present, and `cuobjdump -res-usage` reads
 the cubin's registers per thread, stack (spill) bytes and shared memory. The default test
-suite compiles every launch configuration that `triton_kernel.launch_config` would pick
-(tests/serving/kernels/test_native_compile.py), so a kernel that breaks for the GPU, or
-needs more shared memory than an SM has, fails on every CI run, not only when a GPU is
-lent; `python -m specheads.bench.gpu_kernels --compile-report` prints the resources.
+suite compiles both kernels at the configuration `triton_kernel.launch_config` picks for
+every SM, dtype and head dim we claim (tests/serving/kernels/test_native_compile.py), so a
+kernel that breaks for the GPU, or needs more shared memory than an SM has, fails on every
+CI run, not only when a GPU is lent; `python -m specheads.bench.gpu_kernels --compile-report`
+prints the resources.
+
+What is compiled is what would run: the launcher's own `kernel_calls` on meta tensors of a
+representative layer (LAYER), specialised by the JIT's own binder for the target SM. The
+JIT turns strides equal to 1 into constants and marks multiples of 16 as aligned, which
+vectorises the K/V loads; a signature of plain i32s compiles another kernel (bf16 at head
+dim 128 on sm_90: 248 registers, against 98 for what runs).
 
 This compiles the kernels; it never runs them. Under TRITON_INTERPRET=1 (the CPU tests)
-`triton.jit` makes interpreted functions, which cannot be compiled, so the test runs this
-module in a subprocess without it:
+`triton.jit` makes interpreted functions when triton_kernel.py is imported, and those cannot
+be compiled, so the test runs this module in a subprocess without it:
 
     python -m specheads.serving.kernels.native [--json]
 """
@@ -21,21 +28,25 @@ import json
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 SMS = (80, 90)  # A100, H100/H200
-SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes a block may use (opt-in maximum)
-REGISTERS_PER_SM = 65536
-MAX_WARPS_PER_SM = {80: 64, 90: 64}
-HEAD_DIMS = (64, 96, 128, 256)  # the families we claim: Llama/Qwen/Mistral 128, SmolLM2 64, Gemma 256, Phi 96
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes one block may use (opt-in maximum)
+SHARED_MEMORY_PER_SM = {80: 164 * 1024, 90: 228 * 1024}  # of which each resident block reserves 1 KB
+REGISTERS_PER_SM = 65536  # allocated per warp in units of 256
+MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+HEAD_DIMS = (64, 96, 128, 256)  # the families we claim: SmolLM2 64, Phi-3 96, Llama/Qwen/Mistral 128, Gemma 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_SPLIT_INTS = ("stride_qb", "stride_qh", "stride_qt", "stride_qd", "stride_kb", "stride_kh", "stride_kn",
-               "stride_kd", "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_mb", "stride_mt",
-               "num_kv_heads", "num_q_heads", "group", "num_tree", "split_size", "num_prefix_splits")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The layer the calls are built for: Llama-3.1-8B's heads verifying a 64-node tree at 4k
+# context, batch 1 (the GPU suite's verify shape). The default split policy cuts its prefix
+# into 32 splits, so the merge runs 33 parts at BLOCK_P 64.
+LAYER = dict(batch=1, num_q_heads=32, num_kv_heads=8, num_tree=64, prefix_len=4096)
 
 
 class NoNvidiaBackend(RuntimeError):
@@ -44,35 +55,40 @@ class NoNvidiaBackend(RuntimeError):
 
 @dataclass(frozen=True)
 class Resources:
-    """What one compiled kernel needs per block and per thread on its SM."""
+    """What one compiled kernel needs per block and per thread on its SM, and what that lets
+    one SM hold at once."""
 
     kernel: str  # "split" | "merge"
     sm: int
     dtype: str
     head_dim: int
-    block_m: int | None  # split kernel only
+    blocks: str  # the kernel's block sizes, e.g. "M64 N32 D128" or "P64 D128"
     num_warps: int
+    num_stages: int
     registers: int  # per thread
-    stack: int  # bytes per thread; > 0 means spills (or a call stack)
+    stack: int  # bytes per thread; > 0 means spills (the kernels make no calls)
     shared: int  # bytes per block
 
     @property
     def shared_ok(self) -> bool:
         return self.shared <= SHARED_MEMORY_LIMIT[self.sm]
 
-    @property
-    def blocks_per_sm(self) -> int:
-        """Resident blocks per SM, limited by registers, shared memory and warps."""
-        threads = 32 * self.num_warps
-        by_registers = REGISTERS_PER_SM // max(1, self.registers * threads)
-        by_shared = SHARED_MEMORY_LIMIT[self.sm] // self.shared if self.shared else by_registers
-        by_warps = MAX_WARPS_PER_SM[self.sm] // self.num_warps
-        return max(0, min(by_registers, by_shared, by_warps))
+    def blocks_per_sm(self) -> dict[str, int]:
+        """Resident blocks per SM as each resource limits them."""
+        registers_per_warp = -(-self.registers * 32 // 256) * 256
+        return {"registers": REGISTERS_PER_SM // registers_per_warp // self.num_warps,
+                "shared": SHARED_MEMORY_PER_SM[self.sm] // (self.shared + 1024),
+                "warps": min(MAX_WARPS_PER_SM // self.num_warps, MAX_BLOCKS_PER_SM)}
 
     @property
-    def occupancy(self) -> float:
-        """Resident warps over the SM's maximum."""
-        return self.blocks_per_sm * self.num_warps / MAX_WARPS_PER_SM[self.sm]
+    def warps_per_sm(self) -> int:
+        """Resident warps per SM (occupancy is this over MAX_WARPS_PER_SM)."""
+        return min(self.blocks_per_sm().values()) * self.num_warps
+
+    @property
+    def limited_by(self) -> str:
+        limits = self.blocks_per_sm()
+        return min(limits, key=limits.get)
 
 
 def backend_bin(name: str) -> Path:
@@ -90,69 +106,61 @@ def backend_bin(name: str) -> Path:
     return path
 
 
-def _kernels():
+def _kernel_module():
     """serving/kernels/triton_kernel.py, refused when TRITON_INTERPRET made its kernels
-    interpreted functions (which cannot be compiled: run this in a process without it)."""
+    interpreted functions."""
     from triton import knobs
 
     if knobs.runtime.interpret:
-        raise NoNvidiaBackend("TRITON_INTERPRET=1 is set: triton.jit made interpreted kernels, which cannot be "
-                              "compiled; run `python -m specheads.serving.kernels.native` without it")
+        raise RuntimeError("TRITON_INTERPRET=1 is set: triton.jit made interpreted kernels, which cannot be "
+                           "compiled; run `python -m specheads.serving.kernels.native` without it")
     from specheads.serving.kernels import triton_kernel
 
     return triton_kernel
 
 
-def _split_source(dtype: torch.dtype, head_dim: int, block_m: int, block_n: int, block_d: int):
-    import triton
+def representative_calls(sm: int, dtype: torch.dtype, head_dim: int):
+    """(LaunchConfig, (split, merge) KernelCalls) that the launcher would make for LAYER at
+    this head dim and dtype on sm_`sm`, built on meta tensors in the layouts the engine
+    passes: q a transposed view of [B, T, Hq, D], K/V a [B, Hkv, S+T, D] cache."""
+    from specheads.serving.kernels.tree_attention import _default_split_size
 
-    triton_kernel = _kernels()
-    element = _TRITON_TYPE[dtype]
-    signature = {"q_ptr": f"*{element}", "k_ptr": f"*{element}", "v_ptr": f"*{element}", "mask_ptr": "*i32",
-                 "prefix_lens_ptr": "*i32", "o_part_ptr": "*fp32", "m_part_ptr": "*fp32", "l_part_ptr": "*fp32",
-                 **{name: "i32" for name in _SPLIT_INTS}, "scale": "fp32",
-                 **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_D", "DOT_FP32")}}
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
-                  "DOT_FP32": dtype == torch.float32}  # what launch() passes on a GPU
-    return triton.compiler.ASTSource(fn=triton_kernel._tree_attn_split_kernel, signature=signature,
-                                     constexprs=constexprs)
-
-
-def _merge_source(dtype: torch.dtype, head_dim: int, block_d: int, block_p: int):
-    import triton
-
-    triton_kernel = _kernels()
-    signature = {"o_part_ptr": "*fp32", "m_part_ptr": "*fp32", "l_part_ptr": "*fp32",
-                 "out_ptr": f"*{_TRITON_TYPE[dtype]}",
-                 **{name: "i32" for name in ("stride_ob", "stride_oh", "stride_ot", "stride_od", "num_q_heads",
-                                             "num_tree", "num_parts")},
-                 **{name: "constexpr" for name in ("HEAD_DIM", "BLOCK_P", "BLOCK_D")}}
-    return triton.compiler.ASTSource(fn=triton_kernel._tree_attn_merge_kernel, signature=signature,
-                                     constexprs={"HEAD_DIM": head_dim, "BLOCK_P": block_p, "BLOCK_D": block_d})
+    kernels = _kernel_module()
+    batch, num_tree, prefix_len = LAYER["batch"], LAYER["num_tree"], LAYER["prefix_len"]
+    meta = dict(device="meta", dtype=dtype)
+    q = torch.empty(batch, num_tree, LAYER["num_q_heads"], head_dim, **meta).transpose(1, 2)
+    k, v = (torch.empty(batch, LAYER["num_kv_heads"], prefix_len + num_tree, head_dim, **meta) for _ in range(2))
+    packed_mask = torch.empty(1, num_tree, -(-num_tree // 32), device="meta", dtype=torch.int32)
+    prefix_lens = torch.empty(batch, device="meta", dtype=torch.int32)
+    out = torch.empty(batch, num_tree, LAYER["num_q_heads"], head_dim, **meta).transpose(1, 2)
+    config = kernels.launch_config(head_dim, dtype, sm)
+    calls = kernels.kernel_calls(q, k, v, packed_mask, prefix_lens, prefix_len, head_dim ** -0.5,
+                                 _default_split_size(prefix_len), out, config)
+    return config, calls
 
 
-def compile_kernels(sm: int, dtype: torch.dtype, head_dim: int, block_p: int = 32):
-    """Both kernels for one SM, dtype and head dim, at the launch configuration
-    `triton_kernel.launch_config` picks -> [("split" | "merge", LaunchConfig, CompiledKernel)]."""
+def compile_call(call, sm: int):
+    """Compile one KernelCall for sm_`sm` as `kernel[grid](...)` would on that GPU: the JIT's
+    binder specialises the arguments (triton.runtime.jit's JITFunction.run, minus the launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
-
-    from specheads.serving.kernels.triton_kernel import launch_config
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     backend_bin("ptxas")
-    config = launch_config(head_dim, dtype)
     target = GPUTarget("cuda", sm, 32)
-    split = triton.compile(_split_source(dtype, head_dim, config.block_m, config.block_n, config.block_d),
-                           target=target, options={"num_warps": config.num_warps})
-    merge = triton.compile(_merge_source(dtype, head_dim, config.block_d, block_p), target=target)
-    return [("split", config, split), ("merge", config, merge)]
+    backend = make_backend(target)
+    binder = create_function_from_signature(call.kernel.signature, call.kernel.params, backend)
+    bound_args, specialization, options = binder(*call.args, **call.meta)
+    options, signature, constexprs, attrs = call.kernel._pack_args(backend, call.meta, bound_args, specialization,
+                                                                   options)
+    source = triton.compiler.ASTSource(call.kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options.__dict__)
 
 
 def resource_usage(compiled) -> tuple[int, int]:
     """(registers per thread, stack bytes per thread) of a compiled kernel, from
     `cuobjdump -res-usage` on its cubin."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as directory:
         cubin = Path(directory) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -164,39 +172,42 @@ def resource_usage(compiled) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def resources(sm: int, dtype: torch.dtype, head_dim: int) -> list[Resources]:
-    """The Resources of both kernels for one SM, dtype and head dim."""
-    rows = []
-    for name, config, compiled in compile_kernels(sm, dtype, head_dim):
-        registers, stack = resource_usage(compiled)
-        rows.append(Resources(kernel=name, sm=sm, dtype=_TRITON_TYPE[dtype], head_dim=head_dim,
-                              block_m=config.block_m if name == "split" else None,
-                              num_warps=compiled.metadata.num_warps, registers=registers, stack=stack,
-                              shared=compiled.metadata.shared))
-    return rows
+def call_resources(call, sm: int, dtype: torch.dtype) -> Resources:
+    """Compile one call for sm_`sm` and read its resources."""
+    compiled = compile_call(call, sm)
+    registers, stack = resource_usage(compiled)
+    blocks = " ".join(f"{name.removeprefix('BLOCK_')}{value}" for name, value in call.meta.items()
+                      if name.startswith("BLOCK_"))
+    return Resources(kernel=call.name, sm=sm, dtype=DTYPE_NAMES[dtype], head_dim=call.meta["HEAD_DIM"],
+                     blocks=blocks, num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages,
+                     registers=registers, stack=stack, shared=compiled.metadata.shared)
+
+
+def all_resources() -> list[Resources]:
+    """Both kernels at the launcher's configuration for every SM x dtype x head dim we claim."""
+    return [call_resources(call, sm, dtype) for sm in SMS for dtype in DTYPES for head_dim in HEAD_DIMS
+            for call in representative_calls(sm, dtype, head_dim)[1]]
 
 
 def format_report(rows: list[Resources]) -> str:
     """Markdown: one row per compiled kernel."""
-    lines = ["| kernel | sm | dtype | head dim | BLOCK_M | warps | regs/thread | stack B | shared KB | "
-             "blocks/SM | occupancy | fits |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| kernel | sm | dtype | head dim | blocks | warps | stages | regs/thread | stack B | shared KB | "
+             "warps/SM | limited by | fits |", "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        lines.append(f"| {r.kernel} | {r.sm} | {r.dtype} | {r.head_dim} | {r.block_m or '-'} | {r.num_warps} | "
-                     f"{r.registers} | {r.stack} | {r.shared / 1024:.1f} | {r.blocks_per_sm} | {r.occupancy:.0%} | "
-                     f"{'yes' if r.shared_ok else 'NO: over ' + str(SHARED_MEMORY_LIMIT[r.sm] // 1024) + ' KB'} |")
+        fits = "yes" if r.shared_ok else f"NO: over {SHARED_MEMORY_LIMIT[r.sm] // 1024} KB"
+        lines.append(f"| {r.kernel} | {r.sm} | {r.dtype} | {r.head_dim} | {r.blocks} | {r.num_warps} | "
+                     f"{r.num_stages} | {r.registers} | {r.stack} | {r.shared / 1024:.1f} | {r.warps_per_sm} | "
+                     f"{r.limited_by} | {fits} |")
     return "\n".join(lines)
 
 
-def all_resources() -> list[Resources]:
-    """Every SM x dtype x head dim we claim, at the launcher's configuration."""
-    return [row for sm in SMS for dtype in DTYPES for head_dim in HEAD_DIMS for row in resources(sm, dtype, head_dim)]
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Print the report (or --json rows); exit 3, with the reason, when triton cannot compile
+    for NVIDIA here."""
     import argparse
 
     p = argparse.ArgumentParser(description="compile the tree-attention kernels for sm_80/sm_90 and report "
-                                            "their registers, spills and shared memory")
+                                            "their registers, spills, shared memory and occupancy")
     p.add_argument("--json", action="store_true", help="one JSON list of rows instead of a table")
     args = p.parse_args(argv)
     try:

@@ -32,7 +32,9 @@ BITS_PER_WORD = 32
 # programs to fill a GPU at batch 1 without making the merge long.
 DEFAULT_MAX_PREFIX_SPLITS = 32
 MIN_SPLIT_SIZE = 128
-BLOCK_N = 32
+# Split sizes are multiples of this, and every launch configuration's BLOCK_N divides it
+# (triton_kernel.launch_config checks), so no prefix split ends in a partial key block.
+SPLIT_MULTIPLE = 64
 
 
 def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -130,9 +132,14 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (probs @ values).to(q.dtype)
 
 
+def _round_split_size(split_size: int) -> int:
+    """Up to a positive multiple of SPLIT_MULTIPLE."""
+    return max(1, math.ceil(split_size / SPLIT_MULTIPLE)) * SPLIT_MULTIPLE
+
+
 def _default_split_size(prefix_len: int) -> int:
     splits = min(DEFAULT_MAX_PREFIX_SPLITS, max(1, math.ceil(prefix_len / MIN_SPLIT_SIZE)))
-    return max(BLOCK_N, math.ceil(math.ceil(prefix_len / splits) / BLOCK_N) * BLOCK_N)
+    return _round_split_size(math.ceil(prefix_len / splits))
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -143,7 +150,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q [B, Hq, T, D]; k, v [B, Hkv, >= S+T, D]; prefix_len S, an int or one per sequence
     ([B] list or tensor; a tensor costs one host sync for its max); tree_mask bool [T, T] /
     [B, T, T] or packed int32 [T, W] / [B, T, W]. fp32, bf16 or fp16 (fp32 accumulation).
-    split_size (triton): prefix keys per program, rounded up to a multiple of 32.
+    split_size (triton): prefix keys per program, rounded up to a multiple of SPLIT_MULTIPLE.
     out: optional [B, Hq, T, D] destination of any strides (e.g. a transposed [B, T, Hq, D]).
     -> [B, Hq, T, D] in q's dtype (`out` when given).
     """
@@ -166,10 +173,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     packed = (packed[None] if packed.dim() == 2 else packed).contiguous()  # [B|1, T, W]
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    split_size = _default_split_size(max_prefix_len) if split_size is None \
-        else math.ceil(split_size / BLOCK_N) * BLOCK_N
+    split_size = _default_split_size(max_prefix_len) if split_size is None else _round_split_size(split_size)
     tree_attention_kernel.launch(q, k, v, packed, prefix_lens_B.to(torch.int32), max_prefix_len, scale,
-                                 split_size, out, block_n=BLOCK_N)
+                                 split_size, out)
     return out
 
 

@@ -34,36 +34,73 @@ import triton.language as tl
 from triton import knobs
 
 
+INTERPRETER_SM = 80  # the configuration the CPU tests run under TRITON_INTERPRET (any one runs there)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
-    """The split kernel's launch shape (the merge kernel's follows from the head dim)."""
+    """How both kernels are launched for one head dim, dtype and SM."""
 
-    block_m: int  # (query head, tree node) rows per program
-    block_n: int  # keys per loop iteration; split sizes are multiples of it
-    block_d: int  # the head dim padded to a power of two (tl.arange needs one)
-    num_warps: int
+    block_m: int  # split: (query head, tree node) rows per program
+    block_n: int  # split: keys per loop iteration; divides tree_attention.SPLIT_MULTIPLE
+    block_d: int  # the head dim padded to a power of two (tl.arange needs one; masked past HEAD_DIM)
+    num_warps: int  # split
+    num_stages: int  # split: software-pipelined K/V loads in flight
+    merge_num_warps: int
 
 
-def launch_config(head_dim: int, dtype, block_n: int = 32) -> LaunchConfig:
-    """The one place the launch shape is chosen: `launch` runs it and the native compile test
-    (serving/kernels/native.py) compiles it for every SM, dtype and head dim we claim.
+def launch_config(head_dim: int, dtype, sm: int) -> LaunchConfig:
+    """The one place the launch shape is chosen: `launch` runs it on the device's SM, and the
+    native compile test (serving/kernels/native.py) compiles it for sm_80 and sm_90 at every
+    dtype and head dim we claim. SMs from 90 up take the sm_90 choice, the others sm_80's.
 
     Chosen from the compile report (`python -m specheads.bench.gpu_kernels --compile-report`,
-    README's GPU section), cuobjdump's registers and stack on sm_80 and sm_90. With the former
-    BLOCK_M = 32 and 4 warps every kernel above head dim 64 spilled (bf16 at 128 on sm_90:
-    255 registers, 80 B of stack; fp32: up to 10 KB) and fp32 at head dim 256 needed 172 KB
-    of shared memory, over sm_80's 163 KB. Now: bf16/fp16 up to head dim 64 keep 32 rows and
-    4 warps; up to 128, 16 rows (no spill but 16 B at 96 on sm_80); fp32, and any head dim above 128, 16 rows and 8
-    warps (fp32 at 96-128 spills 40 B on sm_80 only; 256: 16-48 B, 150 KB of shared memory).
-    The same shape serves both SMs."""
+    README's GPU section): registers and stack from `cuobjdump -res-usage` of the JIT's own
+    specialisation of a Llama-8B-shaped verify call (64-node tree, 4k prefix). The rule: the
+    largest BLOCK_M (rows sharing each K/V block: fewer programs re-read the same keys) whose
+    kernel neither spills nor exceeds the SM's shared memory; then the warps with more
+    resident warps per SM; BLOCK_N 32, since 64 doubles the K/V tiles for no fewer registers.
+    - bf16/fp16: BLOCK_M 64, 8 warps at every head dim on both SMs, no spill (sm_80 128/163/
+      180 registers at block_d 64/128/256; sm_90 100/153/179). 4 warps at head dim 256
+      reached 255 registers (16 B of stack on sm_80); smaller blocks at 8 warps spilled 8-16 B
+      on sm_90 (BLOCK_M 32 at 64, 16 at 128); BLOCK_N 64 at 256 needed 164-256 KB of shared
+      memory.
+    - fp32 (exact dots, no tensor-core bf16 path): BLOCK_M 32 at head dim 64 (4 warps on
+      sm_80, 128 registers, where 8 warps spill 8 B; 8 warps on sm_90, 69 registers, where 4
+      warps hit 255); BLOCK_M 16 with 8 warps above 64, since BLOCK_M 32 spilled 8 B to 1 KB
+      on both SMs and BLOCK_M 64 up to 9 KB.
+    - num_stages 2 (double-buffered K/V): registers, not shared memory, limit the 16-bit
+      choices' residency, and 2 stages need 30-45% less shared memory than 3 (bf16 256 on
+      sm_90: 104 against 144 KB; fp32 256: 84 against 150 KB), so the sm_80 choices, which
+      sm_86/89 also take, fit those GPUs' 99 KB (84 KB at most). fp32 at 256 on sm_90
+      spills 16 B at 2 or 3 stages and none at 1 (100 registers, 80 KB), so it takes 1 there.
+    - merge: 4 warps up to block_d 128 (64-96 registers), 8 at 256 (4 warps: 183 registers,
+      8 warps: 101 and twice the resident warps); 1-2 warps spill from block_d 128.
+    """
     import torch
 
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if dtype == torch.float32 or block_d > 128:
-        block_m, num_warps = 16, 8
-    else:
-        block_m, num_warps = (16, 4) if block_d > 64 else (32, 4)
-    return LaunchConfig(block_m=block_m, block_n=block_n, block_d=block_d, num_warps=num_warps)
+    hopper = sm >= 90
+    merge_num_warps = 8 if block_d > 128 else 4
+    if dtype != torch.float32:
+        return LaunchConfig(block_m=64, block_n=32, block_d=block_d, num_warps=8, num_stages=2,
+                            merge_num_warps=merge_num_warps)
+    if block_d <= 64:
+        return LaunchConfig(block_m=32, block_n=32, block_d=block_d, num_warps=8 if hopper else 4, num_stages=2,
+                            merge_num_warps=merge_num_warps)
+    num_stages = 1 if hopper and block_d > 128 else 2
+    return LaunchConfig(block_m=16, block_n=32, block_d=block_d, num_warps=8, num_stages=num_stages,
+                        merge_num_warps=merge_num_warps)
+
+
+def device_sm(device) -> int:
+    """`device`'s compute capability as one number (90 for sm_90); INTERPRETER_SM off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return INTERPRETER_SM
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 @triton.jit
@@ -190,14 +227,23 @@ def _tree_attn_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def launch(q, k, v, packed_mask, prefix_lens, max_prefix_len: int, scale: float, split_size: int, out,
-           block_n: int = 32) -> None:
-    """Run both kernels; `out` [B, Hq, T, D] (any strides) receives the result.
+@dataclass(frozen=True)
+class KernelCall:
+    """One kernel launch as the launcher builds it: `kernel[grid](*args, **meta)`. native.py
+    compiles the same call for a GPU it does not have, so it gets the JIT's own specialisation
+    (strides equal to 1 become constants, multiples of 16 are marked aligned)."""
 
-    q [B, Hq, T, D]; k, v [B, Hkv, >= max S+T, D]; packed_mask int32 [B or 1, T, W];
-    prefix_lens int32 [B] (S per sequence, on q's device), max_prefix_len = max S;
-    split_size: prefix keys per program, a multiple of block_n.
-    """
+    name: str  # "split" | "merge"
+    kernel: triton.JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict  # constexprs and compile options (num_warps, num_stages)
+
+
+def kernel_calls(q, k, v, packed_mask, prefix_lens, max_prefix_len: int, scale: float, split_size: int, out,
+                 config: LaunchConfig) -> tuple[KernelCall, KernelCall]:
+    """The split and merge launches for these tensors (see `launch`), partials allocated on q's
+    device (meta tensors give the calls without memory, which is how native.py builds them)."""
     import torch
 
     batch, num_q_heads, num_tree, head_dim = q.shape
@@ -208,19 +254,32 @@ def launch(q, k, v, packed_mask, prefix_lens, max_prefix_len: int, scale: float,
     o_part = torch.empty(batch, num_q_heads, num_tree, num_parts, head_dim, device=q.device, dtype=torch.float32)
     m_part = torch.empty(batch, num_q_heads, num_tree, num_parts, device=q.device, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
-    config = launch_config(head_dim, q.dtype, block_n)
-    block_m, block_d = config.block_m, config.block_d
     stride_mb = packed_mask.stride(0) if packed_mask.shape[0] > 1 else 0
-    grid = (triton.cdiv(group * num_tree, block_m), batch * num_kv_heads, num_parts)
-    _tree_attn_split_kernel[grid](
-        q, k, v, packed_mask, prefix_lens, o_part, m_part, l_part,
-        *q.stride(), *k.stride(), *v.stride(), stride_mb, packed_mask.stride(1),
-        num_kv_heads, num_q_heads, group, num_tree, split_size, num_prefix_splits, scale,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and knobs.runtime.interpret),
-        num_warps=config.num_warps,
-    )
-    _tree_attn_merge_kernel[(batch * num_q_heads * num_tree,)](
-        o_part, m_part, l_part, out, *out.stride(), num_q_heads, num_tree, num_parts,
-        HEAD_DIM=head_dim, BLOCK_P=max(2, triton.next_power_of_2(num_parts)), BLOCK_D=block_d,
-    )
+    split = KernelCall(
+        "split", _tree_attn_split_kernel,
+        (triton.cdiv(group * num_tree, config.block_m), batch * num_kv_heads, num_parts),
+        (q, k, v, packed_mask, prefix_lens, o_part, m_part, l_part,
+         *q.stride(), *k.stride(), *v.stride(), stride_mb, packed_mask.stride(1),
+         num_kv_heads, num_q_heads, group, num_tree, split_size, num_prefix_splits, scale),
+        dict(HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=config.block_d,
+             DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and knobs.runtime.interpret),
+             num_warps=config.num_warps, num_stages=config.num_stages))
+    merge = KernelCall(
+        "merge", _tree_attn_merge_kernel, (batch * num_q_heads * num_tree,),
+        (o_part, m_part, l_part, out, *out.stride(), num_q_heads, num_tree, num_parts),
+        dict(HEAD_DIM=head_dim, BLOCK_P=max(2, triton.next_power_of_2(num_parts)), BLOCK_D=config.block_d,
+             num_warps=config.merge_num_warps))
+    return split, merge
+
+
+def launch(q, k, v, packed_mask, prefix_lens, max_prefix_len: int, scale: float, split_size: int, out) -> None:
+    """Run both kernels; `out` [B, Hq, T, D] (any strides) receives the result.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, >= max S+T, D]; packed_mask int32 [B or 1, T, W];
+    prefix_lens int32 [B] (S per sequence, on q's device), max_prefix_len = max S;
+    split_size: prefix keys per program, a multiple of tree_attention.SPLIT_MULTIPLE (which
+    every configuration's block_n divides).
+    """
+    config = launch_config(q.shape[-1], q.dtype, device_sm(q.device))
+    for call in kernel_calls(q, k, v, packed_mask, prefix_lens, max_prefix_len, scale, split_size, out, config):
+        call.kernel[call.grid](*call.args, **call.meta)

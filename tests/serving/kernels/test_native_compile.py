@@ -1,9 +1,10 @@
 """Every Triton kernel in serving/kernels/ compiles natively for sm_80 and sm_90, with no GPU,
-at the launch configuration the launcher picks (triton_kernel.launch_config), for fp32, bf16
-and fp16 at head dims 64, 96, 128 and 256, and fits the SM's shared memory. The CPU tests run
-the kernels interpreted, which cannot see a kernel that breaks only when compiled
-(serving/kernels/native.py). The compiles run in one subprocess without TRITON_INTERPRET
-(about a minute on 2 cores); skipped, with the reason, only when triton has no NVIDIA backend.
+as the launcher would run it (triton_kernel.launch_config's choice, bound by the JIT's own
+binder to a representative layer's tensors), for fp32, bf16 and fp16 at head dims 64, 96, 128
+and 256, and fits the SM's shared memory. The CPU tests run the kernels interpreted, which
+cannot see a kernel that breaks only when compiled (serving/kernels/native.py). The compiles
+run in one subprocess without TRITON_INTERPRET (about a minute on 2 cores with an empty triton
+cache); skipped, with the reason, only when triton has no NVIDIA backend.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from specheads.serving.kernels import native
-from specheads.serving.kernels.triton_kernel import launch_config
+from specheads.serving.kernels import native, triton_kernel
+from specheads.serving.kernels.tree_attention import SPLIT_MULTIPLE, tree_attention, tree_attention_reference
 
 NO_BACKEND = 3  # native.main's exit code when triton cannot compile for NVIDIA here
 
@@ -34,26 +35,54 @@ def compiled_rows() -> list[dict]:
 
 
 @pytest.mark.parametrize("sm", native.SMS)
-@pytest.mark.parametrize("dtype", native.DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("dtype", native.DTYPES, ids=native.DTYPE_NAMES.get)
 @pytest.mark.parametrize("head_dim", native.HEAD_DIMS)
 def test_kernels_compile_for_the_gpu_and_fit_its_shared_memory(compiled_rows, sm, dtype, head_dim):
-    name = str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16") \
-        .replace("float16", "fp16")
-    rows = [r for r in compiled_rows if (r["sm"], r["dtype"], r["head_dim"]) == (sm, name, head_dim)]
-    assert sorted(r["kernel"] for r in rows) == ["merge", "split"]
-    config = launch_config(head_dim, dtype)
-    for row in rows:
+    name = native.DTYPE_NAMES[dtype]
+    rows = {r["kernel"]: r for r in compiled_rows if (r["sm"], r["dtype"], r["head_dim"]) == (sm, name, head_dim)}
+    assert sorted(rows) == ["merge", "split"]
+    for row in rows.values():
         resources = native.Resources(**row)
         assert resources.shared_ok, (f"{row['kernel']} kernel at {name}, head dim {head_dim} needs "
                                      f"{row['shared']} B of shared memory, over sm_{sm}'s "
                                      f"{native.SHARED_MEMORY_LIMIT[sm]} B")
-        assert 0 < resources.registers <= 255 and resources.occupancy > 0
-        if row["kernel"] == "split":  # compiled at what the launcher would run
-            assert (row["block_m"], row["num_warps"]) == (config.block_m, config.num_warps)
+        assert 0 < resources.registers <= 255 and resources.warps_per_sm > 0
+    # Compiled at what the launcher would run on that SM.
+    config = triton_kernel.launch_config(head_dim, dtype, sm)
+    split, merge = rows["split"], rows["merge"]
+    assert (split["blocks"], split["num_warps"], split["num_stages"]) == \
+        (f"M{config.block_m} N{config.block_n} D{config.block_d}", config.num_warps, config.num_stages)
+    assert merge["blocks"].endswith(f" D{config.block_d}") and merge["num_warps"] == config.merge_num_warps
 
 
-def test_the_launch_configuration_is_one_function():
-    assert launch_config(64, torch.bfloat16).block_m == 32
-    assert launch_config(128, torch.bfloat16).block_m == 16  # 32 rows spilled on sm_90
-    assert launch_config(96, torch.float16).block_d == 128  # tl.arange needs a power of two
-    assert (launch_config(256, torch.float32).block_m, launch_config(256, torch.float32).num_warps) == (16, 8)
+@pytest.mark.parametrize("sm", [*native.SMS, 86, 100])
+@pytest.mark.parametrize("dtype", native.DTYPES, ids=native.DTYPE_NAMES.get)
+@pytest.mark.parametrize("head_dim", [16, 32, *native.HEAD_DIMS])
+def test_every_configuration_keeps_the_split_rule(sm, dtype, head_dim):
+    config = triton_kernel.launch_config(head_dim, dtype, sm)
+    assert SPLIT_MULTIPLE % config.block_n == 0  # prefix splits end on a key block boundary
+    assert config.block_d >= head_dim and config.block_d & (config.block_d - 1) == 0  # tl.arange: power of 2
+
+
+def test_the_launcher_runs_launch_config(monkeypatch):
+    # One owner: launch() asks launch_config (here at the interpreter's SM) and runs its answer.
+    asked = []
+    chosen = triton_kernel.LaunchConfig(block_m=16, block_n=16, block_d=32, num_warps=4, num_stages=1,
+                                        merge_num_warps=1)
+
+    def spy(head_dim, dtype, sm):
+        asked.append((head_dim, dtype, sm))
+        return chosen
+
+    monkeypatch.setattr(triton_kernel, "launch_config", spy)
+    launched = []
+    real_calls = triton_kernel.kernel_calls
+    monkeypatch.setattr(triton_kernel, "kernel_calls", lambda *a: launched.append(a[-1]) or real_calls(*a))
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 32, generator=generator)
+    k, v = (torch.randn(1, 1, 70, 32, generator=generator) for _ in range(2))
+    tree_mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    out = tree_attention(q, k, v, 67, tree_mask, impl="triton")
+    ref = tree_attention_reference(q, k, v, 67, tree_mask)
+    assert asked == [(32, torch.float32, triton_kernel.INTERPRETER_SM)] and launched == [chosen]
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-5

@@ -138,7 +138,8 @@ def test_triton_matches_reference_fp32(case):
 
 @pytest.mark.parametrize("split_size", [None, 32, 64, 1000])
 def test_long_prefix_is_split_and_merged(split_size):
-    # S = 300: 10, 5 or 1 prefix splits (plus the tree split); None is the default policy.
+    # S = 300: 5 prefix splits for 32 (rounded up to SPLIT_MULTIPLE) and 64, 1 for 1000, plus the
+    # tree split; None is the default policy.
     q, k, v, tree_mask = make_inputs(1, 2, 2, 17, 300, 32, torch.float32, seed=7)
     out = run_triton(q, k, v, 300, tree_mask, split_size=split_size)
     ref = tree_attention_reference(q, k, v, 300, tree_mask)
