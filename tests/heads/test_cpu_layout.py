@@ -84,3 +84,54 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
 def test_auto_dtype_loads_fp32_without_native_bf16(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(cpu_layout, "cpu_has_native_bf16", lambda: False)
     assert TargetAdapter.from_pretrained(tiny_llama_dir, dtype="auto").dtype is torch.float32
+
+
+class _Attention(nn.Module):
+    """What transformers' SDPA function reads from an attention module."""
+
+    def __init__(self, group: int):
+        super().__init__()
+        self.num_key_value_groups = group
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,num_new", [(1, 5), (3, 1), (3, 4)])
+def test_grouped_attention_matches_sdpa(dtype, batch, num_new):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(batch * 10 + num_new)
+    num_q_heads, num_kv_heads, head_dim, num_keys = 6, 2, 16, 20
+    query = torch.randn(batch, num_new, num_q_heads, head_dim, generator=generator).to(dtype).transpose(1, 2)
+    key, value = (torch.randn(batch, num_kv_heads, num_keys, head_dim, generator=generator).to(dtype)
+                  for _ in range(2))
+    # Each row sees its own prefix (rows of different lengths, as in a batch) plus a causal block.
+    lens = torch.tensor([7, 12, 15][:batch])
+    key_K = torch.arange(num_keys)
+    offset = key_K - lens[:, None]
+    new_BTK = (offset[:, None, :] >= 0) & (offset[:, None, :] <= torch.arange(num_new)[None, :, None])
+    mask = ((key_K < lens[:, None])[:, None, :] | new_BTK)[:, None]  # [B, 1, T, K]
+    module = _Attention(num_q_heads // num_kv_heads)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    got, _ = cpu_layout.grouped_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert got.shape == expected.shape == (batch, num_new, num_q_heads, head_dim)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_grouped_attention_gives_a_padded_row_no_nan():
+    query = torch.randn(2, 4, 3, 8)
+    key = value = torch.randn(2, 2, 5, 8)
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    mask[1] = False  # a batch row with nothing to attend to
+    out, _ = cpu_layout.grouped_attention_forward(_Attention(2), query, key, value, mask)
+    assert torch.isfinite(out).all()
+
+
+@needs_onednn
+def test_packing_swaps_sdpa_for_grouped_attention_and_plain_restores_it(tiny_llama_dir):
+    target = TargetAdapter.from_pretrained(tiny_llama_dir, pack_weights=True)
+    assert target.model.config._attn_implementation == cpu_layout.CPU_ATTENTION
+    with target.plain_weights():
+        assert target.model.config._attn_implementation == "sdpa"
+    assert target.model.config._attn_implementation == cpu_layout.CPU_ATTENTION
