@@ -550,11 +550,13 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
 
 
 def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int = 96,
-                        seed: int = 0, dtype: str = "auto", cache_dir: str | Path | None = None, log=print) -> Path:
-    """The `embedded:chat` data of a target: `num_prompts` prompts (build_prompts) with the
-    target's own greedy replies (data/regenerate.py, in `dtype`: "auto" is the device's fast
-    dtype), as OpenAI-messages JSON lines in the specheads cache; generated on first use,
-    resumed if interrupted, then reused."""
+                        seed: int = 0, dtype: str = "auto", self_instruct_fraction: float = 0.0,
+                        cache_dir: str | Path | None = None, log=print) -> Path:
+    """The `embedded:chat` data of a target: `num_prompts` prompts (build_prompts; with
+    self_instruct_fraction > 0 up to that share written by the target itself:
+    data/self_instruct.py) with the target's own greedy replies (data/regenerate.py, in `dtype`:
+    "auto" is the device's fast dtype), as OpenAI-messages JSON lines in the specheads cache;
+    generated on first use, resumed if interrupted, then reused."""
     from specheads.data.regenerate import _target_fingerprint, regenerate, write_json_atomic
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads.target import resolve_dtype
@@ -562,7 +564,8 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
 
     resolved = str(resolve_dtype(dtype)).removeprefix("torch.")
     settings = {"version": CHAT_DATA_VERSION, "target": _target_fingerprint(target_path), "num": num_prompts,
-                "max_new_tokens": max_new_tokens, "seed": seed, "dtype": resolved}
+                "max_new_tokens": max_new_tokens, "seed": seed, "dtype": resolved,
+                "self_instruct_fraction": self_instruct_fraction}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     directory = Path(cache_dir or default_cache_dir()) / "chat" / f"{Path(target_path).name}-{key}"
     replies, done = directory / "replies.jsonl", directory / "done.json"
@@ -570,10 +573,85 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     with FileLock(directory.with_name(directory.name + ".lock")):
         if not done.exists():
             prompts = directory / "prompts.jsonl"
-            if not prompts.exists():
+            if not prompts.exists() and self_instruct_fraction > 0:
+                from specheads.data.self_instruct import mixed_prompts
+
+                records, _ = mixed_prompts(num_prompts, target_path, self_instruct_fraction=self_instruct_fraction,
+                                           seed=seed, batch_size=batch_size, dtype=resolved, log=log)
+                write_records(prompts, records)
+            elif not prompts.exists():
                 write_prompts(prompts, num_prompts, seed=seed)
             log(f"{EMBEDDED_CHAT}: the target replies to {num_prompts} prompts (once; cached in {directory})")
             progress = regenerate(target_path, str(prompts), str(replies), batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, dtype=resolved, log=log)
             write_json_atomic(done, {**settings, "summary": progress.summary()})
     return replies
+
+
+def report_chat_data(path: str | Path, tokenizer_path: str, draft_vocab_size: int | None = None,
+                     eval_paths: list[str | Path] = ()) -> dict:
+    """What a file of chat records (regenerate's output) holds: conversations, reply tokens (the
+    tokens under the assistant loss mask, as training counts them: data/chat.py), conversations by
+    number of replies, distinct first prompts (after normalize), and, given draft_vocab_size and
+    evaluation files, the share of the evaluation replies' tokens the draft vocabulary covers (the
+    draft_vocab_size most frequent training reply tokens plus EOS: heads/draft_vocab.py)."""
+    import torch
+
+    from specheads.data.chat import ensure_chat_template
+    from specheads.data.text import load_records, load_tokenizer
+    from specheads.heads.draft_vocab import build_draft_vocab
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    ensure_chat_template(tokenizer)
+    ids, replies, firsts, skipped = _reply_tokens(load_records(str(path)), tokenizer)
+    report = {"conversations": len(replies), "reply_tokens": len(ids), "replies": sum(replies),
+              "conversations_by_replies": dict(sorted(Counter(replies).items())),
+              "distinct_first_prompts": len(firsts), "skipped": dict(skipped)}
+    if draft_vocab_size and eval_paths:
+        vocab_size = max(len(tokenizer), max(ids, default=0) + 1)
+        counts_V = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)
+        _, t2d_V = build_draft_vocab(counts_V, draft_vocab_size, [tokenizer.eos_token_id])
+        eval_ids = [t for p in eval_paths for t in _reply_tokens(load_records(str(p)), tokenizer)[0]]
+        covered = sum(bool(t2d_V[t]) for t in eval_ids if t < vocab_size)
+        report.update(draft_vocab_size=draft_vocab_size, eval_reply_tokens=len(eval_ids),
+                      eval_coverage=covered / max(len(eval_ids), 1))
+    return report
+
+
+def _reply_tokens(records: list, tokenizer) -> tuple[list[int], list[int], set[str], Counter]:
+    """-> (reply token ids of every record, replies per chat record, normalized first user turns,
+    skipped counts by reason). Text and token records count every token as a reply token."""
+    from specheads.data.chat import tokenize_conversation
+    from specheads.data.records import Conversation, normalize_record
+
+    ids, replies, firsts, skipped = [], [], set(), Counter()
+    for record in records:
+        document, reason = normalize_record(record)
+        if isinstance(document, Conversation):
+            tokens, mask = tokenize_conversation(tokenizer, document)
+            ids += [t for t, keep in zip(tokens, mask) if keep]
+            messages = document.to_list()
+            replies.append(sum(m["role"] == "assistant" for m in messages))
+            first_user = next((m["content"] for m in messages if m["role"] == "user"), None)
+            if first_user is not None:
+                firsts.add(normalize(first_user))
+        elif isinstance(document, str):
+            ids += tokenizer(document, add_special_tokens=False)["input_ids"]
+        elif isinstance(document, list):
+            ids += document
+        else:
+            skipped[reason or "not a record"] += 1
+    return ids, replies, firsts, skipped
+
+
+def format_report(report: dict) -> str:
+    lines = [f"conversations {report['conversations']}, replies {report['replies']}, reply tokens "
+             f"{report['reply_tokens']}, distinct first prompts {report['distinct_first_prompts']}",
+             "conversations by replies: " + ", ".join(f"{n}: {c}" for n, c in
+                                                      report["conversations_by_replies"].items())]
+    if report["skipped"]:
+        lines.append("skipped: " + ", ".join(f"{r}: {c}" for r, c in sorted(report["skipped"].items())))
+    if "eval_coverage" in report:
+        lines.append(f"draft vocab of {report['draft_vocab_size']} covers {report['eval_coverage']:.1%} of "
+                     f"{report['eval_reply_tokens']} evaluation reply tokens")
+    return "\n".join(lines)

@@ -1,6 +1,7 @@
 """`specheads data ...`: data preparation commands.
 
-    specheads data prompts --output FILE [--num N] [--seed S]
+    specheads data prompts --output FILE [--num N] [--seed S] [--self-instruct --target T [--self-instruct-fraction F]]
+    specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
 
@@ -31,6 +32,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="fraction of prompts with a second user turn (multi-turn replies)")
     p.add_argument("--third-turn-fraction", type=float, default=0.5,
                    help="fraction of those with a second turn that also get a third")
+    p.add_argument("--self-instruct", action="store_true",
+                   help="have --target write part of the prompts (data/self_instruct.py), filtered; rejects printed")
+    p.add_argument("--target", default=None, help="with --self-instruct: " + TARGET_HELP)
+    p.add_argument("--self-instruct-fraction", type=float, default=0.2,
+                   help="with --self-instruct: the largest share of prompts the target writes")
+    p.add_argument("--eval-prompts", action="append", default=[],
+                   help="question.jsonl whose turns must not appear (MT-bench is always checked); repeatable")
+    p.add_argument("--batch-size", type=int, default=96, help="with --self-instruct: sequences per forward")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("report", help="tokens, turns, distinct prompts and draft-vocab coverage of chat data")
+    p.add_argument("--input", required=True, help="chat records (regenerate's output): .jsonl/.json/.parquet")
+    p.add_argument("--target", default=None, help="whose tokenizer counts tokens: " + TARGET_HELP)
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (instead of --target)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft vocab: this many most frequent reply tokens of --input (plus EOS)")
+    p.add_argument("--eval", action="append", default=[],
+                   help="evaluation replies (.jsonl chat or text records) whose tokens the draft vocab should cover")
 
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
     p.add_argument("--target", required=True,
@@ -67,11 +87,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _prompts(args) -> int:
-    from specheads.data.chat_prompts import write_prompts
+    from specheads.data.chat_prompts import write_prompts, write_records
+    from specheads.runner import resolve_target_name
 
-    path = write_prompts(args.output, args.num, seed=args.seed, follow_up_fraction=args.follow_up_fraction,
-                         third_turn_fraction=args.third_turn_fraction)
-    print(f"prompts: wrote {args.num} prompt records to {path}")
+    if not args.self_instruct:
+        path = write_prompts(args.output, args.num, seed=args.seed, follow_up_fraction=args.follow_up_fraction,
+                             third_turn_fraction=args.third_turn_fraction)
+        print(f"prompts: wrote {args.num} prompt records to {path}")
+        return 0
+    from specheads.data.self_instruct import mixed_prompts
+
+    if args.target is None:
+        raise ValueError("--self-instruct needs --target (the model that writes the prompts)")
+    records, _ = mixed_prompts(args.num, resolve_target_name(args.target),
+                               self_instruct_fraction=args.self_instruct_fraction, seed=args.seed,
+                               follow_up_fraction=args.follow_up_fraction,
+                               third_turn_fraction=args.third_turn_fraction, eval_paths=args.eval_prompts,
+                               batch_size=args.batch_size, dtype=args.dtype, device=args.device)
+    path = write_records(args.output, records)
+    print(f"prompts: wrote {len(records)} prompt records to {path}")
+    return 0
+
+
+def _report(args) -> int:
+    from specheads.data.chat_prompts import format_report, report_chat_data
+    from specheads.runner import resolve_target_name
+
+    if (args.target is None) == (args.tokenizer is None):
+        raise ValueError("give one of --target or --tokenizer (whose tokens are counted)")
+    if args.eval and not args.draft_vocab_size:
+        raise ValueError("--eval needs --draft-vocab-size (the draft vocab whose coverage is measured)")
+    tokenizer = args.tokenizer or resolve_target_name(args.target)
+    print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval)))
     return 0
 
 
@@ -114,6 +161,8 @@ def run(args) -> int:
     try:
         if args.data_command == "prompts":
             return _prompts(args)
+        if args.data_command == "report":
+            return _report(args)
         if args.data_command == "regenerate":
             return _regenerate(args)
         if args.data_command == "cache":

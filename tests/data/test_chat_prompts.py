@@ -98,6 +98,8 @@ def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monke
     lines = [json.loads(line) for line in replies.read_text().splitlines()]
     assert len(lines) == 4 and all(m["messages"][0]["role"] == "user" for m in lines)
     assert [m["messages"][0]["content"] for m in lines] == [p["turns"][0] for p in build_prompts(4)]
+    mixed = self_distilled_chat(str(target_dir), 4, 4, self_instruct_fraction=0.5, cache_dir=cache, log=lambda _: None)
+    assert mixed != replies and len(mixed.read_text().splitlines()) == 4  # the tiny target's own prompts are filtered
 
     def no_second_generation(*args, **kwargs):
         raise AssertionError("the cached replies were generated again")
