@@ -246,6 +246,9 @@ def llama_cpp_rows(args, report: dict, encoded, target, heads_list: list[tuple],
         converter = find_converter(pinned_source(default_cache_dir()))
     eagle3 = [(label, directory) for (label, _, config), directory in zip(heads_list, heads_dirs)
               if config.kind == "eagle3"]
+    if len(eagle3) < len(heads_dirs):
+        print("bench: llama.cpp drafts with EAGLE-3 heads only; the other heads get no llama.cpp row",
+              file=sys.stderr)
     return bench_llama_cpp(args.llama_cpp, report, encoded, args.max_new_tokens,
                            target_dir=target.identity.name_or_path, heads=eagle3, converter=converter,
                            outtype="f32" if target.dtype == torch.float32 else "bf16",

@@ -70,7 +70,8 @@ def test_eagle3_export_is_what_the_converter_reads(tiny_target_dir, tmp_path):
     foreign = json.loads((out / "config.json").read_text())
     expects = CONVERTER_EXPECTS
     assert foreign["architectures"][0] in expects["architectures"]
-    assert expects["detect"]["key"] in foreign and foreign["num_hidden_layers"] == expects["detect"]["num_hidden_layers"]
+    detect = expects["detect"]
+    assert detect["key"] in foreign and foreign["num_hidden_layers"] == detect["num_hidden_layers"]
     assert all(key in foreign for key in expects["hparams"])
     # Our taps are llama.cpp's ids (both: the input of layer i), under the key the converter reads.
     assert foreign[expects["tap_key"]] == config.tap_layers
