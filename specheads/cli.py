@@ -3,10 +3,10 @@
     specheads train RECIPE.yaml [--set dotted.key=value ...]
     specheads generate --target T [--heads H] --prompt TEXT [--max-new-tokens N] [--json]
     specheads demo [--workdir DIR]
-    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa --out DIR
+    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa|llama.cpp --out DIR
     specheads export --import FOREIGN_DIR --out DIR [--target T]
     specheads serve --target T [--heads H] [--host H] [--port N] [--api-key KEY] [--max-concurrency N]
-    specheads bench --target T [--heads H] [--prompts FILE.jsonl] [--json OUT] [--plot OUT.png]
+    specheads bench --target T [--heads H] [--prompts FILE.jsonl] [--json OUT] [--plot OUT.png] [--llama-cpp DIR]
     specheads tune --target T --heads H [--prompts FILE.jsonl] [--budget-s S]
     specheads data regenerate --target T --input FILE --output FILE
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR
