@@ -210,6 +210,30 @@ class FeatureCache:
         dense = torch.full((*values.shape[:-1], vocab_size), TOPK_FILL, dtype=torch.float32)
         return dense.scatter_(-1, indices, values)
 
+    @staticmethod
+    def teacher_draft_logits(batch: dict[str, torch.Tensor], vocab_size: int,
+                             draft_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (float32 logits over the draft vocab [b, T, Vd], the full-vocab argmax [b, T] as target ids).
+
+        The same values as teacher_logits(...)[..., draft_ids] and its argmax, without the dense
+        [b, T, V] (400 MB a batch of 4 x 512 over SmolLM2's 49k vocab): a top-k cache's k entries
+        are scattered straight into the draft vocab (entries outside it dropped), and the argmax
+        is the lowest-id entry among the top-k's largest value (argmax's first maximum).
+        draft_ids [Vd]: target id of each draft id, ascending or not; None: Vd = V."""
+        if "logits" in batch or draft_ids is None:
+            dense = FeatureCache.teacher_logits(batch, vocab_size)
+            restricted = dense if draft_ids is None else dense.index_select(-1, draft_ids.to(dense.device))
+            return restricted, dense.argmax(-1)
+        values, indices = batch["topk_values"].float(), batch["topk_indices"].long()  # [b, T, K]
+        draft_size = draft_ids.numel()
+        to_draft = torch.full((vocab_size,), draft_size, dtype=torch.long)  # draft_size: "not in the draft vocab"
+        to_draft[draft_ids.cpu()] = torch.arange(draft_size)
+        dense = torch.full((*values.shape[:-1], draft_size + 1), TOPK_FILL, dtype=torch.float32)
+        dense.scatter_(-1, to_draft[indices], values)  # tokens outside the draft vocab land in the last column
+        best = values.max(-1, keepdim=True).values  # [b, T, 1]
+        argmax = torch.where(values == best, indices, vocab_size).min(-1).values  # [b, T]
+        return dense[..., :draft_size].contiguous(), argmax
+
     def iter_batches(self, batch_size: int):
         """Blocks in order, batch_size at a time (the last batch may be smaller)."""
         for start in range(0, len(self), batch_size):

@@ -29,7 +29,7 @@ from specheads.data.text import PackedBlocks
 from specheads.heads.eagle3 import next_token_embeddings
 from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
-from specheads.training.losses import DistillOutput, heads_loss
+from specheads.training.losses import DistillOutput, Teacher, heads_loss
 
 
 AUTO = "auto"
@@ -75,14 +75,16 @@ def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: T
     device = target.device
     batch = cache.batch(indices)
     input_ids_BT, loss_mask_BT = batch["input_ids"].to(device), batch["loss_mask"].to(device)
-    teacher_BTV = FeatureCache.teacher_logits(batch, target.vocab_size).to(device)
+    draft_ids_V = engine.module.draft_to_target()
+    draft_BTV, argmax_BT = FeatureCache.teacher_draft_logits(batch, target.vocab_size, draft_ids_V)
+    teacher = Teacher.from_draft_logits(draft_BTV.to(device), argmax_BT.to(device))
     if heads_spec.kind in EAGLE_KINDS:
         taps_BTnH = torch.cat([batch[f"tap_{layer}"] for layer in tap_layers], dim=-1).to(device, dtype)
         with torch.no_grad():
             next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
-        result = heads_loss(heads_spec, engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps), teacher_BTV,
-                            loss_mask_BT, engine.module.draft_to_target(), taps_BTnH)
+        result = heads_loss(heads_spec, engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps), teacher,
+                            loss_mask_BT, draft_ids_V, taps_BTnH)
     else:
         hidden_BTH = batch[f"tap_{target.num_layers}"].to(device, dtype)
-        result = heads_loss(heads_spec, engine(hidden_BTH), teacher_BTV, loss_mask_BT, engine.module.draft_to_target())
+        result = heads_loss(heads_spec, engine(hidden_BTH), teacher, loss_mask_BT, draft_ids_V)
     return result, loss_mask_BT

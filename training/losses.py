@@ -33,41 +33,78 @@ class DistillOutput:
     head_count: torch.Tensor  # [K] counted positions per head
 
 
-def _restricted_kl(head_BNV: torch.Tensor, teacher_full_BNV: torch.Tensor, mask_BN: torch.Tensor,
+@dataclass
+class Teacher:
+    """The target's distribution over the draft vocab at every position, computed once per micro
+    step and sliced per head / TTT step (head k and step j read rows t+1+k / t+1+j of the same
+    block). Row-wise ops give the same bits on the whole block as on any slice of it.
+
+    log_p [B, T, Vd]: log-softmax of the target's logits restricted to the draft vocab (fp32);
+    p [B, T, Vd]: its exp; argmax [B, T]: the target's argmax over the FULL vocab (target ids)."""
+
+    log_p_BTV: torch.Tensor
+    p_BTV: torch.Tensor
+    argmax_BT: torch.Tensor
+
+    @classmethod
+    def from_draft_logits(cls, draft_logits_BTV: torch.Tensor, argmax_BT: torch.Tensor) -> "Teacher":
+        """Logits already restricted to the draft vocab [B, T, Vd] + the full-vocab argmax [B, T]."""
+        log_p = F.log_softmax(draft_logits_BTV.float(), dim=-1)
+        return cls(log_p, log_p.exp(), argmax_BT)
+
+    @classmethod
+    def from_logits(cls, logits_BTV: torch.Tensor, draft_ids_V: torch.Tensor | None) -> "Teacher":
+        """Full-vocab logits [B, T, V]; draft_ids [Vd] (target id of each draft id) or None (Vd = V)."""
+        logits_BTV = logits_BTV.float()
+        draft_BTV = logits_BTV if draft_ids_V is None else logits_BTV.index_select(-1, draft_ids_V)
+        return cls.from_draft_logits(draft_BTV, logits_BTV.argmax(-1))
+
+    def rows(self, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log_p, p, argmax) of positions start.. (views)."""
+        return self.log_p_BTV[:, start:], self.p_BTV[:, start:], self.argmax_BT[:, start:]
+
+
+def as_teacher(teacher, draft_ids_V: torch.Tensor | None) -> Teacher:
+    return teacher if isinstance(teacher, Teacher) else Teacher.from_logits(teacher, draft_ids_V)
+
+
+def _restricted_kl(head_BNV: torch.Tensor, teacher: Teacher, start: int, mask_BN: torch.Tensor,
                    draft_ids_V: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One head (or step): KL(teacher restricted to the draft vocab || head), masked mean.
 
-    head [B, N, Vd] over the draft vocab, teacher [B, N, V]; draft_ids [Vd] (target id of each
-    draft id) or None when Vd = V. -> (loss, top-1 agreement with the teacher's full-vocab
-    argmax, counted positions, mask as float [B, N])."""
-    head_BNV, teacher_full_BNV = head_BNV.float(), teacher_full_BNV.float()
-    teacher_BNV = teacher_full_BNV if draft_ids_V is None else teacher_full_BNV.index_select(-1, draft_ids_V)
+    head [B, N, Vd] over the draft vocab, scored against the teacher's rows start..start+N;
+    draft_ids [Vd] (target id of each draft id) or None when Vd = V. -> (loss, top-1 agreement
+    with the teacher's full-vocab argmax, counted positions, mask as float [B, N])."""
+    head_BNV = head_BNV.float()
+    log_p, p, teacher_argmax_BN = teacher.rows(start)
     mask_BN = mask_BN.to(torch.float32)
     log_q = F.log_softmax(head_BNV, dim=-1)
-    log_p = F.log_softmax(teacher_BNV, dim=-1)
-    kl_BN = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, N]
+    kl_BN = (p * (log_p - log_q)).sum(-1)  # [B, N]
     count = mask_BN.sum()
     denom = count.clamp(min=1.0)
     head_argmax_BN = head_BNV.argmax(-1)
     if draft_ids_V is not None:
         head_argmax_BN = draft_ids_V[head_argmax_BN]
-    agree_BN = (head_argmax_BN == teacher_full_BNV.argmax(-1)).to(torch.float32)
+    agree_BN = (head_argmax_BN == teacher_argmax_BN).to(torch.float32)
     return (kl_BN * mask_BN).sum() / denom, (agree_BN * mask_BN).sum() / denom, count, mask_BN
 
 
-def medusa_distill_loss(head_logits_KBTV: torch.Tensor, target_logits_BTV: torch.Tensor,
+def medusa_distill_loss(head_logits_KBTV: torch.Tensor, target_logits_BTV: torch.Tensor | Teacher,
                         loss_mask_BT: torch.Tensor, draft_ids_V: torch.Tensor | None = None) -> DistillOutput:
-    """head logits [K, B, T, Vd] (Vd = V, or the draft vocab of draft_ids [Vd])."""
+    """head logits [K, B, T, Vd] (Vd = V, or the draft vocab of draft_ids [Vd]); the target's
+    logits [B, T, V], or its Teacher over the same draft vocab."""
     num_heads, _, seq_len, _ = head_logits_KBTV.shape
     if seq_len < num_heads + 2:
         raise ValueError(f"blocks of {seq_len} tokens are too short for {num_heads} heads: head k needs "
                          f"positions t and t+k+1, so seq_len must be >= num_heads + 2 = {num_heads + 2}")
+    teacher = as_teacher(target_logits_BTV, draft_ids_V)
     losses, top1s, counts = [], [], []
-    for k in range(num_heads):
+    # unbind, not [k]: the backward of K selects would each fill a zero gradient of all K heads
+    for k, head_BTV in enumerate(head_logits_KBTV.unbind(0)):
         num_pos = seq_len - k - 1  # positions t in [0, T-k-2]
         loss, top1, count, _ = _restricted_kl(
-            head_logits_KBTV[k, :, :num_pos],  # positions t
-            target_logits_BTV[:, k + 1:],  # positions t+k+1
+            head_BTV[:, :num_pos],  # positions t
+            teacher, k + 1,  # positions t+k+1
             loss_mask_BT[:, :num_pos] & loss_mask_BT[:, k + 1:], draft_ids_V)
         losses.append(loss)
         top1s.append(top1)
@@ -81,7 +118,8 @@ def medusa_distill_loss(head_logits_KBTV: torch.Tensor, target_logits_BTV: torch
     )
 
 
-def eagle_ttt_loss(head_logits_JBTV: torch.Tensor, target_logits_BTV: torch.Tensor, loss_mask_BT: torch.Tensor,
+def eagle_ttt_loss(head_logits_JBTV: torch.Tensor, target_logits_BTV: torch.Tensor | Teacher,
+                   loss_mask_BT: torch.Tensor,
                    draft_ids_V: torch.Tensor, step_weight: float = 0.8, features_JBTH: torch.Tensor | None = None,
                    target_features_BTH: torch.Tensor | None = None, feature_weight: float = 1.0) -> DistillOutput:
     """Per-step KL(target restricted to the draft vocab || head), weighted sum over steps.
@@ -95,12 +133,13 @@ def eagle_ttt_loss(head_logits_JBTV: torch.Tensor, target_logits_BTV: torch.Tens
     if seq_len < num_steps + 2:
         raise ValueError(f"blocks of {seq_len} tokens are too short for {num_steps} draft steps: seq_len must be "
                          f">= ttt_steps + 2 = {num_steps + 2}")
+    teacher = as_teacher(target_logits_BTV, draft_ids_V)
     losses, objectives, top1s, counts = [], [], [], []
-    for j in range(num_steps):
+    for j, head_BTV in enumerate(head_logits_JBTV.unbind(0)):  # unbind: see medusa_distill_loss
         num_pos = seq_len - j - 1  # positions t in [0, T-j-2]
         loss, top1, count, mask_BN = _restricted_kl(
-            head_logits_JBTV[j, :, :num_pos],  # positions t
-            target_logits_BTV[:, j + 1:],  # positions t+1+j
+            head_BTV[:, :num_pos],  # positions t
+            teacher, j + 1,  # positions t+1+j
             loss_mask_BT[:, :num_pos] & loss_mask_BT[:, j + 1:], draft_ids_V)
         objective = loss
         if features_JBTH is not None and target_features_BTH is not None:
@@ -120,7 +159,7 @@ def eagle_ttt_loss(head_logits_JBTV: torch.Tensor, target_logits_BTV: torch.Tens
     )
 
 
-def heads_loss(heads_spec, heads_out, teacher_BTV: torch.Tensor, loss_mask_BT: torch.Tensor,
+def heads_loss(heads_spec, heads_out, teacher_BTV: torch.Tensor | Teacher, loss_mask_BT: torch.Tensor,
                draft_to_target: torch.Tensor | None = None, taps_BTnH: torch.Tensor | None = None) -> DistillOutput:
     """The heads' loss for their kind, whichever way the target's outputs were obtained.
 

@@ -132,6 +132,24 @@ def test_teacher_logits_from_top_k_put_zero_mass_outside_the_k():
     assert torch.isfinite(torch.log_softmax(dense, -1)).all()
 
 
+def test_teacher_draft_logits_equal_the_dense_teacher_restricted_to_the_draft_vocab():
+    """The top-k path scatters straight into the draft vocab: the same bits as the dense [b, T, V]
+    teacher index-selected, and the same full-vocab argmax (ties: the lowest id, as argmax)."""
+    torch.manual_seed(0)
+    vocab, k = 50, 8
+    logits = torch.randn(2, 5, vocab).round(decimals=1)  # rounding makes ties in the top-k
+    values, indices = logits.topk(k, dim=-1)
+    batch = {"topk_values": values, "topk_indices": indices.to(torch.int32)}
+    draft_ids = torch.randperm(vocab)[:20]
+    dense = FeatureCache.teacher_logits(batch, vocab)
+    draft, argmax = FeatureCache.teacher_draft_logits(batch, vocab, draft_ids)
+    assert torch.equal(draft, dense.index_select(-1, draft_ids))
+    assert torch.equal(argmax, dense.argmax(-1))
+    full = {"logits": logits}
+    draft, argmax = FeatureCache.teacher_draft_logits(full, vocab, draft_ids)
+    assert torch.equal(draft, logits.index_select(-1, draft_ids)) and torch.equal(argmax, logits.argmax(-1))
+
+
 def test_a_cache_that_does_not_fit_the_run_is_refused(tiny_llama_dir, walks, tmp_path, capsys):
     cached = recipe_for(tmp_path, tiny_llama_dir, walks, "cached", "")
     cache = build_cache(cached, tmp_path / "cache")
