@@ -16,6 +16,10 @@ Settings swept:
   DEPTH_COST * depth for EAGLE's sequential drafting.
 - dynamic EAGLE-2 trees (EAGLE heads only): serving/decode/trees.py's
   DynamicTreeConfig(depth, top_k, num_nodes) over a small grid.
+- AdaEDL twins (on top, like the dynamic trees): the deepest dynamic trees (EAGLE) or the
+  two best-estimated static trees (Medusa) again, with drafting stopped where AdaEDL's
+  acceptance bound falls below ADAEDL_THRESHOLD (serving/decode/sampling.acceptance_bound).
+  A deep tree whose later levels are rarely accepted then costs less on easy-to-guess steps.
 
 Measurement: real greedy decoding of the prompts with every setting, interleaved
 (prompt-major: every setting on prompt 1, then on prompt 2, ...) so load from other
@@ -54,6 +58,8 @@ NODE_COST = 0.06  # prior: a draft node costs ~6% of a plain step on 2 CPU cores
 DEPTH_COST = 0.12  # prior: one sequential EAGLE draft level, in plain-step units
 DYNAMIC_GRID = ({"top_k": 4, "num_nodes": 8}, {"top_k": 4, "num_nodes": 16}, {"top_k": 8, "num_nodes": 16},
                 {"top_k": 8, "num_nodes": 32})
+ADAEDL_THRESHOLD = 0.3  # a drafted node's acceptance bound below this stops its branch
+ADAEDL_TWINS = 2  # settings that get an AdaEDL twin
 
 
 @dataclass
@@ -67,6 +73,7 @@ class Setting:
     num_nodes: int  # draft nodes (root excluded); dynamic: the node budget
     max_depth: int
     estimate: float = 0.0  # prior speed estimate, plain-step units
+    entropy_threshold: float | None = None  # Medusa's AdaEDL depth cut (a static tree); EAGLE's is in `tree`
 
 
 @dataclass
@@ -146,6 +153,27 @@ def dynamic_settings(max_depth: int) -> list[Setting]:
     return settings
 
 
+def adaedl_twins(settings: list[Setting], eagle: bool) -> list[Setting]:
+    """The AdaEDL version of the ADAEDL_TWINS deepest dynamic trees (EAGLE: the threshold goes
+    into the DynamicTreeConfig) or best-estimated static trees (Medusa: the decoder's
+    entropy_threshold)."""
+    twins = []
+    if eagle:
+        chosen = sorted((s for s in settings if s.kind == "dynamic"), key=lambda s: (-s.max_depth, -s.num_nodes))
+    else:
+        chosen = sorted((s for s in settings if s.kind == "static" and s.max_depth > 1), key=lambda s: -s.estimate)
+    for setting in chosen[:ADAEDL_TWINS]:
+        name = f"{setting.name}-adaedl{ADAEDL_THRESHOLD:g}"
+        if eagle:
+            config = dataclasses.replace(setting.tree, entropy_threshold=ADAEDL_THRESHOLD)
+            twins.append(dataclasses.replace(setting, name=name, tree=config,
+                                             record={"dynamic": dataclasses.asdict(config)}))
+        else:
+            twins.append(dataclasses.replace(setting, name=name, entropy_threshold=ADAEDL_THRESHOLD,
+                                             record={**setting.record, "entropy_threshold": ADAEDL_THRESHOLD}))
+    return twins
+
+
 def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int] | None = None,
                        node_budgets: tuple[int, ...] = NODE_BUDGETS, costs=None) -> list[Setting]:
     """Every setting to measure for these heads (see the module docstring); costs: this
@@ -162,15 +190,16 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
     # Dynamic configs come on top of the static ones: the static sweep must not be cut short
     # for them.
     dynamic = dynamic_settings(len(accuracy)) if eagle else []
-    return sorted(static, key=lambda s: (s.max_depth, s.num_nodes)) + dynamic
+    return sorted(static, key=lambda s: (s.max_depth, s.num_nodes)) + dynamic + adaedl_twins(static + dynamic, eagle)
 
 
-def _decoder(target, heads, heads_config, tree, lookup=None):
+def _decoder(target, heads, heads_config, setting: Setting, lookup=None):
     from specheads.serving.decode.config import SpeculativeDecoder
 
     tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
     # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
-    return SpeculativeDecoder(target, heads, tree, tap_layers=tap_layers, fallback=None, lookup=lookup)
+    return SpeculativeDecoder(target, heads, setting.tree, tap_layers=tap_layers, fallback=None, lookup=lookup,
+                              entropy_threshold=setting.entropy_threshold)
 
 
 def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
@@ -179,8 +208,8 @@ def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[
     (those plain decoding was measured on) -> {"num_tokens", "chosen", "without", "with"}."""
     from specheads.serving.decode.lookup import LookupConfig
 
-    decoders = {"without": _decoder(target, heads, heads_config, setting.tree),
-                "with": _decoder(target, heads, heads_config, setting.tree, LookupConfig(num_tokens=num_tokens))}
+    decoders = {"without": _decoder(target, heads, heads_config, setting),
+                "with": _decoder(target, heads, heads_config, setting, LookupConfig(num_tokens=num_tokens))}
     measured = {name: Measured() for name in decoders}
     for decoder in decoders.values():
         generate(decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
@@ -266,7 +295,7 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     plain_decoder = SpeculativeDecoder(target)
     for setting in settings:
         try:
-            decoders[setting.name] = _decoder(target, heads, heads_config, setting.tree)
+            decoders[setting.name] = _decoder(target, heads, heads_config, setting)
             generate(decoders[setting.name], prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens),
                                             eos_token_id=eos_token_id)  # warm-up, and fail early
         except (ValueError, NotImplementedError) as err:

@@ -10,7 +10,8 @@ import torch
 
 from conftest import make_tiny_model
 from specheads.bench.step_costs import StepCostTable
-from specheads.bench.tune import candidate_settings, format_tuning, static_settings, tune_heads_dir
+from specheads.bench.tune import (ADAEDL_THRESHOLD, ADAEDL_TWINS, adaedl_twins, candidate_settings, dynamic_settings,
+                                  format_tuning, static_settings, tune_heads_dir)
 from specheads.heads.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_config, read_tuning, save_heads,
                                        update_tree)
 from specheads.heads.medusa import MedusaHeads
@@ -50,7 +51,12 @@ def test_candidates_cover_chains_and_budgets_without_duplicates(setup):
         tree = DraftTree.from_paths(s.record["paths"])
         assert (tree.num_nodes - 1, tree.max_depth) == (s.num_nodes, s.max_depth)
     assert any(s.max_depth == 1 and s.num_nodes == 4 for s in settings)  # a wide, shallow tree too
-    assert len(candidate_settings(config, max_settings=4)) == 4
+    # max_settings bounds the static trees; the AdaEDL twins of the best two come on top.
+    candidates = candidate_settings(config, max_settings=4)
+    assert [s.entropy_threshold is None for s in candidates] == [True] * 4 + [False] * ADAEDL_TWINS
+    for twin in candidates[4:]:
+        assert twin.record["entropy_threshold"] == ADAEDL_THRESHOLD and twin.max_depth > 1
+        assert twin.record["paths"] == next(s.record["paths"] for s in candidates[:4] if twin.name.startswith(s.name))
     with pytest.raises(ValueError, match="depth limits must be in 1..3"):
         static_settings(ACCURACY, eagle=False, depths=[4])
     # EAGLE drafts level by level: a deeper tree is estimated to cost more than Medusa's.
@@ -178,7 +184,8 @@ def test_tune_cli(setup, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(chosen)" in out
     report = json.loads((tmp_path / "t.json").read_text())
-    assert {r["name"] for r in report["settings"]} == {"chain-1", "chain-2", "tree-d1-n3", "tree-d2-n3"}
+    assert {r["name"] for r in report["settings"]} == {"chain-1", "chain-2", "tree-d1-n3", "tree-d2-n3",
+                                                       "chain-2-adaedl0.3", "tree-d2-n3-adaedl0.3"}
     assert read_heads_config(heads_dir).tree["tuned"]["setting"] == report["winner"]
     bad = parser.parse_args(["tune", "--target", str(target_dir), "--heads", str(heads_dir), "--depths", "0"])
     with pytest.raises(ValueError, match="--depths expects positive integers"):
@@ -197,3 +204,14 @@ def test_a_stored_dynamic_tree_is_benched_as_one(setup):
     (tree, info), = heads_trees(config, None)
     assert tree == DynamicTreeConfig(**record)
     assert info == {"source": "heads-dir-tuned", "num_nodes": 9, "num_draft_nodes": 8, "max_depth": 2, "dynamic": True}
+
+
+def test_eagle_candidates_get_adaedl_twins_of_the_deepest_dynamic_trees():
+    dynamic = dynamic_settings(4)
+    twins = adaedl_twins(dynamic, eagle=True)
+    assert len(twins) == ADAEDL_TWINS
+    for twin in twins:
+        assert twin.kind == "dynamic" and twin.max_depth == 4 and twin.entropy_threshold is None
+        assert twin.tree.entropy_threshold == ADAEDL_THRESHOLD
+        assert twin.record["dynamic"]["entropy_threshold"] == ADAEDL_THRESHOLD
+    assert twins[0].num_nodes == max(s.num_nodes for s in dynamic)
