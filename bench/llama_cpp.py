@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -81,13 +82,18 @@ def build_llama_cpp(cache_dir: str | os.PathLike, jobs: int | None = None, progr
     from specheads.heads.gguf import build_once
 
     final = Path(cache_dir) / BUILD_ENTRY
-    if final.is_dir():
-        return final
-    source = pinned_source(cache_dir, progress=progress)
-    for tool in ("cmake", "ninja"):
-        if shutil.which(tool) is None:
-            raise LlamaCppError(f"building llama.cpp needs {tool} on PATH (pip install cmake ninja)")
-    return build_once(final, lambda staging: _build_into(source, staging, jobs or os.cpu_count() or 1, progress))
+    if not final.is_dir():
+        source = pinned_source(cache_dir, progress=progress)
+        for tool in ("cmake", "ninja"):
+            if shutil.which(tool) is None:
+                raise LlamaCppError(f"building llama.cpp needs {tool} on PATH (pip install cmake ninja)")
+        build_once(final, lambda staging: _build_into(source, staging, jobs or os.cpu_count() or 1, progress))
+    # build_once gives a cache entry plain files' modes (heads_dir.publish_modes): the binaries
+    # need their execute bits back.
+    for name in BUILD_TARGETS:
+        binary = final / "bin" / name
+        binary.chmod(binary.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return final
 
 
 def _build_into(source: Path, directory: Path, jobs: int, progress: bool) -> None:
