@@ -297,7 +297,7 @@ def load_checkpoint(directory: Path, manifest: dict, engine, precision: str, gra
     if engine.zero_optimization():
         engine.optimizer.load_state_dict(state_dict_list=optimizer_states, load_optimizer_states=True,
                                          load_from_fp32_weights=True)
-    elif precision in ("bf16", "fp16"):
+    elif engine.bfloat16_enabled() or engine.fp16_enabled():  # not bf16 by autocast: that engine is fp32
         engine.optimizer.load_state_dict(optimizer_states[rank], load_optimizer_states=True)
     else:
         engine.optimizer.load_state_dict(optimizer_states[rank])

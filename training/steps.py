@@ -8,6 +8,7 @@ Shape legend: K heads, B micro batch, T seq_len, H hidden, V vocab, J draft step
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +22,23 @@ from specheads.training.cached import cached_micro_step
 from specheads.training.losses import heads_loss, medusa_distill_loss
 
 
+def _frozen_target(target: TargetAdapter):
+    """The teacher's forward: no grad, and never under the heads' bf16 autocast (its outputs are the
+    heads' targets; target.dtype decides its precision)."""
+    return torch.autocast(target.device.type, enabled=False), torch.no_grad()
+
+
 def _medusa_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec):
-    with torch.no_grad():
+    off, no_grad = _frozen_target(target)
+    with off, no_grad:
         out = target(input_ids_BT, [target.num_layers])  # taps[0]: final post-norm hidden [B, T, H]
     logits_KBTV = engine(out.taps[0].to(dtype))
     return medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT, engine.module.draft_to_target())
 
 
 def _eagle_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers):
-    with torch.no_grad():
+    off, no_grad = _frozen_target(target)
+    with off, no_grad:
         out = target(input_ids_BT, tap_layers)
         taps_BTnH = torch.cat(out.taps, dim=-1).to(dtype)
         next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
@@ -47,6 +56,12 @@ class StepMode:
     adapter_on: bool = False
     lm_loss_sum: float = 0.0  # LoRA: summed LM loss of the micro steps since the last report
     lm_loss_count: int = 0
+    autocast: bool = False  # bf16 on a CPU rank: forward + loss under torch.autocast (training/ds_config.py)
+
+    def precision_context(self, device_type: str):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: BlockSampler,
@@ -61,24 +76,9 @@ def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: Blo
     loss_sum, top1_sum, num_tokens = 0.0, 0.0, 0
     for _ in range(grad_accum):
         indices = sampler.next_indices()
-        if mode.cache is not None:
-            result, loss_mask_BT = cached_micro_step(engine, mode.cache, indices, target, heads_spec, tap_layers,
-                                                     dtype)
-            objective = result.loss
-        else:
-            input_ids_BT, loss_mask_BT = blocks.batch(indices)
-            input_ids_BT, loss_mask_BT = input_ids_BT.to(target.device), loss_mask_BT.to(target.device)
-            if mode.lora is not None:
-                result, lm, objective = lora_mode.joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec,
-                                                                   mode.lora, mode.adapter_on)
-                if lm is not None:
-                    mode.lm_loss_sum, mode.lm_loss_count = mode.lm_loss_sum + float(lm), mode.lm_loss_count + 1
-            elif heads_spec is not None and heads_spec.kind in EAGLE_KINDS:
-                result = _eagle_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers)
-                objective = result.loss
-            else:
-                result = _medusa_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec)
-                objective = result.loss
+        with mode.precision_context(target.device.type):
+            result, loss_mask_BT, objective = _micro_step(engine, target, blocks, indices, dtype, heads_spec,
+                                                          tap_layers, mode)
         engine.backward(objective)
         engine.step()
         loss_sum = loss_sum + result.head_loss
@@ -87,3 +87,27 @@ def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: Blo
     if mode.lora is not None:
         target.model.eval()
     return loss_sum / grad_accum, top1_sum / grad_accum, num_tokens
+
+
+def _micro_step(engine, target: TargetAdapter, blocks: PackedBlocks, indices: list[int], dtype, heads_spec,
+                tap_layers, mode: StepMode):
+    """One micro step's forward and loss -> (loss output, loss mask [B, T], the objective to backward)."""
+    if mode.cache is not None:
+        result, loss_mask_BT = cached_micro_step(engine, mode.cache, indices, target, heads_spec, tap_layers,
+                                                 dtype)
+        objective = result.loss
+    else:
+        input_ids_BT, loss_mask_BT = blocks.batch(indices)
+        input_ids_BT, loss_mask_BT = input_ids_BT.to(target.device), loss_mask_BT.to(target.device)
+        if mode.lora is not None:
+            result, lm, objective = lora_mode.joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec,
+                                                               mode.lora, mode.adapter_on)
+            if lm is not None:
+                mode.lm_loss_sum, mode.lm_loss_count = mode.lm_loss_sum + float(lm), mode.lm_loss_count + 1
+        elif heads_spec is not None and heads_spec.kind in EAGLE_KINDS:
+            result = _eagle_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers)
+            objective = result.loss
+        else:
+            result = _medusa_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec)
+            objective = result.loss
+    return result, loss_mask_BT, objective

@@ -65,7 +65,7 @@ from specheads.training.cached import AUTO as AUTO_CACHE, build_auto_cache, open
 from specheads.training.calibrate import calibrate, measure_accuracy
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.data_split import load_training_data
-from specheads.training.ds_config import build_ds_config
+from specheads.training.ds_config import build_ds_config, cpu_autocast
 from specheads.training.steps import StepMode, train_step
 from specheads.training.tracking import eval_metrics, make_tracker, new_run_id, step_metrics
 
@@ -266,7 +266,7 @@ def run(recipe: Recipe) -> Path:
     train_blocks, eval_blocks = load_training_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
                                                    target.vocab_size, recipe.target.trust_remote_code)
     tap_layers = _heads_config(recipe, target).tap_layers
-    mode = StepMode(lora=recipe.lora)
+    mode = StepMode(lora=recipe.lora, autocast=cpu_autocast(train_cfg, train_device(), recipe.lora is not None))
     if recipe.data.feature_cache is not None:
         directory = recipe.data.feature_cache
         if directory == AUTO_CACHE:
@@ -291,7 +291,8 @@ def run(recipe: Recipe) -> Path:
     run_id = (manifest or {}).get("wandb_run_id") or new_run_id()
     tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank,
                            run_id)
-    _say(dist, f"{dist.world_size} rank(s), ZeRO stage {train_cfg.zero_stage}, {train_cfg.precision}, "
+    _say(dist, f"{dist.world_size} rank(s), ZeRO stage {train_cfg.zero_stage}, {train_cfg.precision}"
+               f"{' (autocast over fp32 weights)' if mode.autocast else ''}, "
                f"steps {start_step}->{train_cfg.steps}, output {output_dir}")
 
     def save(step: int) -> Path:
@@ -391,7 +392,8 @@ def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks
         heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
     with _gathered(target, target.lm_head()):
         heads.init_lm_heads_from(target.lm_head())
-    ds_config = build_ds_config(recipe.train, dist.world_size)
+    ds_config = build_ds_config(recipe.train, dist.world_size,
+                                autocast=cpu_autocast(recipe.train, train_device(), recipe.lora is not None))
     module, params = heads, list(heads.parameters())
     if recipe.lora is not None:  # one engine over heads + adapted target; only heads + adapter train
         module = lora_mode.JointModel(heads, target, recipe.heads.kind, _heads_config(recipe, target).tap_layers,

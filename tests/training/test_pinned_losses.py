@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from specheads.train import main
-from specheads.training import trainer
+from specheads.training import steps, trainer
 
 from test_feature_cache import EAGLE, build_cache, recipe_for
 from test_lora import LORA, target_with_tokenizer  # noqa: F401 (fixture)
@@ -74,7 +74,7 @@ def walks(tmp_path_factory) -> Path:
 def run_losses(recipe: Path, monkeypatch, *overrides: str) -> list[list[str]]:
     """Train STEPS steps through specheads.train.main; -> every step's head losses as float.hex()."""
     seen = []
-    real_step = trainer.train_step
+    real_step = steps.train_step  # the original, not an earlier test's wrapper
 
     def recording_step(*args, **kwargs):
         head_loss, head_top1, num_tokens = real_step(*args, **kwargs)
