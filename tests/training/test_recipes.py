@@ -113,6 +113,24 @@ def test_the_smollm2_recipes_train_on_the_targets_own_chat_replies():
         assert recipe.train.output_dir == f"runs/smollm2-135m-{kind}"
 
 
+# Reply tokens a recipe names: data.chat_prompts conversations x data.chat_max_new_tokens, the most
+# tokens the target may write in a conversation's first reply (later turns and early stops are not
+# counted: on SmolLM2 a conversation measured about 270 tokens in all, ~220 of them reply tokens).
+def named_reply_tokens(recipe) -> int:
+    return recipe.data.chat_prompts * recipe.data.chat_max_new_tokens
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_the_smollm2_profiles_name_enough_reply_tokens(kind):
+    """CPU: >= 1M reply tokens within 2 hours on 2 cores; GPU: the same recipe scaled to >= 10M, in bf16."""
+    cpu = load_recipe(RECIPES_DIR / f"smollm2-135m-{kind}.yaml", profile="cpu")
+    gpu = load_recipe(RECIPES_DIR / f"smollm2-135m-{kind}.yaml", profile="gpu")
+    assert named_reply_tokens(cpu) >= 1_000_000, named_reply_tokens(cpu)
+    assert named_reply_tokens(gpu) >= 10_000_000, named_reply_tokens(gpu)
+    assert cpu.train.precision == gpu.train.precision == "bf16"  # CPU: autocast (training/ds_config.py)
+    assert cpu.data.feature_cache == "auto"
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_dry_runs(capsys, path):
     recipe = load_recipe(path)
