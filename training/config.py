@@ -53,6 +53,7 @@ OPTIONAL_POSITIVE_INT: Check = ("a positive int or null", lambda v: v is None or
 POSITIVE_NUMBER: Check = ("a number > 0", lambda v: _is_number(v) and v > 0)
 NON_NEGATIVE_NUMBER: Check = ("a number >= 0", lambda v: _is_number(v) and v >= 0)
 FRACTION: Check = ("a number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1)
+FRACTION_OR_ZERO: Check = ("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
 BOOL: Check = ("true or false", lambda v: isinstance(v, bool))
 NON_EMPTY_STR: Check = ("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
 OPTIONAL_STR: Check = ("a string or null", lambda v: v is None or (isinstance(v, str) and bool(v.strip())))
@@ -133,6 +134,9 @@ class DataConfig:
                          "cached), a local .jsonl/.json/.parquet file, or a datasets name")
     chat_prompts: int = _field(1000, POSITIVE_INT, "embedded:chat: prompts the target replies to")
     chat_max_new_tokens: int = _field(256, POSITIVE_INT, "embedded:chat: the longest reply generated")
+    chat_self_instruct_fraction: float = _field(0.0, FRACTION_OR_ZERO,
+                                                "embedded:chat: the share of prompts the target writes itself "
+                                                "(data/self_instruct.py), filtered; 0 = templates only")
     text_field: str = _field("text", NON_EMPTY_STR)
     tokenizer: str | None = _field(None, OPTIONAL_STR, "tokenizer path or hub id; null = the target's")
     seq_len: int = _field(256, POSITIVE_INT)

@@ -180,7 +180,8 @@ def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
     if EMBEDDED_CHAT not in (recipe.data.source, recipe.data.eval_source):
         return recipe
     replies = str(self_distilled_chat(target_path, recipe.data.chat_prompts, recipe.data.chat_max_new_tokens,
-                                      seed=recipe.train.seed))
+                                      seed=recipe.train.seed,
+                                      self_instruct_fraction=recipe.data.chat_self_instruct_fraction))
     data = dataclasses.replace(recipe.data, **{name: replies for name in ("source", "eval_source")
                                                if getattr(recipe.data, name) == EMBEDDED_CHAT})
     return dataclasses.replace(recipe, data=data)
