@@ -111,5 +111,8 @@ def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monke
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(cache))
     recipe = load_recipe(ROOT / "recipes" / "smollm2-135m-eagle3.yaml", profile="cpu")
-    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, chat_prompts=4, chat_max_new_tokens=4))
-    assert _materialize_chat_source(recipe, str(target_dir)).data.source == str(replies)
+    for fraction, cached in ((0.0, replies), (0.5, mixed)):  # the recipe's self-instruct share picks the entry
+        data = dataclasses.replace(recipe.data, chat_prompts=4, chat_max_new_tokens=4,
+                                   chat_self_instruct_fraction=fraction)
+        assert _materialize_chat_source(dataclasses.replace(recipe, data=data), str(target_dir)).data.source \
+            == str(cached)
