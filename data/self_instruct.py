@@ -27,8 +27,8 @@ from collections import Counter
 from importlib import resources
 from pathlib import Path
 
-from specheads.data.chat_prompts import (CODE_TASKS, EVERYDAY_TOPICS, HUMANITIES_TOPICS, STEM_TOPICS,
-                                         WRITING_SUBJECTS, build_prompts, follow_ups, normalize)
+from specheads.data.chat_prompts import build_prompts, follow_ups, normalize
+from specheads.data.chat_text import CODE_TASKS, EVERYDAY_TOPICS, HUMANITIES_TOPICS, STEM_TOPICS, WRITING_SUBJECTS
 
 INSTRUCTIONS = [
     "Write one question a user might ask an assistant about {subject}, in the style of {style}. "
