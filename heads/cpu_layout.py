@@ -125,6 +125,10 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scaling is None else scaling
     query_BHGD = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # G = group * T rows per KV head
+    # A cache hands out [B, Hkv, :K, D] views of longer buffers. bmm would copy them itself, through
+    # a slow strided clone of the transposed view; one dense copy first halves the attention
+    # (96 rows x 512 keys of SmolLM2 in bf16: 5.3 -> 2.8 ms a layer).
+    key, value = key.contiguous(), value.contiguous()
     scores = torch.matmul(query_BHGD, key.transpose(-1, -2)).view(batch, num_kv_heads, group, num_new, num_keys)
     scores = scores.float().mul_(scale).masked_fill_(~attention_mask[:, :, None], torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, num_kv_heads, group * num_new, num_keys)
