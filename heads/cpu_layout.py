@@ -110,14 +110,15 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     """transformers attention function: query [B, Hq, T, D], key/value [B, Hkv, K, D], a bool
     mask [B, 1, T, K] (True = attend) -> ([B, T, Hq, D], None). Query head h reads KV head
     h // group, as `repeat_kv` lays them out. Scores and softmax in fp32; a row with no key to
-    attend to (a padded batch row) averages instead of making NaN. Anything else (no or a
-    float mask, dropout, a single query token in a single row, extra kwargs such as sinks)
-    goes to transformers' own SDPA function."""
+    attend to (a padded batch row) averages instead of making NaN. Anything else (no, a float
+    or a per-head mask, dropout, a single query token in a single row, extra kwargs such as
+    sinks) goes to transformers' own SDPA function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, num_q_heads, num_new, head_dim = query.shape
-    covered = (attention_mask is not None and attention_mask.dtype == torch.bool and not dropout
-               and batch * num_new > 1 and not kwargs.get("s_aux") and key.shape[-1] == value.shape[-1])
+    covered = (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+               and not dropout and batch * num_new > 1 and not kwargs.get("s_aux")
+               and key.shape[-1] == value.shape[-1])
     if not covered:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -130,7 +131,8 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     # (96 rows x 512 keys of SmolLM2 in bf16: 5.3 -> 2.8 ms a layer).
     key, value = key.contiguous(), value.contiguous()
     scores = torch.matmul(query_BHGD, key.transpose(-1, -2)).view(batch, num_kv_heads, group, num_new, num_keys)
-    scores = scores.float().mul_(scale).masked_fill_(~attention_mask[:, :, None], torch.finfo(torch.float32).min)
+    visible_B11TK = attention_mask[:, :, None, :, :num_keys]  # a mask may be longer than the keys, as SDPA allows
+    scores = scores.float().mul_(scale).masked_fill_(~visible_B11TK, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, num_kv_heads, group * num_new, num_keys)
     out_BHTD = torch.matmul(probs, value).view(batch, num_q_heads, num_new, head_dim)
     return out_BHTD.transpose(1, 2), None
