@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -130,7 +129,9 @@ def llama_server(server: Path, model: Path, extra: list[str], threads: int, log_
     """A llama-server on 127.0.0.1 serving `model`, up within START_TIMEOUT_S; stopped on exit."""
     import httpx
 
-    port = _free_port()
+    from specheads.bench.serve_load import free_port
+
+    port = free_port()
     command = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
                "--parallel", "1", "--ctx-size", "4096", "--metrics", "--no-webui", *extra]
     with open(log_path, "w") as log:
@@ -158,12 +159,6 @@ def llama_server(server: Path, model: Path, extra: list[str], threads: int, log_
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path) -> str:

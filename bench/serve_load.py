@@ -122,14 +122,15 @@ def add_acceptance(row: dict, before: dict[str, float], after: dict[str, float])
     return row
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the servers the bench starts bind it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "specheads", "serve", "--target", args.target, "--port", str(port),
                "--max-concurrency", str(args.max_concurrency), "--max-queue", str(max(64, args.requests)),
                "--log-level", "warning"]
