@@ -182,9 +182,9 @@ def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
     replies = str(self_distilled_chat(target_path, recipe.data.chat_prompts, recipe.data.chat_max_new_tokens,
                                       seed=recipe.train.seed,
                                       self_instruct_fraction=recipe.data.chat_self_instruct_fraction))
-    data = dataclasses.replace(recipe.data, **{name: replies for name in ("source", "eval_source")
-                                               if getattr(recipe.data, name) == EMBEDDED_CHAT})
-    return dataclasses.replace(recipe, data=data)
+    data = recipe.data.replace(**{name: replies for name in ("source", "eval_source")
+                                  if getattr(recipe.data, name) == EMBEDDED_CHAT})
+    return recipe.replace(data=data)
 
 
 def _recorded_name(name_or_path: str) -> str:
@@ -207,8 +207,8 @@ def _check_resumable(manifest: dict, recipe: Recipe, directory: Path) -> None:
         if name:
             old, new = old.get(name), new[name]
         elif isinstance(old, dict) and isinstance(new, dict):  # keys added since: their defaults
-            defaults = {f.name: f.default for f in dataclasses.fields(type(getattr(recipe, section)))
-                        if f.default is not dataclasses.MISSING}
+            defaults = {name: f.get_default(call_default_factory=True)
+                        for name, f in type(getattr(recipe, section)).model_fields.items() if not f.is_required()}
             old = {**{k: v for k, v in defaults.items() if k in new}, **old}
         if old != new:
             differ.append(key)
@@ -481,7 +481,7 @@ def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBl
             base = {"name_or_path": recipe.target.name_or_path, "resolved_path": str(Path(target_path).resolve())
                     if Path(target_path).exists() else target_path,
                     "dtype": str(resolve_dtype(recipe.target.dtype, train_device())).removeprefix("torch."),
-                    "trust_remote_code": recipe.target.trust_remote_code, "lora": dataclasses.asdict(recipe.lora)}
+                    "trust_remote_code": recipe.target.trust_remote_code, "lora": recipe.lora.to_dict()}
             lora_mode.save_adapter(peft_model, output_dir / ADAPTER_SUBDIR, base)
             _say(dist, f"wrote {output_dir / ADAPTER_SUBDIR} (serve the merged target: specheads export "
                        f"{output_dir} --format merged --out DIR)")

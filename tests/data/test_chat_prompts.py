@@ -84,8 +84,6 @@ def check_disjoint(prompts: list[dict], turns: list[str]) -> None:
 
 
 def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monkeypatch):
-    import dataclasses
-
     import specheads.data.regenerate as regenerate_module
     from specheads.data.chat_prompts import self_distilled_chat
     from specheads.training.config import load_recipe
@@ -112,7 +110,6 @@ def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monke
     monkeypatch.setenv("SPECHEADS_CACHE", str(cache))
     recipe = load_recipe(ROOT / "recipes" / "smollm2-135m-eagle3.yaml", profile="cpu")
     for fraction, cached in ((0.0, replies), (0.5, mixed)):  # the recipe's self-instruct share picks the entry
-        data = dataclasses.replace(recipe.data, chat_prompts=4, chat_max_new_tokens=4,
-                                   chat_self_instruct_fraction=fraction)
-        assert _materialize_chat_source(dataclasses.replace(recipe, data=data), str(target_dir)).data.source \
+        data = recipe.data.replace(chat_prompts=4, chat_max_new_tokens=4, chat_self_instruct_fraction=fraction)
+        assert _materialize_chat_source(recipe.replace(data=data), str(target_dir)).data.source \
             == str(cached)

@@ -1,14 +1,20 @@
 """Recipes are strict: unknown keys and bad values fail with the dotted key; overrides use
-dotted keys; every shipped recipe loads; the DeepSpeed JSON is generated from the recipe."""
+dotted keys; recipes are frozen; every shipped recipe loads; the committed JSON schema is the
+models' own; the DeepSpeed JSON is generated from the recipe."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from specheads.training.config import Recipe, RecipeError, load_recipe, recipe_from_dict
+from specheads.training.config import Recipe, RecipeError, dotted_keys, load_recipe, recipe_from_dict, schema_text
 from specheads.training.ds_config import build_ds_config
+from specheads.training.recipe_models import expected, section_type
 
 from conftest import REPO
 
@@ -33,6 +39,8 @@ def test_minimal_recipe_gets_defaults(tmp_path):
 
 @pytest.mark.parametrize("text, dotted", [
     (MINIMAL + "train:\n  stepz: 10\n", "train.stepz"),
+    (MINIMAL + "lora:\n  rnak: 8\n", "lora.rnak"),  # the optional section forbids unknown keys too
+    (MINIMAL + "train:\n  steps: 0\n  stepz: 10\n", "train.stepz"),  # an unknown key is named first
     (MINIMAL + "trian:\n  steps: 10\n", "trian"),
     (MINIMAL + "heads:\n  num_heads: 2\n  depth: 3\n", "heads.depth"),
     ("target:\n  name_or_path: x\n  revision: main\n", "target.revision"),
@@ -42,7 +50,7 @@ def test_unknown_key_names_the_dotted_key(tmp_path, text, dotted):
         load_recipe(write(tmp_path, text))
     message = str(err.value)
     assert message.startswith(f"{dotted}: unknown key")
-    assert "known keys" in message
+    assert "known keys" in message and "\n" not in message
 
 
 def test_unknown_key_suggests_the_close_one(tmp_path):
@@ -65,11 +73,83 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
     (MINIMAL + "train: 5\n", "train: expected a mapping of keys to values, got 5"),
     ("heads:\n  num_heads: 2\n", "target: required section is missing"),
     ("target:\n  dtype: float32\n", "target.name_or_path: required"),
+    # Stricter than the hand-written checks were: no float for an int choice, no infinity.
+    (MINIMAL + "train:\n  zero_stage: 1.0\n", "train.zero_stage: expected one of [0, 1, 2, 3], got 1.0"),
+    (MINIMAL + "train:\n  zero_stage: true\n", "train.zero_stage: expected one of [0, 1, 2, 3], got True"),
+    (MINIMAL + "train:\n  lr: .inf\n", "train.lr: expected a number > 0, got inf"),
+    (MINIMAL + "train:\n  steps: '10'\n", "train.steps: expected a positive int, got '10'"),
+    (MINIMAL + "train:\n  lr: fast\n", "train.lr: expected a number > 0, got 'fast'"),
+    (MINIMAL + "heads:\n  tap_layers: [2, -1]\n",
+     "heads.tap_layers: expected a non-empty list of ints >= 0, or null, got [2, -1]"),
+    (MINIMAL + "lora:\n  target_modules: [q_proj, '']\n",
+     "lora.target_modules: expected a non-empty list of module names (strings), or 'all-linear', got ['q_proj', '']"),
+    (MINIMAL + "lora: 3\n", "lora: expected a mapping of keys to values, got 3"),
 ])
 def test_bad_value_names_key_and_expectation(tmp_path, text, message):
     with pytest.raises(RecipeError) as err:
         load_recipe(write(tmp_path, text))
     assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("seed, accepted", [(-1, False), (0, True), (2**32 - 1, True), (2**32, False)])
+def test_the_seed_is_a_32_bit_int(tmp_path, seed, accepted):
+    path = write(tmp_path, MINIMAL + f"train:\n  seed: {seed}\n")
+    if accepted:
+        assert load_recipe(path).train.seed == seed
+        return
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value) == f"train.seed: expected an int with 0 <= seed < 2**32 (4294967296), got {seed}"
+
+
+def test_recipes_are_frozen_and_replace_makes_a_validated_copy(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL))
+    with pytest.raises(ValidationError, match="frozen"):
+        recipe.train.steps = 5
+    with pytest.raises(ValidationError, match="frozen"):
+        recipe.lora = None
+    data = recipe.data.replace(eval_fraction=0.2)
+    assert (data.eval_fraction, recipe.data.eval_fraction) == (0.2, 0.05)
+    assert recipe.replace(data=data).data == data and recipe.data.eval_fraction == 0.05
+    with pytest.raises(RecipeError, match=r"^data\.eval_fraction: expected a number in \(0, 1\), got 2\.0$"):
+        recipe.data.replace(eval_fraction=2)
+    with pytest.raises(RecipeError, match="^train.stepz: unknown key; did you mean 'steps'"):
+        recipe.train.replace(stepz=3)
+    with pytest.raises(RecipeError, match="^lora: LoRA joint training does not support train.zero_stage 3"):
+        recipe.replace(lora={}, train=recipe.train.replace(zero_stage=3))  # cross-section rules run again
+
+
+def test_every_value_says_what_it_expects():
+    for dotted in dotted_keys():
+        section, _, name = dotted.partition(".")
+        cls = section_type(Recipe, section) if name else Recipe
+        assert expected(cls.model_fields[name or section]), dotted
+
+
+def test_the_committed_schema_is_the_models_own():
+    committed = (RECIPES_DIR / "recipe.schema.json").read_text()
+    regenerate = [sys.executable, "-m", "specheads.training.config", "--schema"]
+    assert committed == schema_text(), f"regenerate it: {' '.join(regenerate[1:])} > recipes/recipe.schema.json"
+    assert subprocess.run(regenerate, capture_output=True, text=True, check=True).stdout == committed
+
+
+@pytest.mark.parametrize("text, flagged", [
+    (MINIMAL, None),
+    (MINIMAL + "train:\n  stepz: 10\n", "stepz"),
+    (MINIMAL + "train:\n  seed: 4294967296\n", "4294967296"),
+    (MINIMAL + "heads:\n  kind: hydra\n", "hydra"),
+    (MINIMAL + "profiles:\n  cpu:\n    train.steps: 5\n", None),
+    (MINIMAL + "profiles:\n  cpu:\n    train.stepz: 5\n", "train.stepz"),
+])
+def test_the_schema_flags_what_loading_refuses(text, flagged):
+    """What an editor shows: the schema refuses unknown keys (profiles' dotted keys too) and bounds."""
+    import jsonschema
+    import yaml
+
+    validator = jsonschema.Draft7Validator(json.loads((RECIPES_DIR / "recipe.schema.json").read_text()))
+    errors = [error.message for error in validator.iter_errors(yaml.safe_load(text))]
+    assert (errors == []) if flagged is None else any(flagged in message for message in errors), errors
 
 
 def test_float_fields_accept_yaml_exponents(tmp_path):

@@ -1,6 +1,7 @@
-"""Every shipped recipe loads strictly, starts with its launch command, and dry-runs offline:
-target and heads built on the meta device from the shipped config.json, parameter counts
-matching the published model sizes, a memory estimate and the generated DeepSpeed JSON."""
+"""Every shipped recipe loads strictly, starts with its launch command, names its JSON schema
+for editors (and passes it), and dry-runs offline: target and heads built on the meta device
+from the shipped config.json, parameter counts matching the published model sizes, a memory
+estimate and the generated DeepSpeed JSON."""
 
 from __future__ import annotations
 
@@ -76,6 +77,20 @@ def test_recipe_loads_and_starts_with_its_launch_command(path):
     match = LAUNCH_LINE.match(first)
     assert match, f"{path.name}: first line must be its deepspeed launch command, got {first!r}"
     assert match.group("name") == path.name
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_names_its_schema_for_editors_and_keeps_to_it(path):
+    """The YAML language server reads the modeline; the recipe, profiles included, passes the
+    schema, so an editor flags nothing in a shipped recipe."""
+    import jsonschema
+    import yaml
+
+    assert "# yaml-language-server: $schema=recipe.schema.json" in path.read_text().splitlines(), path.name
+    schema = json.loads((RECIPES_DIR / "recipe.schema.json").read_text())
+    errors = [f"{list(e.absolute_path)}: {e.message}"
+              for e in jsonschema.Draft7Validator(schema).iter_errors(yaml.safe_load(path.read_text()))]
+    assert errors == [], path.name
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

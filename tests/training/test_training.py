@@ -330,9 +330,8 @@ def test_data_split_and_eval_split_select_records_through_load_dataset(tmp_path,
     assert sorted(int(block[0]) for block in held_out.input_ids) == [4 + i for i in range(36, 40)]
     assert "[train[:25%]]" in train.report.source and "[train[90%:]]" in held_out.report.source
     # Without eval_split the held-out part is the last eval_fraction of the split's records.
-    recipe.data.eval_split = None
-    recipe.data.eval_fraction = 0.2
-    train, held_out = load_training_data(recipe.data, None, seed=0, eos_token_id=2)
+    data = recipe.data.replace(eval_split=None, eval_fraction=0.2)
+    train, held_out = load_training_data(data, None, seed=0, eos_token_id=2)
     assert len(train) == 8 and len(held_out) == 2
     assert {int(b[0]) for b in train.input_ids} | {int(b[0]) for b in held_out.input_ids} == set(range(4, 14))
 
