@@ -34,7 +34,6 @@ import contextlib
 import copy
 import functools
 import gc
-import json
 import os
 import sys
 import time
@@ -44,9 +43,10 @@ from types import SimpleNamespace
 
 import torch
 
-from specheads.serving.decode.generate import generate
 from torch import nn
 
+from specheads.heads import atomic
+from specheads.serving.decode.generate import generate
 from specheads.bench.gpu_kernels import random_tree_mask, section_kernel_speed, section_parity, time_ms, wall_s
 
 PEAK_HBM = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))  # bytes/s
@@ -414,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         report["sections"][name] = record = run_section(ctx, name)
         print(f"[gpu_suite] {name}: {record.get('error', 'ok')} ({record['seconds']:.1f} s)", flush=True)
         meta["seconds"] = time.perf_counter() - begin
-        (args.out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / "gpu_suite.md").write_text(format_markdown(report))
+        atomic.write_json(args.out / "gpu_suite.json", report)  # after every section: a killed run keeps the rest
+        atomic.write_text(args.out / "gpu_suite.md", format_markdown(report))
     return 0 if all(record["ok"] for record in report["sections"].values()) else 1
 
 

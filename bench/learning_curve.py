@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     print(format_table(points, args.depths))
     if args.out:
-        from specheads.heads.heads_dir import atomic_write_bytes
+        from specheads.heads import atomic
 
-        atomic_write_bytes(args.out, render(points, args.depths))
+        atomic.write_bytes(args.out, render(points, args.depths))
         print(f"learning curve: wrote {args.out}")
     return 0
 

@@ -78,7 +78,7 @@ def find_server(directory: str | os.PathLike) -> Path:
 def build_llama_cpp(cache_dir: str | os.PathLike, jobs: int | None = None, progress: bool = True) -> Path:
     """The cached llama.cpp build (bin/ with BUILD_TARGETS), built from the pinned source once."""
     from specheads.heads.export_llama_cpp import pinned_source
-    from specheads.heads.gguf import build_once
+    from specheads.heads.atomic import build_once
 
     final = Path(cache_dir) / BUILD_ENTRY
     if not final.is_dir():
@@ -87,7 +87,7 @@ def build_llama_cpp(cache_dir: str | os.PathLike, jobs: int | None = None, progr
             if shutil.which(tool) is None:
                 raise LlamaCppError(f"building llama.cpp needs {tool} on PATH (pip install cmake ninja)")
         build_once(final, lambda staging: _build_into(source, staging, jobs or os.cpu_count() or 1, progress))
-    # build_once gives a cache entry plain files' modes (heads_dir.publish_modes): the binaries
+    # build_once gives a cache entry plain files' modes (heads/atomic.py publish_modes): the binaries
     # need their execute bits back.
     for name in BUILD_TARGETS:
         binary = final / "bin" / name

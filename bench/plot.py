@@ -294,7 +294,7 @@ def render(report: dict) -> bytes:
 
 def write_plots(report: dict, path: str | Path) -> Path:
     """Write the PNG atomically (temp file + rename): `path` is either old or whole."""
-    from specheads.heads.heads_dir import atomic_write_bytes
+    from specheads.heads import atomic
 
-    atomic_write_bytes(path, render(report))
+    atomic.write_bytes(path, render(report))
     return Path(path)

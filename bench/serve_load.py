@@ -217,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             process.wait(60)
     print(format_table(rows))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"schema": "specheads.serve_load/1", "max_tokens": args.max_tokens, "rows": rows}, handle,
-                      indent=2)
+        from specheads.heads import atomic
+
+        atomic.write_json(args.json, {"schema": "specheads.serve_load/1", "max_tokens": args.max_tokens, "rows": rows})
     return 0
 
 

@@ -165,9 +165,9 @@ def follow_ups(kind: str, rng: random.Random, follow_up_fraction: float, third_t
 
 def write_records(output: str | Path, records: list[dict]) -> Path:
     """Prompt records as JSON lines, written atomically."""
-    from specheads.data.regenerate import atomic_write_text
+    from specheads.heads import atomic
 
-    atomic_write_text(Path(output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    atomic.write_text(Path(output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return Path(output)
 
 
@@ -185,8 +185,9 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     data/self_instruct.py) with the target's own greedy replies (data/regenerate.py, in `dtype`:
     "auto" is the device's fast dtype), as OpenAI-messages JSON lines in the specheads cache;
     generated on first use, resumed if interrupted, then reused."""
-    from specheads.data.regenerate import _target_fingerprint, regenerate, write_json_atomic
+    from specheads.data.regenerate import _target_fingerprint, regenerate
     from specheads.data.tiny_target import default_cache_dir
+    from specheads.heads import atomic
     from specheads.heads.target import resolve_dtype
     from filelock import FileLock
 
@@ -212,7 +213,7 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
             log(f"{EMBEDDED_CHAT}: the target replies to {num_prompts} prompts (once; cached in {directory})")
             progress = regenerate(target_path, str(prompts), str(replies), batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, dtype=resolved, log=log)
-            write_json_atomic(done, {**settings, "summary": progress.summary()})
+            atomic.write_json(done, {**settings, "summary": progress.summary()})
     return replies
 
 

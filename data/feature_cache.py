@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specheads.data.text import DataError, PackedBlocks
+from specheads.heads import atomic
 
 FORMAT_VERSION = 1
 FULL_LOGITS_MAX_VOCAB = 4096
@@ -60,12 +60,6 @@ def estimate_bytes(num_blocks: int, seq_len: int, hidden_size: int, num_taps: in
     width = torch.finfo(dtype).bits // 8
     logits = positions * vocab_size * width if top_k is None else positions * top_k * (width + 4)
     return positions * (8 + 1) + positions * hidden_size * num_taps * width + logits
-
-
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
 
 
 @torch.no_grad()
@@ -114,7 +108,8 @@ def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Pa
         tensors = {"input_ids": input_ids, "loss_mask": loss_mask,
                    **{name: torch.cat(chunks) for name, chunks in parts.items()}}
         name = f"shard-{len(shards):05d}.safetensors"
-        _save_atomic(tensors, out / name)
+        with atomic.temp_path(out / name) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         shards.append({"file": name, "num_blocks": len(indices)})
         log(f"feature cache: wrote {name} ({shard_start + len(indices)}/{num_blocks} blocks)")
     bar.close()
@@ -123,9 +118,7 @@ def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Pa
         "num_blocks": num_blocks, "seq_len": seq_len, "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size, "dtype": str(target.dtype).removeprefix("torch."),
         "source": blocks.report.summary(), "total_bytes": total, "shards": shards}
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, default=str))
-    os.replace(tmp, out / MANIFEST)
+    atomic.write_json(out / MANIFEST, manifest, indent=1, default=str)
     return out / MANIFEST
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from specheads.data.chat import ensure_chat_template, generation_prompt_ids
 from specheads.data.records import Conversation, normalize_record
 from specheads.data.text import DataError, load_records, load_tokenizer
+from specheads.heads import atomic
 
 PROGRESS_SUFFIX = ".progress.json"
 REPLY_SLACK_TOKENS = 16  # a decoded reply re-encoded in a later turn's prompt may take this many tokens more
@@ -78,21 +79,6 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + PROGRESS_SUFFIX)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file + fsync + rename: the file is either old or whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1))
-
-
 def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int) -> Progress:
     """Fresh progress, or the saved one with the output cut back to its last whole batch."""
     saved = progress_path(output)
@@ -104,7 +90,7 @@ def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(b"")
         progress = Progress(str(Path(input_path).resolve()), num_records, max_new_tokens)
-        write_json_atomic(saved, asdict(progress))
+        atomic.write_json(saved, asdict(progress))
         return progress
     progress = Progress(**json.loads(saved.read_text()))
     if (progress.input, progress.num_input_records, progress.max_new_tokens) != (
@@ -329,7 +315,7 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
             progress.output_bytes = f.tell()
         progress.next_record += len(batch)
         progress.num_written += len(lines)
-        write_json_atomic(progress_path(output), asdict(progress))
+        atomic.write_json(progress_path(output), asdict(progress))
         num_batches += 1
     meter.close()
     log(f"regenerate: {progress.summary()}")
@@ -395,8 +381,8 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
     records = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]
     lines = "".join(json.dumps({"input_ids": record, "prompt_len": len(prompt)}) + "\n"
                     for record, prompt in zip(records, prompts))
-    atomic_write_text(output, lines)
-    write_json_atomic(meta, settings)
+    atomic.write_text(output, lines)
+    atomic.write_json(meta, settings)
     num_tokens = sum(len(r) for r in records)
     log(f"distill: wrote {num_records} records, {num_tokens} tokens, to {output}")
     return output

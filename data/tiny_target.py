@@ -23,18 +23,15 @@ import math
 import os
 import platform
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from filelock import FileLock
 
 from specheads.heads import gguf
-from specheads.heads.heads_dir import publish_modes
+from specheads.heads.atomic import build_once
 
 DEFAULT_TARGET_NAME = "embedded:tiny"
 SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/gguf.py)
@@ -104,29 +101,7 @@ def build_tiny_target(cache_dir: Path | None = None, spec: TinyTargetSpec = DEFA
     final = target_dir(cache_dir, spec)
     if final.is_dir() and not force:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(final.with_name(final.name + ".lock")):
-        if final.is_dir() and not force:  # another process built it while we waited
-            return final
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            _build_into(staging, spec, progress, final.name)
-            publish_modes(staging)  # mkdtemp makes it 0700; a cache entry is ordinary files
-            _swap_into_place(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
-
-
-def _swap_into_place(staging: Path, final: Path) -> None:
-    """Rename `staging` to `final`; an existing `final` (force) is moved aside, then deleted."""
-    if not final.is_dir():
-        staging.rename(final)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-    final.rename(old / "build")
-    staging.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    return build_once(final, lambda staging: _build_into(staging, spec, progress, final.name), force=force)
 
 
 def resolve_target(name_or_path: str, progress: bool = True) -> str:

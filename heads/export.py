@@ -49,10 +49,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads import export_eagle3, export_medusa
+from specheads.heads import atomic, export_eagle3, export_medusa
 from specheads.heads.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
-                                       atomic_write_text, build_heads, read_heads_config, staged_dir,
-                                       write_weights_dir)
+                                       build_heads, read_heads_config, write_weights_dir)
 from specheads.heads.target import DTYPES, TargetIdentity
 
 FORMATS = {  # format -> (heads kind, weights file name)
@@ -236,7 +235,7 @@ def export_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"the base target {base['resolved_path']!r} has no loadable tokenizer ({err}); "
                                 "the merged target must ship one to be served") from None
-    with staged_dir(out_dir) as tmp:
+    with atomic.staged_dir(out_dir) as tmp:
         merged.save_pretrained(tmp / MERGED_TARGET_SUBDIR)
         tokenizer.save_pretrained(tmp / MERGED_TARGET_SUBDIR)
         identity = TargetIdentity.from_config(merged.config, str((out_dir / MERGED_TARGET_SUBDIR).resolve()),
@@ -244,7 +243,7 @@ def export_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
         config.check_fits(identity, source=f"heads at {str(heads_dir)!r}")
         config.target = identity
         shutil.copytree(heads_dir, tmp / MERGED_HEADS_SUBDIR)  # weights and any extras (tuning.json); new config
-        atomic_write_text(tmp / MERGED_HEADS_SUBDIR / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+        atomic.write_text(tmp / MERGED_HEADS_SUBDIR / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
     return out_dir
 
 

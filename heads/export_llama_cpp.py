@@ -57,7 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from specheads.heads.heads_dir import atomic_write_text, read_heads_config, staged_dir
+from specheads.heads import atomic
+from specheads.heads.heads_dir import read_heads_config
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp with EAGLE-3 support
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
@@ -110,7 +111,7 @@ def export_llama_cpp(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     config.check_fits(resolve_target(target_dir), source=f"heads at {str(heads_dir)!r}")
     converter = Path(converter)
     log = log or (lambda message: None)
-    with tempfile.TemporaryDirectory(prefix="specheads-eagle3-") as scratch, staged_dir(out_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="specheads-eagle3-") as scratch, atomic.staged_dir(out_dir) as tmp:
         eagle3_dir = export_heads(heads_dir, "eagle3", Path(scratch) / "eagle3")
         log(f"converting the heads with {converter} ({outtype})")
         run_converter(converter, eagle3_dir, tmp / DRAFT_NAME, outtype, target_model_dir=target_dir,
@@ -124,7 +125,7 @@ def export_llama_cpp(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, *
                 "tap_layers": config.tap_layers, "llama_cpp_target_layers": layers,
                 "draft": DRAFT_NAME, "target": TARGET_NAME if with_target else None,
                 "serve": f"llama-server -m {TARGET_NAME} -md {DRAFT_NAME} --spec-type draft-eagle3"}
-        atomic_write_text(tmp / INFO_NAME, json.dumps(info, indent=2) + "\n")
+        atomic.write_text(tmp / INFO_NAME, json.dumps(info, indent=2) + "\n")
     return Path(out_dir)
 
 
@@ -205,10 +206,9 @@ def find_converter(directory: str | os.PathLike) -> Path:
 
 def pinned_source(cache_dir: str | os.PathLike, progress: bool = True) -> Path:
     """The llama.cpp source vendored in LLAMA_CPP_PYTHON's sdist, fetched and unpacked once."""
-    from specheads.heads.gguf import build_once
 
     final = Path(cache_dir) / SOURCE_ENTRY
-    return build_once(final, lambda staging: _fetch_source_into(staging, progress))
+    return atomic.build_once(final, lambda staging: _fetch_source_into(staging, progress))
 
 
 def _fetch_source_into(directory: Path, progress: bool) -> None:

@@ -36,15 +36,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from importlib.metadata import version
 from pathlib import Path
 
-from filelock import FileLock
 
-from specheads.heads.heads_dir import publish_modes
+from specheads.heads.atomic import build_once
 
 GGUF_FORMAT = 1  # bump when the conversion changes in a way the key does not capture
 GGUF_MAGIC = b"GGUF"
@@ -292,25 +290,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def build_once(final: Path, build) -> Path:
-    """`final`, made by `build(staging)` unless it exists: under a file lock, into a staging
-    directory beside it that is renamed into place whole, or removed on any failure."""
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(final.with_name(final.name + ".lock")):
-        if final.is_dir():  # another process built it while we waited
-            return final
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            build(staging)
-            publish_modes(staging)  # mkdtemp makes it 0700; a cache entry is ordinary files
-            staging.rename(final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def _say(progress: bool, message: str) -> None:

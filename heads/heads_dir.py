@@ -9,18 +9,15 @@ Head kinds: "medusa" (heads/medusa.py); "eagle3" and its EAGLE-1/2 variant "eagl
 is trained and calibrated for (the training-time-test steps) and `num_layers` is 1.
 
 Writes are atomic: the whole directory is written under a temporary name beside the
-destination and renamed into place, so a reader never sees a half-written directory.
+destination and renamed into place (heads/atomic.py), so a reader never sees a half-written
+directory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specheads.heads import atomic
 from specheads.heads.target import TargetIdentity
 
 FORMAT_NAME = "specheads"
@@ -163,82 +161,16 @@ def build_heads(config: HeadsConfig) -> nn.Module:
     raise ValueError(f"unknown head kind {config.kind!r}; expected one of {list(HEAD_KINDS)}")
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a text file via temp file + fsync + rename, so it is either old or whole."""
-    atomic_write_bytes(path, text.encode())
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def publish_modes(path: str | os.PathLike) -> None:
-    """Give `path` (a file, or a directory and everything under it) the modes an ordinary
-    open()/mkdir() would: mkstemp/mkdtemp make 0600/0700, which would leave a heads directory
-    or a cache entry unreadable to the other users (a serving container, a teammate) who read it."""
-    mask = _umask()
-    path = Path(path)
-    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
-        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file via temp file + fsync + rename, so it is either old or whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would make
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a fully written `tmp_dir` to `final_dir`, replacing any previous directory."""
-    final_dir = Path(final_dir)
-    if final_dir.exists():
-        trash = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
-        os.replace(final_dir, trash)
-        os.replace(tmp_dir, final_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, final_dir)
-
-
-@contextlib.contextmanager
-def staged_dir(final_dir: str | os.PathLike) -> Iterator[Path]:
-    """Write a directory atomically: yields an empty staging directory beside final_dir; a
-    clean exit moves it into place (replacing any previous one), an error removes it."""
-    final_dir = Path(final_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".{final_dir.name}.tmp-"))
-    try:
-        yield tmp
-        publish_modes(tmp)
-        replace_dir(tmp, final_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def write_weights_dir(directory: str | os.PathLike, config: dict, state: dict[str, torch.Tensor],
                       weights_name: str = WEIGHTS_NAME, torch_twin: str | None = None) -> Path:
     """config.json + one safetensors file (and, with `torch_twin`, the same tensors
-    torch.save'd under that name), written atomically (staged_dir)."""
-    with staged_dir(directory) as tmp:
+    torch.save'd under that name), written atomically (atomic.staged_dir)."""
+    with atomic.staged_dir(directory) as tmp:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / weights_name), metadata={"format": "pt"})
         if torch_twin is not None:
             torch.save(tensors, tmp / torch_twin)
-        atomic_write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
+        atomic.write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return Path(directory)
 
 
@@ -294,9 +226,9 @@ def update_tree(directory: str | os.PathLike, tree: dict, tuning_report: dict | 
         raise ValueError(f"a heads tree needs 'paths' (a static tree) or 'dynamic' (a dynamic tree config), "
                          f"got {tree!r}")
     if tuning_report is not None:
-        atomic_write_text(directory / TUNING_NAME, json.dumps(tuning_report, indent=2) + "\n")
+        atomic.write_text(directory / TUNING_NAME, json.dumps(tuning_report, indent=2) + "\n")
     config.tree = dict(tree)
-    atomic_write_text(directory / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+    atomic.write_text(directory / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
     return config
 
 

@@ -205,9 +205,9 @@ def run(args) -> int:
         print(f"\n### {'step costs with ' + table['heads'] if 'heads' in table else 'step costs'}\n\n"
               + StepCostTable.from_json(table).format())
     if args.json_out:
-        from specheads.heads.heads_dir import atomic_write_text
+        from specheads.heads import atomic
 
-        atomic_write_text(args.json_out, json.dumps(report, indent=2) + "\n")
+        atomic.write_text(args.json_out, json.dumps(report, indent=2) + "\n")
         print(f"\nJSON report: {args.json_out}", file=sys.stderr)
     if args.plot:
         from specheads.bench.plot import write_plots

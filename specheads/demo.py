@@ -136,7 +136,8 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
 
     from specheads.bench.harness import format_report, run_bench
     from specheads.bench.plot import require_matplotlib, write_plots
-    from specheads.heads.heads_dir import atomic_write_text, load_heads
+    from specheads.heads import atomic
+    from specheads.heads.heads_dir import load_heads
 
     heads_list = []
     for label, directory in heads_dirs.items():
@@ -147,7 +148,7 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
                        heads_list=heads_list, eos_token_id=tokenizer.eos_token_id, fallback=False,
                        log=lambda msg: print(msg, flush=True))
     print(format_report(report).split("\n### by category")[0])
-    atomic_write_text(out_dir / "bench.json", json.dumps(report, indent=1, default=str))
+    atomic.write_text(out_dir / "bench.json", json.dumps(report, indent=1, default=str))
     try:
         require_matplotlib()
     except ImportError as err:

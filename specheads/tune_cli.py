@@ -72,7 +72,7 @@ def run(args) -> int:
     print(f"\nstored tree {report['winner']!r} in {args.heads}/config.json (sweep: {args.heads}/tuning.json)",
           file=sys.stderr)
     if args.json_out:
-        from specheads.heads.heads_dir import atomic_write_text
+        from specheads.heads import atomic
 
-        atomic_write_text(args.json_out, json.dumps(report, indent=2) + "\n")
+        atomic.write_text(args.json_out, json.dumps(report, indent=2) + "\n")
     return 0

@@ -52,8 +52,8 @@ def build_auto_cache(target: TargetAdapter, target_path: str, blocks: PackedBloc
     """`data.feature_cache: auto`: cache the target's taps + top-k logits over the training
     blocks once (one target forward per block), then reuse it on every later run of the same
     data. Built once under a lock every rank waits on, in a staging directory renamed whole
-    (heads/gguf.py build_once)."""
-    from specheads.heads.gguf import build_once
+    (heads/atomic.py build_once)."""
+    from specheads.heads.atomic import build_once
 
     directory = auto_cache_dir(target_path, blocks, taps, target.dtype)
     if directory.is_dir():

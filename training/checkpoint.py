@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specheads.heads.heads_dir import atomic_write_text, replace_dir
+from specheads.heads import atomic
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
@@ -169,21 +169,6 @@ def _unfused_masters(optimizer) -> dict[int, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- save
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_torch(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    _fsync(tmp)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_state: dict,
                     recipe_dict: dict, precision: str, extra: dict | None = None) -> Path:
     """Collective: all ranks call it at the same step. Returns the checkpoint directory.
@@ -197,19 +182,19 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
         tmp.mkdir(parents=True)
     barrier()
     weights = full_state_dict(engine)  # collective under ZeRO
-    _save_torch({"optimizer": to_plain(engine.optimizer.state_dict()),
-                 "loss_scaler": _scaler_state(engine.optimizer),
-                 "rng": _rng_state()}, tmp / rank_file(rank))
+    with atomic.temp_path(tmp / rank_file(rank)) as path:
+        torch.save({"optimizer": to_plain(engine.optimizer.state_dict()),
+                    "loss_scaler": _scaler_state(engine.optimizer), "rng": _rng_state()}, path)
     barrier()
     final = root / name
     if rank == 0:
         heads_weights, adapter_weights = _split(engine, weights)
         save_file(heads_weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        _fsync(tmp / WEIGHTS)
+        atomic.fsync(tmp / WEIGHTS)
         files = [WEIGHTS] + [rank_file(r) for r in range(world_size)]
         if adapter_weights is not None:
             save_file(adapter_weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            _fsync(tmp / ADAPTER_WEIGHTS)
+            atomic.fsync(tmp / ADAPTER_WEIGHTS)
             files.append(ADAPTER_WEIGHTS)
         missing = [f for f in files if not (tmp / f).is_file()]
         if missing:
@@ -222,11 +207,11 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
                        "skipped_steps": engine.skipped_steps},
             "files": files, "recipe": recipe_dict, **(extra or {}),
         }
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        _fsync(tmp)
-        replace_dir(tmp, final)
-        _fsync(root)
-        atomic_write_text(root / LATEST, name + "\n")
+        atomic.write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        atomic.fsync(tmp)
+        atomic.replace_dir(tmp, final)
+        atomic.fsync(root)
+        atomic.write_text(root / LATEST, name + "\n")
         _prune(root, keep=name)
     barrier()
     return final

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.export import LORA_META
-from specheads.heads.heads_dir import EAGLE_KINDS, atomic_write_text, staged_dir
+from specheads.heads import atomic
+from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
 from specheads.training.config import RecipeError
 
@@ -160,7 +161,7 @@ def joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec, lora_cfg, a
 
 def save_adapter(peft_model, directory: Path, base: dict) -> Path:
     """PEFT save_pretrained + specheads_lora.json (the base target to merge into), atomically."""
-    with staged_dir(directory) as tmp:
+    with atomic.staged_dir(directory) as tmp:
         peft_model.save_pretrained(str(tmp))
-        atomic_write_text(tmp / LORA_META, json.dumps(base, indent=2) + "\n")
+        atomic.write_text(tmp / LORA_META, json.dumps(base, indent=2) + "\n")
     return Path(directory)

@@ -117,15 +117,14 @@ def test_written_artefacts_have_ordinary_modes(tmp_path, tiny_llama_dir):
     under the umask would make them, not mkstemp/mkdtemp's owner-only 0600/0700."""
     import stat
 
-    from specheads.heads.gguf import build_once
-    from specheads.heads.heads_dir import atomic_write_text
+    from specheads.heads.atomic import build_once, write_text
 
     target = TargetAdapter.from_pretrained(tiny_llama_dir)
     old = os.umask(0o022)
     try:
         heads_dir = save_heads(tmp_path / "heads", MedusaHeads(target.hidden_size, target.vocab_size, 2, 1),
                                medusa_config(target.identity, 2, 1))
-        atomic_write_text(tmp_path / "report.json", "{}")
+        write_text(tmp_path / "report.json", "{}")
         cache = build_once(tmp_path / "cache" / "entry", lambda d: (d / "weights.bin").write_bytes(b"1"))
     finally:
         os.umask(old)
