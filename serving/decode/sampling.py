@@ -8,9 +8,8 @@ accepted node indices and emitted tokens out. It never calls a model or touches 
 Per-node conventions (match serving/decode/steps.py): node 0 is the root, a token the target
 already chose. `target_logits[n]` is the target's prediction for the token AFTER node n,
 given the prefix plus the path root..n; its processed distribution `p_n` is what the output
-must follow. `draft_probs[n]` (optional) is the distribution node n's children were drawn
-from. Siblings are tried in node order (for trees built by DraftTree.from_paths that is
-rank order).
+must follow. Siblings are tried in node order (for trees built by DraftTree.from_paths that
+is rank order).
 
 Definitions (one verify step emits A accepted draft tokens plus exactly one more token):
 - accepted token: a drafted child token that passed its acceptance test; it is emitted
@@ -18,35 +17,27 @@ Definitions (one verify step emits A accepted draft tokens plus exactly one more
   distribution (residuals never cross depths).
 - recovered token: when every child of the last accepted node was rejected, the token
   sampled from that node's final residual distribution (see below). It never equals a
-  rejected child token x with p_i(x) < q_i(x) at its test, because the residual has no mass there.
+  rejected child token, because the residual has no mass there.
 - bonus token: when the last accepted node is a leaf (no children drafted, including the
   root of a tree with no draft nodes), the token sampled from its unmodified p_n.
 The final token becomes the next step's root. `TreeSample.final_kind` says which it was.
 
 Recursive rejection sampling at node n with children x_1..x_m (SpecInfer's multi-draft
-rule; "without replacement" is Jeon et al. 2024, recursive speculative decoding):
-    p_1 = p_n; q_1 = q_n
-    for i = 1..m: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), then stop;
-                  else p_{i+1} = normalise(max(p_i - q_i, 0))
-                       q_{i+1} = q_i                             (with replacement)
-                               = normalise(q_i with x_i zeroed)  (without replacement)
+rule) with candidates fixed in advance: Medusa's static tree and EAGLE's dynamic tree both
+take the heads' top-k, and n-gram lookup copies the context, functions of the context alone.
+The draft distribution of each child is then a point mass at x_i:
+    p_1 = p_n
+    for i = 1..m: accept x_i with probability p_i(x_i), then stop;
+                  else p_{i+1} = p_i with x_i zeroed, renormalised
     all rejected: the recovered token ~ p_{m+1}.
-This is exact (the emitted token has distribution p_n, and by induction over depths the
-whole output follows the target) under ONE assumption: given everything already decided,
-x_i is drawn from q_i, independently of this step's uniforms. Three modes:
-1. candidates as given (`draft_probs=None`; what the engine uses: Medusa's static tree and
-   EAGLE's dynamic tree both take the heads' top-k, a function of the context alone).
-   q_i is a point mass at x_i: accept with probability p_i(x_i); on rejection
-   p_{i+1} = p_i with x_i zeroed, renormalised. Equivalently p_i(x_i) =
-   p(x_i) / (1 - sum of p over the distinct tokens rejected before), 0 for a repeat.
-   Conditioned on the candidates this is exact whatever produced them, so it is also
-   lossless for sampled drafts (only their acceptance rate is lower than with q).
-2. sampled drafts without replacement (`draft_probs` given, `replacement=False`, the
-   default): x_1 ~ q_n, x_2 ~ q_n without x_1, ... in node order.
-3. sampled drafts with replacement (`replacement=True`): x_1..x_m i.i.d. from q_n.
-Passing q for children that were NOT drawn from it (top-k candidates with `draft_probs`, or
-draws without replacement processed with `replacement=True`) biases the output;
-tests/serving/decode/test_sampling.py shows the statistical test detects both.
+Equivalently p_i(x_i) = p(x_i) / (1 - sum of p over the distinct tokens rejected before), 0
+for a repeat. The emitted token has distribution p_n, and by induction over depths the whole
+output follows the target. Conditioned on the candidates this is exact whatever produced
+them, so it would also be lossless for sampled drafts (at a lower acceptance rate than the
+rule that divides by their draft probabilities). No drafter samples its candidates, so that
+rule is not here: tests/serving/decode/test_sampling.py keeps it as a reference, with
+controls showing that the statistical test catches a draft distribution that does not
+match how the children were drawn.
 
 Numerical guard: a rejection has probability zero when the residual mass is zero; if
 rounding produces one anyway the residual is undefined and p_i is kept.
@@ -61,10 +52,9 @@ logits a model produces. Logits that give no distribution (NaN, +inf, every one 
 broken target) raise ValueError from `target_probs` instead of reaching `torch.multinomial`;
 the engine ends that one sequence with the error (serving/decode/engine.py, "Faults").
 
-Greedy is exactly serving/decode/steps.py's rule: a drafted node is correct when
-its token equals the target's logits argmax at its parent; the longest root-to-leaf run of
-correct nodes is accepted (the first leaf wins ties); the argmax at its last node follows.
-No random numbers are drawn.
+Greedy acceptance is not here: below GREEDY_BELOW_TEMPERATURE the engine accepts with
+`TreePlan.accept_greedy` (serving/decode/trees.py), and `accept_tree_sampling` refuses greedy
+parameters.
 
 Typical acceptance (Medusa-2's, `mode="typical"`) is LOSSY and only available by name:
 a node is accepted when p_parent(token) > min(posterior_threshold, posterior_alpha *
@@ -201,13 +191,6 @@ def _sample(probs_V: torch.Tensor, u: float) -> int:
     return index
 
 
-def _residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
-    """normalise(max(p - q, 0)); p itself if rounding left no mass (see the module doc)."""
-    residual = (p_V - q_V).clamp_min(0.0)
-    total = float(residual.sum())
-    return residual / total if total > 0 else p_V
-
-
 def _children(tree: DraftTree) -> list[list[int]]:
     children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
     for node, parent in enumerate(tree.parents.tolist()):
@@ -234,39 +217,6 @@ def _reject_deterministic(p_V: torch.Tensor, tokens: list[int],
     return None, residual if float(residual.sum()) > 0 else p_V
 
 
-def _reject_sampled(p_V: torch.Tensor, q_V: torch.Tensor, tokens: list[int], uniforms: list[float],
-                    replacement: bool, node: int) -> tuple[int | None, torch.Tensor]:
-    """Children drawn from q_V (with or without replacement). -> (accepted child index | None, residual)."""
-    p_V, q_V = p_V.double(), q_V.double()
-    for i, (token, u) in enumerate(zip(tokens, uniforms)):
-        q_x = float(q_V[token])
-        if q_x <= 0:
-            raise ValueError(f"child {i} of node {node} (token {token}) has zero draft probability; draft_probs must "
-                             "be the distribution the children were drawn from (or pass draft_probs=None for "
-                             "deterministic top-k candidates)")
-        if u < float(p_V[token]) / q_x:
-            return i, p_V
-        p_V = _residual(p_V, q_V)
-        if not replacement:
-            q_V = q_V.clone()
-            q_V[token] = 0.0
-            total = float(q_V.sum())
-            q_V = q_V / total if total > 0 else q_V
-    return None, p_V
-
-
-def _accept_greedy(tree: DraftTree, tree_tokens_T: torch.Tensor, target_logits_TV: torch.Tensor) -> TreeSample:
-    """The greedy rule (serving/decode/trees.py accepted_path) as a TreeSample."""
-    device = target_logits_TV.device
-    target_tokens_T = target_logits_TV.argmax(dim=-1)
-    parents = tree.parents[1:].to(device)
-    correct_T = torch.cat([torch.ones(1, dtype=torch.bool, device=device), tree_tokens_T[1:] == target_tokens_T[parents]])
-    nodes = accepted_path(tree.leaf_paths.to(device), correct_T)
-    emitted = torch.cat([tree_tokens_T[nodes[1:]], target_tokens_T[nodes[-1:]]]).tolist()
-    is_leaf = int(nodes[-1]) not in set(tree.parents.tolist())
-    return TreeSample(nodes=nodes, emitted=emitted, final_kind="bonus" if is_leaf else "recovered", lossless=True)
-
-
 def _accept_typical(tree: DraftTree, tree_tokens_T: torch.Tensor, probs_TV: torch.Tensor,
                     typical: TypicalAcceptance, generator: torch.Generator | None) -> TreeSample:
     device = probs_TV.device
@@ -284,27 +234,22 @@ def _accept_typical(tree: DraftTree, tree_tokens_T: torch.Tensor, probs_TV: torc
 
 
 def accept_tree_sampling(tree: DraftTree, tree_tokens_T: torch.Tensor, target_logits_TV: torch.Tensor,
-                         params: SamplingParams, generator: torch.Generator | None = None,
-                         draft_probs_TV: torch.Tensor | None = None, *, replacement: bool = False,
+                         params: SamplingParams, generator: torch.Generator | None = None, *,
                          mode: str = "rejection", typical: TypicalAcceptance = TypicalAcceptance()) -> TreeSample:
     """Accept a prefix of one root-to-leaf path and sample the final token (see the module doc).
 
-    tree_tokens_T [T] long (node 0 = root); target_logits_TV [T, V]; draft_probs_TV [T, V]
-    or None (deterministic candidates). mode: "rejection" (lossless) | "typical" (lossy).
+    tree_tokens_T [T] long (node 0 = root), candidates fixed in advance; target_logits_TV [T, V].
+    mode: "rejection" (lossless) | "typical" (lossy). params must sample (not greedy).
     """
     num_nodes = tree.num_nodes
     if tree_tokens_T.shape != (num_nodes,) or target_logits_TV.dim() != 2 or target_logits_TV.shape[0] != num_nodes:
         raise ValueError(f"need tree_tokens [T] and target_logits [T, V] with T = {num_nodes}, got "
                          f"{tuple(tree_tokens_T.shape)} and {tuple(target_logits_TV.shape)}")
-    if draft_probs_TV is not None and draft_probs_TV.shape != target_logits_TV.shape:
-        raise ValueError(f"draft_probs must be [T, V] = {tuple(target_logits_TV.shape)}, "
-                         f"got {tuple(draft_probs_TV.shape)}")
     if mode not in ("rejection", "typical"):
         raise ValueError(f"mode must be 'rejection' (lossless) or 'typical' (lossy), got {mode!r}")
     if params.is_greedy:
-        sample = _accept_greedy(tree, tree_tokens_T, target_logits_TV)
-        sample.lossless = mode == "rejection"
-        return sample
+        raise ValueError(f"temperature {params.temperature!r} decodes greedily, which TreePlan.accept_greedy "
+                         f"accepts; accept_tree_sampling needs a temperature >= {GREEDY_BELOW_TEMPERATURE}")
     probs_TV = target_probs(target_logits_TV, params)
     if mode == "typical":
         return _accept_typical(tree, tree_tokens_T, probs_TV, typical, generator)
@@ -320,12 +265,7 @@ def accept_tree_sampling(tree: DraftTree, tree_tokens_T: torch.Tensor, target_lo
             final_kind, residual = "bonus", probs_TV[node]
             break
         kid_tokens = [tokens[k] for k in kids]
-        kid_u = uniforms[next_u:next_u + len(kids)]
-        if draft_probs_TV is None:
-            chosen, residual = _reject_deterministic(probs_TV[node], kid_tokens, kid_u)
-        else:
-            chosen, residual = _reject_sampled(probs_TV[node], draft_probs_TV[node], kid_tokens, kid_u,
-                                               replacement, node)
+        chosen, residual = _reject_deterministic(probs_TV[node], kid_tokens, uniforms[next_u:next_u + len(kids)])
         next_u += len(kids) if chosen is None else chosen + 1
         if chosen is None:
             final_kind = "recovered"

@@ -1,6 +1,12 @@
-"""Lossless tree sampling: known outcomes on hand-built logits, greedy == decode.accept,
-validation, seeds, and a statistical test that the output follows the target's processed
-distribution (with negative controls showing the statistic catches wrong rules).
+"""Lossless tree sampling: known outcomes on hand-built logits, validation, seeds, and a
+statistical test that the output follows the target's processed distribution (with negative
+controls showing the statistic catches wrong rules).
+
+The engine's candidates are fixed in advance (the heads' top-k, lookup chains), and
+`accept_tree_sampling` has that rule alone. The rule for children *sampled* from a draft
+distribution q (SpecInfer's, with or without replacement) lives here as a reference
+(`accept_sampled_drafts`): the statistic confirms it on sampled drafts, and catches it when q
+is not how the children were drawn, which shows the test can see a subtle bias.
 
 The statistical "model" is a table: target logits L[prev2, prev1] -> [V] (a trigram
 model over a tiny vocabulary), and a deliberately different draft table. The exact joint
@@ -105,6 +111,44 @@ def draft_tree_tokens(tree: DraftTree, root_N: torch.Tensor, before_root_N: torc
     return tokens, draft_probs
 
 
+def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
+    """normalise(max(p - q, 0)); p itself if rounding left no mass."""
+    rest = (p_V - q_V).clamp_min(0.0)
+    total = float(rest.sum())
+    return rest / total if total > 0 else p_V
+
+
+def accept_sampled_drafts(tree: DraftTree, tokens_T: torch.Tensor, logits_TV: torch.Tensor, params: SamplingParams,
+                          gen: torch.Generator | None, draft_probs_TV: torch.Tensor, replacement: bool = False,
+                          residual_rule=residual) -> list[int]:
+    """Reference: recursive rejection sampling of children drawn from draft_probs (i.i.d. with
+    replacement, or one after another without) -> the emitted tokens (accepted + final).
+    p_1 = p_n, q_1 = q_n; accept x_i w.p. min(1, p_i(x_i) / q_i(x_i)); else p_{i+1} =
+    residual(p_i, q_i) and q_{i+1} = q_i (with replacement) or q_i without x_i, renormalised."""
+    probs_TV = target_probs(logits_TV, params).double()
+    uniforms = torch.rand(tree.num_nodes, generator=gen, dtype=torch.float64).tolist()
+    parents, tokens = tree.parents.tolist(), tokens_T.tolist()
+    path, next_u = [0], 0
+    while True:
+        node = path[-1]
+        kids = [k for k in range(tree.num_nodes) if parents[k] == node]
+        p_V, q_V, chosen = probs_TV[node], draft_probs_TV[node].double(), None
+        for kid in kids:
+            u, next_u = uniforms[next_u], next_u + 1
+            if u < float(p_V[tokens[kid]]) / float(q_V[tokens[kid]]):
+                chosen = kid
+                break
+            p_V = residual_rule(p_V, q_V)
+            if not replacement:
+                q_V = q_V.clone()
+                q_V[tokens[kid]] = 0.0
+                q_V = q_V / float(q_V.sum()) if float(q_V.sum()) > 0 else q_V
+        if chosen is None:
+            final = int(torch.multinomial(p_V, 1, generator=gen))
+            return [tokens[n] for n in path[1:]] + [final]
+        path.append(chosen)
+
+
 def complete(emitted: list[list[int]], params: SamplingParams, context_N2: torch.Tensor,
              gen: torch.Generator) -> torch.Tensor:
     """First K tokens: each sample's emitted tokens, then plain target sampling. -> [N, K]."""
@@ -144,7 +188,9 @@ def chi_square(samples_NK: torch.Tensor, joint: torch.Tensor) -> tuple[float, fl
 
 def run_static(tree: DraftTree, params: SamplingParams, how: str, *, num: int = NUM_SAMPLES,
                pass_draft_probs: bool | None = None, seed: int = 0, **accept_kwargs) -> tuple[float, float]:
-    """One accept step per sample at CONTEXT, completed to K tokens; -> (statistic, critical)."""
+    """One accept step per sample at CONTEXT, completed to K tokens; -> (statistic, critical).
+    With the draft probabilities (default: for sampled drafts) the reference rule accepts
+    (accept_kwargs: replacement, residual_rule), without them accept_tree_sampling (mode)."""
     gen = torch.Generator().manual_seed(seed)
     root = torch.full((num,), CONTEXT[1])
     before_root = torch.full((num,), CONTEXT[0])
@@ -158,9 +204,11 @@ def run_static(tree: DraftTree, params: SamplingParams, how: str, *, num: int = 
         pass_draft_probs = how != "topk"
     emitted = []
     for i in range(num):
-        sample = accept_tree_sampling(tree, tokens[i], logits[i], params, gen,
-                                      draft_probs[i] if pass_draft_probs else None, **accept_kwargs)
-        emitted.append(sample.emitted)
+        if pass_draft_probs:
+            emitted.append(accept_sampled_drafts(tree, tokens[i], logits[i], params, gen, draft_probs[i],
+                                                 **accept_kwargs))
+        else:
+            emitted.append(accept_tree_sampling(tree, tokens[i], logits[i], params, gen, **accept_kwargs).emitted)
     samples = complete(emitted, params, torch.tensor([CONTEXT]).expand(num, 2), gen)
     return chi_square(samples, exact_joint(params))
 
@@ -192,13 +240,15 @@ def test_deterministic_topk_drafts_follow_the_target(tree, params):
     pytest.param("with", True, TOP_P, marks=SLOW),
 ], ids=["without-t1.0-top_p0.9", "with-t1.0", "without-t1.0", "without-t0.7", "with-t0.7", "with-t1.0-top_p0.9"])
 def test_sampled_drafts_follow_the_target(how, replacement, params):
+    """The reference rule on sampled drafts (the statistic's check of itself)."""
     stat, critical = run_static(BRANCHING, params, how, replacement=replacement)
     assert stat < critical, (stat, critical)
 
 
 @pytest.mark.parametrize("params", [T10, pytest.param(TOP_P, marks=SLOW)], ids=["t1.0", "t1.0-top_p0.9"])
 def test_sampled_drafts_with_the_point_mass_rule_follow_the_target(params):
-    """draft_probs=None is exact for any candidates fixed before acceptance (lower acceptance)."""
+    """accept_tree_sampling's point-mass rule is exact for any candidates fixed before acceptance
+    (a lower acceptance rate than the reference rule)."""
     stat, critical = run_static(BRANCHING, params, "without", pass_draft_probs=False)
     assert stat < critical, (stat, critical)
 
@@ -256,9 +306,8 @@ def test_control_no_residual_update_is_detected(monkeypatch):
     assert stat > critical, (stat, critical)
 
 
-def test_control_sampled_residual_without_q_is_detected(monkeypatch):
-    monkeypatch.setattr(sampling, "_residual", lambda p_V, q_V: p_V)
-    stat, critical = run_static(BRANCHING, T10, "without")
+def test_control_sampled_residual_without_q_is_detected():
+    stat, critical = run_static(BRANCHING, T10, "without", residual_rule=lambda p_V, q_V: p_V)
     assert stat > critical, (stat, critical)
 
 
@@ -293,30 +342,26 @@ def one_hot_logits(token: int, scale: float = 1e4) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("with_q", [False, True])
-def test_certain_token_is_always_accepted(with_q):
+def test_certain_token_is_always_accepted():
     tree = DraftTree.chain(1)
     tokens = torch.tensor([0, 2])
     logits = torch.stack([one_hot_logits(2), torch.randn(V)])
-    q = torch.full((2, V), 1.0 / V) if with_q else None
     for seed in range(50):
         sample = accept_tree_sampling(tree, tokens, logits, SamplingParams(seed=seed),
-                                      make_generator(SamplingParams(seed=seed)), q)
+                                      make_generator(SamplingParams(seed=seed)))
         assert sample.nodes.tolist() == [0, 1] and sample.emitted[0] == 2 and sample.final_kind == "bonus"
 
 
-@pytest.mark.parametrize("with_q", [False, True])
-def test_impossible_tokens_are_rejected_and_never_recovered(with_q):
+def test_impossible_tokens_are_rejected_and_never_recovered():
     """Children 1 and 2 have p = 0: always rejected; the recovered token is neither."""
     tree = DraftTree.from_paths([[0], [1], [2]])
     tokens = torch.tensor([0, 1, 2, 3])
     root_logits = torch.tensor([0.0, -math.inf, -math.inf, 0.0, 0.0])
     logits = torch.stack([root_logits] + [torch.zeros(V)] * 3)
-    q = torch.tensor([[0.05, 0.3, 0.3, 0.3, 0.05]] * 4) if with_q else None
     recovered = set()
     for seed in range(200):
         gen = make_generator(SamplingParams(seed=seed))
-        sample = accept_tree_sampling(tree, tokens, logits, SamplingParams(), gen, q)
+        sample = accept_tree_sampling(tree, tokens, logits, SamplingParams(), gen)
         assert sample.nodes[:2].tolist() != [0, 1] and sample.nodes[:2].tolist() != [0, 2]
         if sample.final_kind == "recovered":
             recovered.add(sample.emitted[-1])
@@ -325,10 +370,10 @@ def test_impossible_tokens_are_rejected_and_never_recovered(with_q):
 
 def test_residual_after_rejecting_first_sibling_has_no_mass_there():
     p = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
-    chosen, residual = sampling._reject_deterministic(p, [0, 1], [0.99, 0.99])
-    assert chosen is None and residual[0] == 0 and residual[1] == 0 and residual[2:].sum() > 0
+    chosen, rest = sampling._reject_deterministic(p, [0, 1], [0.99, 0.99])
+    assert chosen is None and rest[0] == 0 and rest[1] == 0 and rest[2:].sum() > 0
     q = torch.tensor([0.7, 0.1, 0.1, 0.1, 0.0])
-    assert sampling._residual(p.double(), q.double())[0] == 0  # p(0) < q(0)
+    assert residual(p.double(), q.double())[0] == 0  # the reference's residual: p(0) < q(0)
     # Second sibling's test uses the renormalised residual: p(1) / (1 - p(0)) = 0.5.
     chosen, _ = sampling._reject_deterministic(p, [0, 1], [0.99, 0.49])
     assert chosen == 1
@@ -336,31 +381,12 @@ def test_residual_after_rejecting_first_sibling_has_no_mass_there():
     assert chosen is None
 
 
-def test_zero_draft_probability_for_a_child_is_an_error():
-    tree = DraftTree.chain(1)
-    q = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]] * 2)
-    with pytest.raises(ValueError, match="zero draft probability"):
-        accept_tree_sampling(tree, torch.tensor([0, 1]), torch.randn(2, V), SamplingParams(), None, q)
-
-
-def test_temperature_zero_is_the_greedy_rule():
-    from specheads.serving.decode.steps import accept
-    from specheads.serving.decode.trees import Draft, TreePlan
-
-    gen = torch.Generator().manual_seed(0)
-    tree = DraftTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
-    plan = TreePlan(tree, torch.device("cpu"))
-    for _ in range(200):
-        logits = torch.randn(tree.num_nodes, V, generator=gen)
-        argmax = logits.argmax(dim=-1)
-        tokens = torch.randint(0, V, (tree.num_nodes,), generator=gen)
-        hit = torch.rand(tree.num_nodes, generator=gen) < 0.6  # make long matches common
-        tokens[1:] = torch.where(hit[1:], argmax[tree.parents[1:]], tokens[1:])
-        expected = accept(Draft(tokens, plan), logits, torch.zeros(tree.num_nodes, 1), None, None)
-        for mode in ("rejection", "typical"):
-            sample = accept_tree_sampling(tree, tokens, logits, SamplingParams(temperature=0, top_p=0.5), None,
-                                          mode=mode)
-            assert torch.equal(sample.nodes, expected.nodes) and sample.emitted == expected.emitted
+def test_greedy_parameters_are_refused():
+    """Greedy acceptance is TreePlan.accept_greedy's alone (tests/serving/decode/test_tree.py)."""
+    for mode in ("rejection", "typical"):
+        with pytest.raises(ValueError, match="decodes greedily, which TreePlan.accept_greedy accepts"):
+            accept_tree_sampling(CHAIN, torch.zeros(3, dtype=torch.long), torch.zeros(3, V),
+                                 SamplingParams(temperature=1e-6), mode=mode)
 
 
 def test_target_probs_processing_order():

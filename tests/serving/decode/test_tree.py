@@ -1,4 +1,5 @@
-"""DraftTree: construction from rank-paths, validation, chains, calibration."""
+"""DraftTree: construction from rank-paths, validation, chains, calibration; TreePlan's greedy
+accept test against a plain-Python reference."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from specheads.heads.heads_dir import HeadsConfig
 from specheads.heads.target import TargetIdentity
 from specheads.heads.tree_paths import expand_paths
-from specheads.serving.decode.trees import DraftTree, TreeSpec
+from specheads.serving.decode.trees import DraftTree, TreePlan, TreeSpec
 
 # Nodes in (depth, path) order: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0), 6 (0,0,0)
 EXAMPLE_PATHS = [[0, 0, 0], [1], [0, 1], [0], [1, 0], [0, 0]]  # deliberately unsorted
@@ -84,6 +85,47 @@ def test_from_calibration_uses_expand_paths():
     assert tree.num_nodes == 6  # 5 draft nodes + root
     assert set(tree.rank_paths) == set(expand_paths(accuracy, 5))
     assert tree.rank_paths[0] == (0,)
+
+
+def greedy_reference(tree: DraftTree, tokens: list[int], target_tokens: list[int]) -> list[int]:
+    """The longest root-to-leaf run of nodes whose token is the target's argmax at their
+    parent, walked leaf by leaf in leaf order (the first leaf wins ties)."""
+    best = [0]
+    for path in tree.leaf_paths.tolist():
+        run = [0]
+        for node in path[1:]:
+            if node < 0 or tokens[node] != target_tokens[run[-1]]:
+                break
+            run.append(node)
+        if len(run) > len(best):
+            best = run
+    return best
+
+
+def test_accept_greedy_matches_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5
+    for tree in (DraftTree.from_paths(EXAMPLE_PATHS), DraftTree.chain(3), DraftTree.chain(0),
+                 DraftTree.from_paths([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]).with_lookup_chain(3)):
+        plan = TreePlan(tree, torch.device("cpu"))
+        for _ in range(200):
+            target_tokens = torch.randint(0, vocab, (tree.num_nodes,), generator=gen)
+            tokens = torch.randint(0, vocab, (tree.num_nodes,), generator=gen)
+            hit = torch.rand(tree.num_nodes, generator=gen) < 0.6  # make long matches common
+            tokens[1:] = torch.where(hit[1:], target_tokens[tree.parents[1:]], tokens[1:])
+            nodes = plan.accept_greedy(tokens, target_tokens)
+            assert nodes.tolist() == greedy_reference(tree, tokens.tolist(), target_tokens.tolist())
+
+
+def test_accept_greedy_known_outcomes():
+    plan = TreePlan(DraftTree.from_paths(EXAMPLE_PATHS), torch.device("cpu"))  # leaves 4, 5, 6
+    target = torch.tensor([7, 8, 9, 5, 6, 4, 3])  # the target's argmax after each node
+    # Node 1 (token 7) and 2 (token 7) are both correct; 1's subtree goes deeper.
+    assert plan.accept_greedy(torch.tensor([0, 7, 7, 8, 8, 9, 5]), target).tolist() == [0, 1, 3, 6]
+    # Two runs of length 2 (via 1 and via 2): the first leaf (4, under 1) wins.
+    assert plan.accept_greedy(torch.tensor([0, 7, 7, 0, 8, 9, 0]), target).tolist() == [0, 1, 4]
+    # No draft node matches: the root alone.
+    assert plan.accept_greedy(torch.tensor([0, 1, 1, 1, 1, 1, 1]), target).tolist() == [0]
 
 
 def _heads_config(tree=None, calibration=None, num_heads=3):
