@@ -26,10 +26,8 @@ import torch
 
 from specheads.data.feature_cache import FeatureCache, write_cache
 from specheads.data.text import PackedBlocks
-from specheads.heads.eagle3 import next_token_embeddings
-from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
-from specheads.training.losses import DistillOutput, Teacher, heads_loss
+from specheads.training.losses import DistillOutput, Teacher
 
 
 AUTO = "auto"
@@ -69,7 +67,7 @@ def open_cache(directory: str | Path, target: TargetAdapter, taps: list[int], se
     return cache
 
 
-def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: TargetAdapter, heads_spec,
+def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: TargetAdapter, kind,
                       tap_layers: list[int], dtype: torch.dtype) -> tuple[DistillOutput, torch.Tensor]:
     """One micro step's forward + loss from cached features -> (loss output, loss mask [B, T])."""
     device = target.device
@@ -78,13 +76,6 @@ def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: T
     draft_ids_V = engine.module.draft_to_target()
     draft_BTV, argmax_BT = FeatureCache.teacher_draft_logits(batch, target.vocab_size, draft_ids_V)
     teacher = Teacher.from_draft_logits(draft_BTV.to(device), argmax_BT.to(device))
-    if heads_spec.kind in EAGLE_KINDS:
-        taps_BTnH = torch.cat([batch[f"tap_{layer}"] for layer in tap_layers], dim=-1).to(device, dtype)
-        with torch.no_grad():
-            next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
-        result = heads_loss(heads_spec, engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps), teacher,
-                            loss_mask_BT, draft_ids_V, taps_BTnH)
-    else:
-        hidden_BTH = batch[f"tap_{target.num_layers}"].to(device, dtype)
-        result = heads_loss(heads_spec, engine(hidden_BTH), teacher, loss_mask_BT, draft_ids_V)
-    return result, loss_mask_BT
+    taps_BTnH = torch.cat([batch[f"tap_{layer}"] for layer in tap_layers], dim=-1).to(device)
+    inputs = kind.inputs(taps_BTnH, input_ids_BT, target, dtype)
+    return kind.loss(engine(*inputs), teacher, loss_mask_BT, draft_ids_V, inputs), loss_mask_BT

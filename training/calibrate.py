@@ -6,11 +6,11 @@ candidate of head `depth` (at t) equals the target's greedy token for position t
 i.e. argmax of the target's logits at t+depth+1 (teacher-forced on the held-out text, the
 usual Medusa approximation). The tree is heads.tree_paths.expand_paths(accuracy, num_nodes).
 
-EAGLE heads: the head is unrolled num_depths steps on its own features exactly as in
-training (Eagle3Head.forward); step j is depth j+1, and its rank-r candidate (as a target
-id) at position t is scored against the target's greedy token for position t+j+2.
+The head kind (training/head_kinds.py) gives the heads' inputs and draft logits, as in
+training: Medusa head k is depth k+1; an EAGLE head is unrolled on its own features
+(Eagle3Head.forward), and step j is depth j+1. A rank-r candidate is compared as a target id.
 
-Shape legend: K heads, B batch, T positions, V vocab, R ranks measured.
+Shape legend: D depths (Medusa heads, EAGLE steps), B batch, T positions, V vocab, R ranks measured.
 """
 
 from __future__ import annotations
@@ -19,97 +19,55 @@ import torch
 from torch import nn
 
 from specheads.heads.target import TargetAdapter
-from specheads.heads.eagle3 import Eagle3Head, next_token_embeddings
 from specheads.heads.tree_paths import expand_paths, expected_accept_length
 
 
 @torch.no_grad()
-def measure_accuracy(heads: nn.Module, target: TargetAdapter, input_ids_NT: torch.Tensor,
+def measure_accuracy(heads: nn.Module, kind, target: TargetAdapter, input_ids_NT: torch.Tensor,
                      loss_mask_NT: torch.Tensor, max_rank: int, batch_size: int, max_batches: int,
-                     tap_layers: list[int] | None = None, num_depths: int | None = None,
-                     ) -> tuple[list[list[float]], list[int]]:
-    """-> accuracy [K][R] and the number of positions each head was scored on [K]."""
-    if isinstance(heads, Eagle3Head):
-        return measure_eagle_accuracy(heads, target, input_ids_NT, loss_mask_NT, max_rank, batch_size,
-                                      max_batches, tap_layers, num_depths)
+                     tap_layers: list[int]) -> tuple[list[list[float]], list[int]]:
+    """-> accuracy [D][R] and the number of positions each depth was scored on [D].
+
+    kind (training/head_kinds.py) turns the target's taps into the heads' inputs and their output
+    into draft logits [D, B, T, Vd]; depth d at position t is scored against the target's greedy
+    token for t+d+2. At most max_batches * batch_size blocks, evenly spaced so that every part of
+    the held-out data (not just its first documents) is measured."""
     heads.eval()
     dtype = next(heads.parameters()).dtype
-    num_heads = heads.num_heads
     max_rank = min(max_rank, heads.draft_vocab_size)
     draft_ids = heads.draft_to_target()  # [Vd] target ids, or None for the full vocab
     # Accumulated on the host: batches live on the target's device (a GPU in real runs).
-    hits_KR = torch.zeros(num_heads, max_rank, dtype=torch.float64)
-    counts_K = torch.zeros(num_heads, dtype=torch.float64)
-    # At most max_batches * batch_size blocks, evenly spaced so that every part of the held-out
-    # data (not just its first documents) is measured.
+    hits_DR = torch.zeros(kind.num_depths, max_rank, dtype=torch.float64)
+    counts_D = torch.zeros(kind.num_depths, dtype=torch.float64)
     num_blocks = min(input_ids_NT.shape[0], max_batches * batch_size)
     chosen = torch.linspace(0, input_ids_NT.shape[0] - 1, num_blocks).round().long()  # [n]
     for input_ids_BT, mask_BT in zip(input_ids_NT[chosen].split(batch_size), loss_mask_NT[chosen].split(batch_size)):
-        out = target(input_ids_BT, [target.num_layers])
-        greedy_BT = out.logits.argmax(-1)  # [B, T] target's prediction of token t+1
-        logits_KBTV = heads(out.taps[0].to(dtype))
-        candidates_KBTR = logits_KBTV.topk(max_rank, dim=-1).indices  # [K, B, T, R] best first
-        if draft_ids is not None:
-            candidates_KBTR = draft_ids[candidates_KBTR]  # draft ids -> target ids
-        seq_len = input_ids_BT.shape[1]
-        for k in range(num_heads):
-            num_pos = seq_len - k - 1
-            if num_pos <= 0:
-                continue
-            truth_BN = greedy_BT[:, k + 1:]  # [B, T-k-1] target's token for t+k+2
-            mask_BN = mask_BT[:, :num_pos] & mask_BT[:, k + 1:]  # [B, T-k-1]
-            hit_BNR = candidates_KBTR[k, :, :num_pos] == truth_BN.unsqueeze(-1)  # [B, T-k-1, R]
-            hits_KR[k] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double().cpu()
-            counts_K[k] += mask_BN.sum().double().cpu()
-    accuracy_KR = hits_KR / counts_K.clamp(min=1).unsqueeze(-1)
-    return accuracy_KR.tolist(), [int(c) for c in counts_K.tolist()]
-
-
-def _evenly_spaced(input_ids_NT, loss_mask_NT, batch_size: int, max_batches: int):
-    num_blocks = min(input_ids_NT.shape[0], max_batches * batch_size)
-    chosen = torch.linspace(0, input_ids_NT.shape[0] - 1, num_blocks).round().long()  # [n]
-    return zip(input_ids_NT[chosen].split(batch_size), loss_mask_NT[chosen].split(batch_size))
-
-
-@torch.no_grad()
-def measure_eagle_accuracy(head: nn.Module, target: TargetAdapter, input_ids_NT: torch.Tensor,
-                           loss_mask_NT: torch.Tensor, max_rank: int, batch_size: int, max_batches: int,
-                           tap_layers: list[int], num_depths: int) -> tuple[list[list[float]], list[int]]:
-    """-> accuracy [J][R] (step j = depth j+1) and positions scored per depth [J]."""
-    head.eval()
-    dtype = next(head.parameters()).dtype
-    max_rank = min(max_rank, head.draft_vocab_size)
-    draft_ids = head.draft_to_target()
-    hits_JR = torch.zeros(num_depths, max_rank, dtype=torch.float64)
-    counts_J = torch.zeros(num_depths, dtype=torch.float64)
-    for input_ids_BT, mask_BT in _evenly_spaced(input_ids_NT, loss_mask_NT, batch_size, max_batches):
         out = target(input_ids_BT, tap_layers)
-        greedy_BT = out.logits.argmax(-1)  # [B, T]
-        taps = torch.cat(out.taps, dim=-1).to(dtype)
-        logits_JBTV, _ = head(taps, next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype), num_depths)
-        candidates_JBTR = draft_ids[logits_JBTV.topk(max_rank, dim=-1).indices]
+        greedy_BT = out.logits.argmax(-1)  # [B, T] target's prediction of token t+1
+        inputs = kind.inputs(torch.cat(out.taps, dim=-1), input_ids_BT, target, dtype)
+        candidates_DBTR = kind.draft_logits(heads(*inputs)).topk(max_rank, dim=-1).indices  # best first
+        if draft_ids is not None:
+            candidates_DBTR = draft_ids[candidates_DBTR]  # draft ids -> target ids
         seq_len = input_ids_BT.shape[1]
-        for j in range(num_depths):
-            num_pos = seq_len - j - 1
+        for d in range(kind.num_depths):
+            num_pos = seq_len - d - 1
             if num_pos <= 0:
                 continue
-            truth_BN = greedy_BT[:, j + 1:]
-            mask_BN = mask_BT[:, :num_pos] & mask_BT[:, j + 1:]
-            hit_BNR = candidates_JBTR[j, :, :num_pos] == truth_BN.unsqueeze(-1)
-            hits_JR[j] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double().cpu()
-            counts_J[j] += mask_BN.sum().double().cpu()
-    accuracy_JR = hits_JR / counts_J.clamp(min=1).unsqueeze(-1)
-    return accuracy_JR.tolist(), [int(c) for c in counts_J.tolist()]
+            truth_BN = greedy_BT[:, d + 1:]  # [B, T-d-1] target's token for t+d+2
+            mask_BN = mask_BT[:, :num_pos] & mask_BT[:, d + 1:]  # [B, T-d-1]
+            hit_BNR = candidates_DBTR[d, :, :num_pos] == truth_BN.unsqueeze(-1)  # [B, T-d-1, R]
+            hits_DR[d] += (hit_BNR & mask_BN.unsqueeze(-1)).sum((0, 1)).double().cpu()
+            counts_D[d] += mask_BN.sum().double().cpu()
+    accuracy_DR = hits_DR / counts_D.clamp(min=1).unsqueeze(-1)
+    return accuracy_DR.tolist(), [int(c) for c in counts_D.tolist()]
 
 
-def calibrate(heads: nn.Module, target: TargetAdapter, input_ids_NT: torch.Tensor, loss_mask_NT: torch.Tensor,
-              num_nodes: int, max_rank: int, batch_size: int, max_batches: int, source: str = "",
-              tap_layers: list[int] | None = None, num_depths: int | None = None) -> tuple[dict, dict]:
-    """-> (calibration, tree) as stored in HeadsConfig.calibration and HeadsConfig.tree.
-
-    EAGLE heads need tap_layers (their config's) and num_depths (steps to unroll)."""
-    accuracy, counts = measure_accuracy(heads, target, input_ids_NT, loss_mask_NT, max_rank, batch_size, max_batches,
-                                        tap_layers, num_depths)
+def calibrate(heads: nn.Module, kind, target: TargetAdapter, input_ids_NT: torch.Tensor,
+              loss_mask_NT: torch.Tensor, num_nodes: int, max_rank: int, batch_size: int, max_batches: int,
+              tap_layers: list[int], source: str = "") -> tuple[dict, dict]:
+    """-> (calibration, tree) as stored in HeadsConfig.calibration and HeadsConfig.tree."""
+    accuracy, counts = measure_accuracy(heads, kind, target, input_ids_NT, loss_mask_NT, max_rank, batch_size,
+                                        max_batches, tap_layers)
     paths = expand_paths(accuracy, num_nodes)
     calibration = {
         "accuracy": accuracy,  # [depth][rank]

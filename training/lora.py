@@ -49,7 +49,6 @@ from torch import nn
 
 from specheads.heads.export import LORA_META
 from specheads.heads import atomic
-from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
 from specheads.training.config import RecipeError
 
@@ -85,30 +84,24 @@ def count_lora_params(model: nn.Module) -> int:
 class JointModel(nn.Module):
     """Heads + the adapted target model, the one module the DeepSpeed engine trains.
 
-    forward(input_ids, adapter_grad) runs the target (taps + logits) and the heads on its taps:
-    Medusa heads on the final hidden state; EAGLE heads unrolled `ttt_steps` on the fused taps
-    and the next-token embeddings. -> (target logits [B, T, V], heads output, heads' inputs)."""
+    forward(input_ids, adapter_grad) runs the target (taps + logits) and the heads on the inputs
+    their kind (training/head_kinds.py) makes of its taps. -> (target logits [B, T, V], heads
+    output, heads' inputs)."""
 
-    def __init__(self, heads: nn.Module, target: TargetAdapter, kind: str, tap_layers: list[int], ttt_steps: int):
+    def __init__(self, heads: nn.Module, target: TargetAdapter, kind, tap_layers: list[int]):
         super().__init__()
         self.heads = heads
         self.target_model = target.model
         self._target = target  # not a module attribute: the same model, reached through the adapter
-        self.kind, self.tap_layers, self.ttt_steps = kind, list(tap_layers), ttt_steps
+        self.kind, self.tap_layers = kind, list(tap_layers)
 
     def forward(self, input_ids_BT: torch.Tensor, adapter_grad: bool):
-        from specheads.heads.eagle3 import next_token_embeddings
-
         dtype = next(self.heads.parameters()).dtype
         grad = contextlib.nullcontext() if adapter_grad else torch.no_grad()
         with grad:
             out = self._target(input_ids_BT, self.tap_layers)
-        if self.kind in EAGLE_KINDS:
-            taps_BTnH = torch.cat(out.taps, dim=-1).to(dtype)
-            with torch.no_grad():
-                next_embeds_BTH = next_token_embeddings(self._target.embeddings(), input_ids_BT).to(dtype)
-            return out.logits, self.heads(taps_BTnH, next_embeds_BTH, self.ttt_steps), taps_BTnH
-        return out.logits, self.heads(out.taps[0].to(dtype)), None
+        inputs = self.kind.inputs(torch.cat(out.taps, dim=-1), input_ids_BT, self._target, dtype)
+        return out.logits, self.heads(*inputs), inputs
 
     def checkpoint_names(self) -> set[str]:
         """What a checkpoint holds: every heads tensor and the adapter's parameters (not the base)."""
@@ -144,15 +137,10 @@ def lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, loss_mask_BT: 
     return (ce_BN * mask_BN).sum() / mask_BN.sum().clamp(min=1.0)
 
 
-def joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec, lora_cfg, adapter_on: bool):
+def joint_micro_step(engine, input_ids_BT, loss_mask_BT, kind, lora_cfg, adapter_on: bool):
     """-> (DistillOutput of the heads, LM loss or None, the objective to backward)."""
-    from specheads.training.losses import heads_loss
-
-    logits_BTV, heads_out, taps = engine(input_ids_BT, adapter_on)
-    eagle = heads_spec.kind in EAGLE_KINDS
-    result = heads_loss(heads_spec, heads_out, logits_BTV.detach(), loss_mask_BT,
-                        engine.module.heads.draft_to_target(),
-                        taps.detach() if eagle else None)
+    logits_BTV, heads_out, inputs = engine(input_ids_BT, adapter_on)
+    result = kind.loss(heads_out, logits_BTV.detach(), loss_mask_BT, engine.module.heads.draft_to_target(), inputs)
     if not adapter_on:
         return result, None, result.loss
     lm = lm_loss(logits_BTV, input_ids_BT, loss_mask_BT)

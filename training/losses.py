@@ -158,22 +158,3 @@ def eagle_ttt_loss(head_logits_JBTV: torch.Tensor, target_logits_BTV: torch.Tens
         head_count=torch.stack(counts).detach(),
     )
 
-
-def heads_loss(heads_spec, heads_out, teacher_BTV: torch.Tensor | Teacher, loss_mask_BT: torch.Tensor,
-               draft_to_target: torch.Tensor | None = None, taps_BTnH: torch.Tensor | None = None) -> DistillOutput:
-    """The heads' loss for their kind, whichever way the target's outputs were obtained.
-
-    heads_out: Medusa logits [K, B, T, Vd], or EAGLE's (logits [J, B, T, Vd], features
-    [J, B, T, H]); draft_to_target [Vd]: the heads' draft vocab (None: Medusa's full vocab).
-    EAGLE-1/2 (kind "eagle") also regress their features onto the single tap (taps_BTnH,
-    detached); EAGLE-3 fuses several taps and does not.
-    """
-    from specheads.heads.heads_dir import EAGLE_KINDS
-
-    if heads_spec.kind not in EAGLE_KINDS:
-        return medusa_distill_loss(heads_out, teacher_BTV, loss_mask_BT, draft_to_target)
-    logits_JBTV, features_JBTH = heads_out
-    regress = heads_spec.kind == "eagle"
-    return eagle_ttt_loss(logits_JBTV, teacher_BTV, loss_mask_BT, draft_to_target, heads_spec.ttt_step_weight,
-                          features_JBTH if regress else None, taps_BTnH if regress else None,
-                          heads_spec.feature_loss_weight)

@@ -14,36 +14,19 @@ from dataclasses import dataclass
 import torch
 
 from specheads.data.text import BlockSampler, PackedBlocks
-from specheads.heads.eagle3 import next_token_embeddings
-from specheads.heads.heads_dir import EAGLE_KINDS
 from specheads.heads.target import TargetAdapter
 from specheads.training import lora as lora_mode
 from specheads.training.cached import cached_micro_step
-from specheads.training.losses import heads_loss, medusa_distill_loss
+from specheads.training.head_kinds import frozen_target
 
 
-def _frozen_target(target: TargetAdapter):
-    """The teacher's forward: no grad, and never under the heads' bf16 autocast (its outputs are the
-    heads' targets; target.dtype decides its precision)."""
-    return torch.autocast(target.device.type, enabled=False), torch.no_grad()
-
-
-def _medusa_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec):
-    off, no_grad = _frozen_target(target)
-    with off, no_grad:
-        out = target(input_ids_BT, [target.num_layers])  # taps[0]: final post-norm hidden [B, T, H]
-    logits_KBTV = engine(out.taps[0].to(dtype))
-    return medusa_distill_loss(logits_KBTV, out.logits, loss_mask_BT, engine.module.draft_to_target())
-
-
-def _eagle_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers):
-    off, no_grad = _frozen_target(target)
+def _online_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, kind, tap_layers):
+    off, no_grad = frozen_target(target.device)
     with off, no_grad:
         out = target(input_ids_BT, tap_layers)
-        taps_BTnH = torch.cat(out.taps, dim=-1).to(dtype)
-        next_embeds_BTH = next_token_embeddings(target.embeddings(), input_ids_BT).to(dtype)
-    heads_out = engine(taps_BTnH, next_embeds_BTH, heads_spec.ttt_steps)
-    return heads_loss(heads_spec, heads_out, out.logits, loss_mask_BT, engine.module.draft_to_target(), taps_BTnH)
+        taps_BTnH = torch.cat(out.taps, dim=-1)
+    inputs = kind.inputs(taps_BTnH, input_ids_BT, target, dtype)
+    return kind.loss(engine(*inputs), out.logits, loss_mask_BT, engine.module.draft_to_target(), inputs)
 
 
 @dataclass
@@ -65,8 +48,7 @@ class StepMode:
 
 
 def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: BlockSampler,
-               grad_accum: int, heads_spec=None, tap_layers: list[int] | None = None,
-               mode: StepMode | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+               grad_accum: int, kind, tap_layers: list[int], mode: StepMode | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One optimizer step (grad_accum micro steps) -> loss [K|J], top-1 [K|J], tokens."""
     mode = mode or StepMode()
     heads = engine.module.heads if mode.lora is not None else engine.module
@@ -77,8 +59,8 @@ def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: Blo
     for _ in range(grad_accum):
         indices = sampler.next_indices()
         with mode.precision_context(target.device.type):
-            result, loss_mask_BT, objective = _micro_step(engine, target, blocks, indices, dtype, heads_spec,
-                                                          tap_layers, mode)
+            result, loss_mask_BT, objective = _micro_step(engine, target, blocks, indices, dtype, kind, tap_layers,
+                                                          mode)
         engine.backward(objective)
         engine.step()
         loss_sum = loss_sum + result.head_loss
@@ -89,25 +71,21 @@ def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: Blo
     return loss_sum / grad_accum, top1_sum / grad_accum, num_tokens
 
 
-def _micro_step(engine, target: TargetAdapter, blocks: PackedBlocks, indices: list[int], dtype, heads_spec,
+def _micro_step(engine, target: TargetAdapter, blocks: PackedBlocks, indices: list[int], dtype, kind,
                 tap_layers, mode: StepMode):
     """One micro step's forward and loss -> (loss output, loss mask [B, T], the objective to backward)."""
     if mode.cache is not None:
-        result, loss_mask_BT = cached_micro_step(engine, mode.cache, indices, target, heads_spec, tap_layers,
-                                                 dtype)
+        result, loss_mask_BT = cached_micro_step(engine, mode.cache, indices, target, kind, tap_layers, dtype)
         objective = result.loss
     else:
         input_ids_BT, loss_mask_BT = blocks.batch(indices)
         input_ids_BT, loss_mask_BT = input_ids_BT.to(target.device), loss_mask_BT.to(target.device)
         if mode.lora is not None:
-            result, lm, objective = lora_mode.joint_micro_step(engine, input_ids_BT, loss_mask_BT, heads_spec,
-                                                               mode.lora, mode.adapter_on)
+            result, lm, objective = lora_mode.joint_micro_step(engine, input_ids_BT, loss_mask_BT, kind, mode.lora,
+                                                               mode.adapter_on)
             if lm is not None:
                 mode.lm_loss_sum, mode.lm_loss_count = mode.lm_loss_sum + float(lm), mode.lm_loss_count + 1
-        elif heads_spec is not None and heads_spec.kind in EAGLE_KINDS:
-            result = _eagle_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec, tap_layers)
-            objective = result.loss
         else:
-            result = _medusa_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, heads_spec)
+            result = _online_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, kind, tap_layers)
             objective = result.loss
     return result, loss_mask_BT, objective

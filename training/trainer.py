@@ -55,9 +55,9 @@ from transformers.utils import logging as transformers_logging
 
 from specheads.data.text import BlockSampler, PackedBlocks
 from specheads.data.vocab_counts import count_tokens
-from specheads.heads.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE, build_draft_vocab
+from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.export import ADAPTER_SUBDIR
-from specheads.heads.heads_dir import EAGLE_KINDS, HeadsConfig, build_heads, eagle_heads_config, save_heads
+from specheads.heads.heads_dir import HeadsConfig, build_heads, save_heads
 from specheads.heads.target import TargetAdapter, check_target_exists, resolve_dtype
 from specheads.training import checkpoint
 from specheads.training import lora as lora_mode
@@ -66,6 +66,7 @@ from specheads.training.calibrate import calibrate, measure_accuracy
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.data_split import load_training_data
 from specheads.training.ds_config import build_ds_config, cpu_autocast
+from specheads.training.head_kinds import HeadKind, head_kind
 from specheads.training.steps import StepMode, train_step
 from specheads.training.tracking import eval_metrics, make_tracker, new_run_id, step_metrics
 
@@ -218,20 +219,18 @@ def _check_resumable(manifest: dict, recipe: Recipe, directory: Path) -> None:
             "values, or use a new train.output_dir")
 
 
-def held_out_top1(engine, target: TargetAdapter, eval_blocks: PackedBlocks, recipe: Recipe,
+def held_out_top1(engine, kind: HeadKind, target: TargetAdapter, eval_blocks: PackedBlocks, recipe: Recipe,
                   tap_layers: list[int]) -> list[float]:
     """Per-depth top-1 agreement of the heads with the target's greedy tokens on held-out blocks:
     train.eval_batches batches of micro_batch_size, evenly spaced over the held-out set (the same
     blocks every time). Every rank runs the same forwards (ZeRO-3 gathers the heads' weights
     collectively), so every rank gets the same numbers."""
     heads = engine.module.heads if recipe.lora is not None else engine.module
-    num_depths = recipe.heads.ttt_steps if recipe.heads.kind in EAGLE_KINDS else None
     try:
         with torch.no_grad():
-            accuracy, _ = measure_accuracy(heads, target, eval_blocks.input_ids.to(target.device),
+            accuracy, _ = measure_accuracy(heads, kind, target, eval_blocks.input_ids.to(target.device),
                                            eval_blocks.loss_mask.to(target.device), 1,
-                                           recipe.train.micro_batch_size, recipe.train.eval_batches,
-                                           tap_layers, num_depths)
+                                           recipe.train.micro_batch_size, recipe.train.eval_batches, tap_layers)
     finally:
         heads.train()  # measure_accuracy switched it to eval mode
     return [row[0] for row in accuracy]
@@ -247,13 +246,8 @@ def _mean_over_ranks(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 def run(recipe: Recipe) -> Path:
     """Train, checkpoint, calibrate; returns the heads directory (written by rank 0)."""
-    if recipe.heads.kind in EAGLE_KINDS:
-        if recipe.data.seq_len < recipe.heads.ttt_steps + 2:
-            raise RecipeError(f"data.seq_len: expected at least heads.ttt_steps + 2 = {recipe.heads.ttt_steps + 2} "
-                              f"(step j scores position t against t+1+j), got {recipe.data.seq_len}")
-    elif recipe.data.seq_len < recipe.heads.num_heads + 2:
-        raise RecipeError(f"data.seq_len: expected at least heads.num_heads + 2 = {recipe.heads.num_heads + 2} "
-                          f"(head k scores position t against t+k+1), got {recipe.data.seq_len}")
+    kind = head_kind(recipe.heads)
+    kind.check_seq_len(recipe.data.seq_len)
     target_path = _resolve_target(recipe.target.name_or_path)
     check_target_exists(target_path)  # fail before starting DeepSpeed
     recipe = _materialize_chat_source(recipe, target_path)
@@ -271,8 +265,7 @@ def run(recipe: Recipe) -> Path:
     if recipe.data.feature_cache is not None:
         directory = recipe.data.feature_cache
         if directory == AUTO_CACHE:
-            cache_taps = tap_layers if recipe.heads.kind in EAGLE_KINDS else [target.num_layers]
-            directory = build_auto_cache(target, target_path, train_blocks, cache_taps,
+            directory = build_auto_cache(target, target_path, train_blocks, tap_layers,
                                          train_cfg.micro_batch_size, log=lambda message: _say(dist, message))
         mode.cache = open_cache(directory, target, tap_layers, recipe.data.seq_len)
         train_blocks = mode.cache.blocks()  # the cache's blocks are the training data
@@ -305,7 +298,7 @@ def run(recipe: Recipe) -> Path:
         for step in range(start_step + 1, train_cfg.steps + 1):
             mode.adapter_on = recipe.lora is not None and step > recipe.lora.heads_warmup_steps
             head_loss, head_top1, num_tokens = train_step(engine, target, train_blocks, sampler,
-                                                         train_cfg.grad_accum, recipe.heads, tap_layers, mode)
+                                                         train_cfg.grad_accum, kind, tap_layers, mode)
             window_tokens += num_tokens
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
                 head_loss, head_top1 = _mean_over_ranks(head_loss, head_top1)
@@ -318,7 +311,7 @@ def run(recipe: Recipe) -> Path:
                 tracker.log(step, metrics)
                 window_start, window_tokens = time.perf_counter(), 0
             if train_cfg.eval_every and step % train_cfg.eval_every == 0:
-                tracker.log(step, eval_metrics(held_out_top1(engine, target, eval_blocks, recipe, tap_layers)))
+                tracker.log(step, eval_metrics(held_out_top1(engine, kind, target, eval_blocks, recipe, tap_layers)))
             stopping = stop.should_stop(target.device)  # collective when there are several ranks
             if step % train_cfg.save_every == 0 or step == train_cfg.steps or stopping:
                 saved = save(step)
@@ -387,7 +380,7 @@ def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks
     import deepspeed
 
     heads = build_heads(_heads_config(recipe, target))
-    if recipe.heads.kind == "eagle3" or getattr(heads, "truncated", False):
+    if head_kind(recipe.heads).takes_draft_vocab(heads):
         # The same maps on every rank: counts over all training blocks.
         counts_V = count_tokens(train_blocks.input_ids, train_blocks.loss_mask, target.vocab_size)
         heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
@@ -397,30 +390,17 @@ def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks
                                 autocast=cpu_autocast(recipe.train, train_device(), recipe.lora is not None))
     module, params = heads, list(heads.parameters())
     if recipe.lora is not None:  # one engine over heads + adapted target; only heads + adapter train
-        module = lora_mode.JointModel(heads, target, recipe.heads.kind, _heads_config(recipe, target).tap_layers,
-                                      recipe.heads.ttt_steps)
+        module = lora_mode.JointModel(heads, target, head_kind(recipe.heads),
+                                      _heads_config(recipe, target).tap_layers)
         params = params + [p for n, p in target.model.named_parameters() if "lora_" in n]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
     return engine
 
 
 def _heads_config(recipe: Recipe, target: TargetAdapter) -> HeadsConfig:
+    """The heads config of the recipe's head kind for this target (also the dry run's)."""
     identity = dataclasses.replace(target.identity, name_or_path=_recorded_name(recipe.target.name_or_path))
-    spec = recipe.heads
-    if spec.kind not in EAGLE_KINDS:
-        draft_vocab = spec.draft_vocab_size if (spec.draft_vocab_size or target.vocab_size) < target.vocab_size else None
-        return HeadsConfig(kind=spec.kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                           num_heads=spec.num_heads, num_layers=spec.num_layers,
-                           tap_layers=[target.num_layers], target=identity, draft_vocab_size=draft_vocab)
-    config = eagle_heads_config(target, spec.kind, num_steps=spec.ttt_steps, tap_layers=spec.tap_layers,
-                                draft_vocab_size=spec.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE,
-                                num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_kv_heads,
-                                intermediate_size=spec.intermediate_size, identity=identity)
-    try:
-        target.check_taps(config.tap_layers)
-    except ValueError as err:
-        raise RecipeError(f"heads.tap_layers: {err}") from None
-    return config
+    return head_kind(recipe.heads).heads_config(target, identity)
 
 
 def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dist: Dist) -> tuple[int, dict | None]:
@@ -471,9 +451,9 @@ def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBl
         heads.to(target.device)
         cal = recipe.calibrate
         config.calibration, config.tree = calibrate(
-            heads, target, eval_blocks.input_ids.to(target.device), eval_blocks.loss_mask.to(target.device),
-            cal.num_nodes, cal.max_rank, recipe.train.micro_batch_size, cal.eval_batches, source=eval_blocks.report.source,
-            tap_layers=config.tap_layers, num_depths=config.num_heads)
+            heads, head_kind(recipe.heads), target, eval_blocks.input_ids.to(target.device),
+            eval_blocks.loss_mask.to(target.device), cal.num_nodes, cal.max_rank, recipe.train.micro_batch_size,
+            cal.eval_batches, config.tap_layers, source=eval_blocks.report.source)
         if dist.rank != 0:
             checkpoint.barrier()
             return heads_dir

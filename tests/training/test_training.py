@@ -24,6 +24,8 @@ from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
 from specheads.train import main
 from specheads.training.calibrate import measure_accuracy
+from specheads.training.config import HeadsSpec
+from specheads.training.head_kinds import head_kind
 from specheads.training.losses import medusa_distill_loss
 
 NUM_HEADS = 3
@@ -187,8 +189,9 @@ def test_trained_heads_agree_with_the_target_far_more_than_untrained(trained, ti
     blocks = build_blocks("eval", walks, "text", 64, None, eos_token_id=2)
     untrained = MedusaHeads(target.hidden_size, target.vocab_size, NUM_HEADS, 1)
     untrained.init_lm_heads_from(target.lm_head())
-    before, _ = measure_accuracy(untrained, target, blocks.input_ids, blocks.loss_mask, 1, 8, 8)
-    after, _ = measure_accuracy(heads, target, blocks.input_ids, blocks.loss_mask, 1, 8, 8)
+    medusa, taps = head_kind(HeadsSpec(kind="medusa", num_heads=NUM_HEADS)), config.tap_layers
+    before, _ = measure_accuracy(untrained, medusa, target, blocks.input_ids, blocks.loss_mask, 1, 8, 8, taps)
+    after, _ = measure_accuracy(heads, medusa, target, blocks.input_ids, blocks.loss_mask, 1, 8, 8, taps)
     before_top1, after_top1 = [row[0] for row in before], [row[0] for row in after]
     for k in range(NUM_HEADS):
         assert after_top1[k] > before_top1[k] + 0.08, (before_top1, after_top1)
