@@ -14,9 +14,10 @@ which yields its first token; from the next step on it takes part in the batched
   head call; EAGLE: one head run per sequence, with its own head cache), and an n-gram
   lookup chain from its own context goes alone or as one more branch. The others verify
   their root alone (a plain step).
-- verify / accept / commit: serving/decode/steps.py, one forward for the whole batch.
-- record: each sequence's stats and output (EOS, stop sequences, max_new_tokens), and what
-  the step cost and gave, told to the fallback policy.
+- verify / accept: serving/decode/steps.py, one forward for the whole batch.
+- commit: the cache keeps each row's accepted entries (serving/decode/cache.py).
+- record: each sequence's next decode state, stats and output (EOS, stop sequences,
+  max_new_tokens), and what the step cost and gave, told to the fallback policy.
 
 Each sequence's greedy output is the target's greedy output for it alone: rows never see
 each other (padding keys and other rows are masked).
@@ -48,8 +49,7 @@ from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_mem
 from specheads.serving.decode.lookup import NgramIndex
 from specheads.serving.decode.sampling import SamplingParams, make_generator
 from specheads.serving.decode.stats import DecodeStats, GenerationResult
-from specheads.serving.decode.steps import (DecodeState, Outcome, accept, advance, commit, emit, greedy_tokens,
-                                            prefill, verify)
+from specheads.serving.decode.steps import DecodeState, Outcome, accept, emit, greedy_tokens, prefill, verify
 from specheads.serving.decode.trees import Draft, LookupTrees
 
 
@@ -75,9 +75,10 @@ class Sequence:
     stop_sequences: list[list[int]]
     sampling: SamplingParams | None  # None: greedy
     acceptance: str
-    window: SpeculationWindow  # the fallback policy's state for this sequence
+    window: SpeculationWindow  # the fallback policy's state for this sequence (serving/decode/fallback.py's alone)
     generator: torch.Generator | None
     stats: DecodeStats
+    keep_head_rows: bool = False  # EAGLE heads draft for it: the rows of a step they sat out wait for their next run
     lookup: NgramIndex | None = None  # the context's n-gram index (speculating requests of a lookup decoder)
     state: DecodeState | None = None
     tokens: list[int] = field(default_factory=list)
@@ -162,6 +163,7 @@ class BatchEngine:
             generator=None if greedy else make_generator(request.sampling, self.target.device),
             lookup=NgramIndex(decoder.lookup, prompt_1P[0].tolist())
             if speculating and decoder.lookup is not None else None,
+            keep_head_rows=speculating and decoder.drafter is not None and not decoder.is_medusa,
             stats=DecodeStats(accepted_per_position=[0] * (decoder.max_depth if speculating else 0),
                               lossless=request.acceptance == "rejection"))
 
@@ -213,9 +215,14 @@ class BatchEngine:
         with torch.inference_mode():
             drafts, head_caches = self._draft(batch)
             verified = self._verify(batch, drafts)
-            outcomes = self._accept(batch, drafts, verified)
-            self._commit(batch, drafts, outcomes, head_caches)
-        return self._record(batch, drafts, outcomes, self.clock() - start)
+            outcomes = [None if one is None else self._guard(seq, accept, draft, *one, seq.sampling, seq.generator,
+                                                             seq.acceptance)
+                        for seq, draft, one in zip(batch, drafts, verified)]
+            # commit: each row keeps its accepted entries (a failed row its root alone: that
+            # sequence has ended, the entry is never read)
+            self.cache.commit([self.decoder.plain_plan.root_only if outcome is None else outcome.nodes
+                               for outcome in outcomes])
+            return self._record(batch, drafts, outcomes, head_caches, self.clock() - start)
 
     def _decoding(self) -> list[Sequence]:
         """The sequences this step decodes (joined, unfinished), moved to rows [0, n); every
@@ -283,10 +290,9 @@ class BatchEngine:
         """ONE forward over rows [0, n) -> per sequence (logits [T, V], taps [T, nH], greedy
         tokens [T]). A failed forward of several rows is run again row by row, padded alike so
         that the rows commit together; a row that fails alone ends (None)."""
-        prefix_lens = [seq.state.prefix_len for seq in batch]
         self.cache.set_rows(0, len(batch))
         try:
-            logits, taps = retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts, prefix_lens),
+            logits, taps = retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts),
                                                f"a verify forward of {len(batch)} sequences")
             return list(zip(logits, taps, greedy_tokens(logits)))  # one argmax for the whole batch
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
@@ -300,45 +306,21 @@ class BatchEngine:
         for row, (seq, draft) in enumerate(zip(batch, drafts)):
             self.cache.set_rows(row, row + 1, pending_written=True)  # the failed forward's entries are dropped
             one = self._guard(seq, lambda: retry_out_of_memory(
-                lambda: verify(self.decoder, self.cache, [draft], [seq.state.prefix_len], num_nodes),
+                lambda: verify(self.decoder, self.cache, [draft], num_nodes),
                 "a verify forward of one sequence"))
             verified.append(None if one is None else (one[0][0], one[1][0], greedy_tokens(one[0][0])))
         self.cache.set_rows(0, len(batch), pending_written=True)
         return verified
 
-    def _accept(self, batch: list[Sequence], drafts: list[Draft], verified: list) -> list[Outcome | None]:
-        return [None if one is None else self._guard(seq, self._accept_one, seq, draft, *one)
-                for seq, draft, one in zip(batch, drafts, verified)]
-
-    def _accept_one(self, seq: Sequence, draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor,
-                    target_tokens_T: torch.Tensor) -> Outcome:
-        return accept(draft, logits_TV, hidden_TH, seq.sampling, seq.generator, seq.acceptance, target_tokens_T)
-
-    def _commit(self, batch: list[Sequence], drafts: list[Draft], outcomes: list[Outcome | None],
-                head_caches: list) -> None:
-        commit(self.cache, outcomes, self.decoder.plain_plan.root_only)
-        for seq, draft, outcome, head_cache in zip(batch, drafts, outcomes, head_caches):
-            if outcome is not None:
-                self._guard(seq, self._advance, seq, draft, outcome, head_cache)
-
-    def _advance(self, seq: Sequence, draft: Draft, outcome: Outcome, head_cache) -> None:
-        # An EAGLE head that did not run this step covers these rows on its next run too.
-        keep = not draft.heads_drafted and self.decoder.drafter is not None and not self.decoder.is_medusa \
-            and (seq.window.speculating or seq.stats.fallback)
-        if draft.lookup_start is not None:
-            seq.stats.lookup_steps += 1
-            seq.stats.lookup_accepted += int((outcome.nodes >= draft.lookup_start).sum())
-        seq.state = advance(seq.state, draft, outcome, head_cache, keep)
-
-    def _record(self, batch: list[Sequence], drafts: list[Draft], outcomes: list[Outcome | None],
+    def _record(self, batch: list[Sequence], drafts: list[Draft], outcomes: list[Outcome | None], head_caches: list,
                 seconds: float) -> dict[int, list[int]]:
-        """Each sequence's stats and new tokens, then what the step cost and gave, told to the
-        fallback policy -> {seq_id: new tokens}."""
+        """Each sequence's next state, stats and new tokens, then what the step cost and gave,
+        told to the fallback policy -> {seq_id: new tokens}."""
         deltas, emitted = {}, []
-        for seq, draft, outcome in zip(batch, drafts, outcomes):
+        for seq, draft, outcome, head_cache in zip(batch, drafts, outcomes, head_caches):
             before = len(seq.tokens)
             if outcome is not None:
-                self._guard(seq, self._emit, seq, draft, outcome, seconds)
+                self._guard(seq, self._advance, seq, draft, outcome, head_cache, seconds)
             ok = seq.error is None
             emitted.append(len(outcome.emitted) if ok else None)
             deltas[seq.seq_id] = seq.tokens[before:] if ok else []
@@ -347,8 +329,18 @@ class BatchEngine:
         return deltas
 
     @staticmethod
-    def _emit(seq: Sequence, draft: Draft, outcome: Outcome, seconds: float) -> None:
+    def _advance(seq: Sequence, draft: Draft, outcome: Outcome, head_cache, seconds: float) -> None:
+        """One sequence after its committed step: its next decode state, its stats, its output."""
+        state = seq.state
+        hidden, next_tokens = outcome.hidden, torch.cat([draft.tokens[outcome.nodes[1:]], outcome.root])
+        if seq.keep_head_rows and not draft.heads_drafted:  # the EAGLE head covers these rows on its next run
+            hidden, next_tokens = torch.cat([state.hidden, hidden]), torch.cat([state.next_tokens, next_tokens])
+        seq.state = DecodeState(cache=state.cache, prefix_len=state.prefix_len + int(outcome.nodes.shape[0]),
+                                root=outcome.root, hidden=hidden, next_tokens=next_tokens, draft_cache=head_cache)
         seq.stats.count_step(draft.plan.max_depth, len(outcome.emitted) - 1, seconds)
+        if draft.lookup_start is not None:
+            seq.stats.lookup_steps += 1
+            seq.stats.lookup_accepted += int((outcome.nodes >= draft.lookup_start).sum())
         seq.finish_reason = emit(seq.tokens, outcome.emitted, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
 
     # --- faults (module doc, "Faults") -----------------------------------------------------

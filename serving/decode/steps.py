@@ -1,5 +1,6 @@
 """The steps of tree speculative decoding, each written once and batched (a single request is
-a batch of one): prefill, verify, accept, commit, and the output rule (emit).
+a batch of one): prefill, verify, accept, and the output rule (emit). The engine
+(serving/decode/engine.py) runs them, commits, and records.
 
     prefill -> repeat: draft -> verify -> accept -> commit
 
@@ -18,11 +19,13 @@ them. Medusa reads the final (post-norm) hidden state at position S-1, the one t
   with per-sequence prefix lengths and packed masks). A padding node sees only itself and
   is never accepted. Its logits are the target's prediction for the token after node i.
 - accept: greedy, the longest root-to-leaf run of nodes whose token is the target's argmax
-  at their parent (serving/decode/trees.py `accepted_path`), then the target's argmax at
-  the last accepted node (the bonus token, the next root); sampled, tree rejection
-  sampling (serving/decode/sampling.py), which keeps the target's distribution exactly.
-- commit: the cache keeps each sequence's accepted nodes' KV entries (root first) in its
-  row and drops the rest; `advance` gives the sequence's next DecodeState.
+  at their parent (serving/decode/trees.py `TreePlan.accept_greedy`), then the target's
+  argmax at the last accepted node (the bonus token, the next root); sampled, tree
+  rejection sampling (serving/decode/sampling.py), which keeps the target's distribution
+  exactly.
+- commit (the engine): the cache keeps each sequence's accepted nodes' KV entries (root
+  first) in its row and drops the rest (`TreeStaticCache.commit`), and the sequence gets its
+  next DecodeState.
 
 Lossless: every emitted token is the target's argmax given exactly the tokens before it, so
 greedy output equals the target's own greedy decoding (up to fp ties between batch shapes).
@@ -87,88 +90,58 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
 
-def verify(decoder, cache: TreeStaticCache, drafts: list[Draft], prefix_lens: list[int],
+def verify(decoder, cache: TreeStaticCache, drafts: list[Draft],
            num_nodes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ONE target forward over the cache's active rows, one draft each -> (logits [n, T, V],
-    taps [n, T, nH]). num_nodes pads every tree to that many nodes (default: a single draft
-    unpadded, several to the largest). decoder: its target, tap_layers and attention choice."""
-    device = decoder.target.device
-    if len(drafts) == 1 and num_nodes in (None, drafts[0].plan.num_nodes):
-        plan = drafts[0].plan  # one sequence, its own tree: no padding
-        tokens_nT, positions = drafts[0].tokens[None], (plan.position_offsets + prefix_lens[0])[None]
-        tree_masks, packed = (None if plan.is_chain else plan.tree_mask), plan.packed
-    else:
-        num_nodes = num_nodes or max(d.plan.num_nodes for d in drafts)
-        tokens_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
-        offsets_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
-        tree_masks = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(len(drafts), -1, -1).clone()
-        for index, draft in enumerate(drafts):  # padding nodes see only themselves
-            size = draft.plan.num_nodes
-            tokens_nT[index, :size] = draft.tokens
-            offsets_nT[index, :size] = draft.plan.position_offsets
-            tree_masks[index, :size, :size] = draft.plan.tree_mask
-        positions = cache.position_ids(offsets_nT)
-
-        def packed():
-            from specheads.serving.kernels.tree_attention import pack_tree_mask
-
-            return pack_tree_mask(tree_masks)
+    """ONE target forward over the cache's active rows, one draft each (a single sequence is a
+    batch of one), every tree padded to num_nodes (default: the largest) -> (logits [n, T, V],
+    taps [n, T, nH]). decoder: its target, tap_layers and attention choice."""
+    num_nodes = num_nodes or max(draft.plan.num_nodes for draft in drafts)
+    device = drafts[0].tokens.device
+    tokens_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
+    offsets_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
+    tree_masks = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(len(drafts), -1, -1).clone()
+    for index, draft in enumerate(drafts):  # padding nodes see only themselves
+        size = draft.plan.num_nodes
+        tokens_nT[index, :size] = draft.tokens
+        offsets_nT[index, :size] = draft.plan.position_offsets
+        tree_masks[index, :size, :size] = draft.plan.tree_mask
     attention_kwargs, mask = {}, None
-    if decoder.attn_impl == "tree" and tokens_nT.shape[1] > 1:
-        attention_kwargs = {"tree_mask": packed(),
-                            "prefix_len": prefix_lens[0] if len(prefix_lens) == 1 else cache.seq_lens}
+    if decoder.attn_impl == "tree" and num_nodes > 1:
+        from specheads.serving.kernels.tree_attention import pack_tree_mask
+
+        attention_kwargs = {"tree_mask": pack_tree_mask(tree_masks), "prefix_len": cache.seq_lens}
         if decoder.tree_attention_impl is not None:
             attention_kwargs["tree_attention_impl"] = decoder.tree_attention_impl
-    elif tree_masks is not None:
+    elif len(drafts) > 1 or not drafts[0].plan.is_chain:
         mask = cache.attention_mask(tree_masks)
-    out = decoder.target(tokens_nT, decoder.tap_layers, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, **attention_kwargs)
+    # else one chain (a plain step, a chain tree): the model's own causal mask is its tree mask
+    # (padding after it is never read), and it runs the attention of the target's own decoding.
+    out = decoder.target(tokens_nT, decoder.tap_layers, attention_mask=mask,
+                         position_ids=cache.position_ids(offsets_nT), past_key_values=cache, use_cache=True,
+                         **attention_kwargs)
     return out.logits, torch.cat(out.taps, dim=-1)
 
 
-def accept(draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor, sampling: SamplingParams | None,
-           generator: torch.Generator | None, acceptance: str = "rejection",
-           target_tokens_T: torch.Tensor | None = None) -> Outcome:
+def accept(draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor, target_tokens_T: torch.Tensor,
+           sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
+           acceptance: str = "rejection") -> Outcome:
     """One sequence's accepted path from its verify logits (padding rows past its tree ignored).
-    target_tokens_T: greedy_tokens(logits_TV), when the caller took it for a whole batch at once."""
+    target_tokens_T: greedy_tokens(logits_TV) (the engine takes it for the whole batch at once)."""
     plan = draft.plan
-    logits_TV = logits_TV[:plan.num_nodes]
-    greedy = sampling is None or sampling.is_greedy
-    if greedy:
-        target_tokens_T = (greedy_tokens(logits_TV) if target_tokens_T is None else target_tokens_T)[:plan.num_nodes]
-    if greedy and plan.num_nodes == 1:  # a plain step: the target's token
-        root = target_tokens_T
-        return Outcome(nodes=plan.root_only, root=root, emitted=root.tolist(), hidden=hidden_TH[:1])
-    if greedy:
+    if sampling is None or sampling.is_greedy:
+        target_tokens_T = target_tokens_T[:plan.num_nodes]
+        if plan.num_nodes == 1:  # a plain step: the target's token
+            return Outcome(nodes=plan.root_only, root=target_tokens_T, emitted=target_tokens_T.tolist(),
+                           hidden=hidden_TH[:1])
         nodes = plan.accept_greedy(draft.tokens, target_tokens_T)
         root = target_tokens_T[nodes[-1:]]
         emitted = torch.cat([draft.tokens[nodes[1:]], root]).tolist()
     else:
-        sample = accept_tree_sampling(draft.tree, draft.tokens, logits_TV, sampling, generator, mode=acceptance)
+        sample = accept_tree_sampling(draft.tree, draft.tokens, logits_TV[:plan.num_nodes], sampling, generator,
+                                      mode=acceptance)
         nodes, emitted = sample.nodes, sample.emitted
         root = torch.tensor(emitted[-1:], dtype=torch.long, device=logits_TV.device)
     return Outcome(nodes=nodes, root=root, emitted=emitted, hidden=hidden_TH[nodes])
-
-
-def commit(cache: TreeStaticCache, outcomes: list[Outcome | None], root_only: torch.Tensor) -> None:
-    """Keep each active row's accepted entries (a failed row, None: its root alone; the
-    sequence has ended, the entry is never read)."""
-    cache.commit([root_only if outcome is None else outcome.nodes for outcome in outcomes])
-
-
-def advance(state: DecodeState, draft: Draft, outcome: Outcome, head_cache, keep_head_rows: bool) -> DecodeState:
-    """The sequence's state after its committed step. keep_head_rows: an EAGLE head that did
-    not run this step covers the previous step's rows on its next run too."""
-    hidden, next_tokens = outcome.hidden, torch.cat([draft.tokens[outcome.nodes[1:]], outcome.root])
-    if keep_head_rows:
-        hidden = torch.cat([state.hidden, hidden])
-        next_tokens = torch.cat([state.next_tokens, next_tokens])
-    return DecodeState(cache=state.cache, prefix_len=state.prefix_len + int(outcome.nodes.shape[0]),
-                       root=outcome.root, hidden=hidden, next_tokens=next_tokens, draft_cache=head_cache)
-
-
-def _ends_with_stop(tokens: list[int], stop_sequences: list[list[int]]) -> bool:
-    return any(len(tokens) >= len(stop) and tokens[-len(stop):] == stop for stop in stop_sequences)
 
 
 def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int],
@@ -177,7 +150,7 @@ def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_
     -> "stop", "length", or None to go on."""
     for token in new_tokens:
         out_tokens.append(token)
-        if token in eos_ids or _ends_with_stop(out_tokens, stop_sequences):
+        if token in eos_ids or any(out_tokens[-len(stop):] == stop for stop in stop_sequences):
             return "stop"
         if len(out_tokens) >= max_new_tokens:
             return "length"

@@ -250,15 +250,6 @@ class TreePlan:
         self.draft_parents = tree.parents[1:].to(device)  # [T-1]
         self.leaf_paths = tree.leaf_paths.to(device)  # [L, D+1]
         self.root_only = torch.zeros(1, dtype=torch.long, device=device)  # the accepted nodes of a plain step
-        self.packed_tree_mask = None  # [T, W] int32, packed on first use by the tree attention path
-
-    def packed(self) -> torch.Tensor:
-        """The tree mask packed for the tree-attention kernel, once per plan (every layer reads it)."""
-        if self.packed_tree_mask is None:
-            from specheads.serving.kernels.tree_attention import pack_tree_mask
-
-            self.packed_tree_mask = pack_tree_mask(self.tree_mask)
-        return self.packed_tree_mask
 
     def accept_greedy(self, tokens_T: torch.Tensor, target_tokens_T: torch.Tensor) -> torch.Tensor:
         """Greedy acceptance: a node is correct when its token is the target's argmax at its

@@ -21,6 +21,7 @@ from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
+from specheads.serving.decode import engine as engine_module
 from specheads.serving.decode.engine import BatchEngine
 from specheads.serving.decode.faults import EngineBroken, is_fatal
 from specheads.serving.decode.sampling import GREEDY_BELOW_TEMPERATURE, SamplingParams, target_probs
@@ -129,23 +130,37 @@ def assert_isolated(results, references, faulty: int, message: str):
 
 def test_a_fault_in_one_rows_accept_ends_that_sequence_alone(setup, monkeypatch):
     target, decoder, prompts, references = setup
-    original = BatchEngine._accept_one
+    original = engine_module.accept
     calls = {"n": 0}
 
-    def faulty_accept(self, seq, draft, *verified):
-        if seq.seq_id == 1:
-            calls["n"] += 1
-            if calls["n"] == 2:  # its second decode step
-                raise RuntimeError("injected accept fault")
-        return original(self, seq, draft, *verified)
+    def faulty_accept(*args):
+        calls["n"] += 1
+        if calls["n"] == 5:  # rows 0, 1, 2 accept in row order: row 1 (seq 1) of the second decode step
+            raise RuntimeError("injected accept fault")
+        return original(*args)
 
-    monkeypatch.setattr(BatchEngine, "_accept_one", faulty_accept)
+    monkeypatch.setattr(engine_module, "accept", faulty_accept)
     results, session = run(decoder, [SequenceRequest(p, MAX_NEW) for p in prompts])
     assert_isolated(results, references, 1, "RuntimeError: injected accept fault")
     assert 0 < len(results[1].tokens) < MAX_NEW  # what it had emitted before the fault
-    monkeypatch.setattr(BatchEngine, "_accept_one", original)
+    monkeypatch.setattr(engine_module, "accept", original)
     again, _ = run(decoder, [SequenceRequest(prompts[1], MAX_NEW)])
     assert again[0].tokens == references[1]
+
+
+def test_a_fault_in_one_rows_bookkeeping_ends_that_sequence_alone(setup, monkeypatch):
+    target, decoder, prompts, references = setup
+    original = BatchEngine._advance
+
+    def faulty_advance(seq, *args):
+        if seq.seq_id == 2 and len(seq.tokens) > 1:  # after its first decode step
+            raise RuntimeError("injected bookkeeping fault")
+        return original(seq, *args)
+
+    monkeypatch.setattr(BatchEngine, "_advance", staticmethod(faulty_advance))
+    results, _ = run(decoder, [SequenceRequest(p, MAX_NEW) for p in prompts])
+    assert_isolated(results, references, 2, "RuntimeError: injected bookkeeping fault")
+    assert 1 < len(results[2].tokens) < MAX_NEW
 
 
 def test_a_fault_in_the_batched_medusa_draft_is_found_row_by_row(setup, monkeypatch):
@@ -206,10 +221,10 @@ def test_a_prefill_fault_leaves_the_batch_as_it_was(setup):
 def test_one_sequence_generate_raises_its_fault(setup, monkeypatch):
     target, decoder, prompts, references = setup
 
-    def broken(self, *args):
+    def broken(*args):
         raise KeyError("injected")
 
-    monkeypatch.setattr(BatchEngine, "_accept_one", broken)
+    monkeypatch.setattr(engine_module, "accept", broken)
     with pytest.raises(KeyError, match="injected"):
         generate(decoder, prompts[0], MAX_NEW)
 

@@ -245,7 +245,7 @@ def test_accept_on_a_combined_tree_picks_the_longest_match():
 
     def run(target_after_node: list[int], draft_tokens: torch.Tensor = tokens):
         logits = torch.nn.functional.one_hot(torch.tensor(target_after_node), 128).float()  # argmax = the given token
-        return accept(Draft(draft_tokens, plan), logits, torch.zeros(len(target_after_node), 1), None, None)
+        return accept(Draft(draft_tokens, plan), logits, torch.zeros(len(target_after_node), 1), logits.argmax(dim=-1))
 
     # The heads' branch 0 -> 1 -> 3 matches (3 nodes), the chain 0 -> 4 -> 5 -> 6 matches (4 nodes).
     step = run([11, 13, 0, 40, 5, 6, 23])

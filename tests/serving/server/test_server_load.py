@@ -225,19 +225,19 @@ def test_health_is_503_after_a_fatal_engine_error(tiny_setup):  # noqa: F811
 def test_a_request_that_fails_alone_leaves_the_others_and_the_server_running(tiny_setup, monkeypatch):  # noqa: F811
     from specheads.serving.decode.engine import BatchEngine
 
-    original = BatchEngine._accept_one
+    original = BatchEngine._advance
 
-    def faulty(self, seq, *args):
+    def faulty(seq, *args):
         if seq.max_new_tokens == 7:  # the faulty request's rows only
             raise RuntimeError("injected fault in one row")
-        return original(self, seq, *args)
+        return original(seq, *args)
 
     target_dir, heads_dir = tiny_setup
     with running_server(target_dir, heads_dir, max_concurrency=4) as server:
         url = server.url + "/v1/completions"
         good = dict(LONG, max_tokens=40)
         expected = httpx.post(url, json=good, timeout=60).json()["choices"][0]["text"]
-        monkeypatch.setattr(BatchEngine, "_accept_one", faulty)
+        monkeypatch.setattr(BatchEngine, "_advance", staticmethod(faulty))
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             slow = [pool.submit(httpx.post, url, json=dict(good, stream=stream), timeout=60) for stream in (False, True)]
             time.sleep(0.1)  # the faulty request joins a running batch
@@ -251,7 +251,7 @@ def test_a_request_that_fails_alone_leaves_the_others_and_the_server_running(tin
                            if line.startswith("data: {"))
         assert streamed == expected
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-        monkeypatch.setattr(BatchEngine, "_accept_one", original)
+        monkeypatch.setattr(BatchEngine, "_advance", staticmethod(original))
         assert httpx.post(url, json=good, timeout=60).json()["choices"][0]["text"] == expected
         values = scrape(server)
         assert values['specheads_request_aborted_total{reason="error"}'] == 2  # both choices failed
