@@ -180,8 +180,8 @@ def summarise(runs: list[PromptRun], identical: list[bool], reference: list[Prom
     alpha = None
     # HF peers: every observed forward; the engine: its speculative steps (alpha_tau's denominator)
     acceptance_steps = steps if drafted is None else sum(r.speculative_steps for r in runs)
-    if drafted is None:  # HF peer: every observed forward emitted its tokens
-        tau = num_tokens / steps if steps else None
+    if drafted is None:  # HF peer: each observed forward emitted one token of its own plus the accepted ones
+        tau = alpha_tau(num_tokens - steps, 0, steps)[1] if steps else None
     elif drafted == 0:  # the engine without speculation: no drafts to measure
         tau = None
     else:

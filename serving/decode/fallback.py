@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from specheads.serving.decode.stats import alpha_tau
+
 
 @dataclass(frozen=True)
 class FallbackPolicy:
@@ -57,7 +59,7 @@ class StepCosts:
     def __init__(self, smoothing: float = 0.2, clock: Callable[[], float] = time.perf_counter):
         self.smoothing = smoothing
         self.clock = clock
-        self.frozen = False  # True: record() and record_tau() keep the given costs
+        self.frozen = False  # True: record() keeps the given costs
         self.seconds: dict[tuple[int, int], float] = {}
         self.taus: dict[int, float] = {}
         self.spec_nodes: dict[int, int] = {}  # batch size -> padded tree size of its last speculative step
@@ -67,27 +69,24 @@ class StepCosts:
               clock: Callable[[], float] = time.perf_counter) -> "StepCosts":
         """Costs as given ({(batch size, tree size): seconds}, {batch size: tau}), never updated."""
         costs = cls(clock=clock)
-        for (batch_size, num_nodes), value in seconds.items():
-            costs.record(batch_size, num_nodes, value)
-        for batch_size, tau in taus.items():
-            costs.record_tau(batch_size, tau)
+        costs.seconds, costs.taus = dict(seconds), dict(taus)
+        for batch_size, num_nodes in seconds:
+            if num_nodes > 1:
+                costs.spec_nodes[batch_size] = num_nodes
         costs.frozen = True
         return costs
 
-    def _ema(self, table: dict, key, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else old + self.smoothing * (value - old)
-
-    def record(self, batch_size: int, num_nodes: int, seconds: float) -> None:
+    def record(self, batch_size: int, num_nodes: int, seconds: float, tau: float | None = None) -> None:
+        """One step of this batch size and padded tree size took `seconds`; tau: its tokens per
+        speculating sequence (None: no sequence drafted)."""
         if self.frozen:
             return
-        self._ema(self.seconds, (batch_size, num_nodes), seconds)
+        for table, key, value in ((self.seconds, (batch_size, num_nodes), seconds), (self.taus, batch_size, tau)):
+            if value is not None:
+                old = table.get(key)
+                table[key] = value if old is None else old + self.smoothing * (value - old)
         if num_nodes > 1:
             self.spec_nodes[batch_size] = num_nodes
-
-    def record_tau(self, batch_size: int, tau: float) -> None:
-        if not self.frozen:
-            self._ema(self.taus, batch_size, tau)
 
     def get(self, batch_size: int, num_nodes: int) -> float | None:
         return self.seconds.get((batch_size, num_nodes))
@@ -113,6 +112,7 @@ class SpeculationWindow:
     accepted: int = 0  # draft tokens they accepted
     seconds: float = 0.0  # their wall time
     plain_run: int = 0  # plain steps since the last fallback (speculation is retried after retry_after)
+    fell_back: bool = False  # it fell back at least once, or a batch gate made it plain (its stats say why)
 
 
 class Fallback:
@@ -136,7 +136,7 @@ class Fallback:
         """The one question before a step: which of the batch's sequences draft."""
         for seq in batch:
             window = seq.window
-            if seq.stats.fallback and not window.speculating and window.plain_run >= self.policy.retry_after:
+            if window.may_fall_back and not window.speculating and window.plain_run >= self.policy.retry_after:
                 window.speculating = True  # try speculating again: the text may have become predictable
         plain = self._plain_step(batch)
         return [seq.window.speculating and not (plain and seq.window.may_fall_back) for seq in batch]
@@ -146,12 +146,14 @@ class Fallback:
         """The one thing after a committed step: each sequence's drafted depth (0: a plain step)
         and emitted tokens (None: it failed; then the step is no measure of the step cost), the
         padded tree size and the step's seconds."""
-        speculative = [count for depth, count in zip(depths, emitted) if depth > 0 and count is not None]
+        speculative = [(depth, count) for depth, count in zip(depths, emitted) if depth > 0 and count is not None]
         if all(count is not None for count in emitted):
-            self.costs.record(len(batch), num_nodes, seconds)
+            tau = None
             if speculative:
-                self.costs.record_tau(len(batch), sum(speculative) / len(speculative))
+                _, tau = alpha_tau(sum(count - 1 for _, count in speculative), sum(depth for depth, _ in speculative),
+                                   len(speculative))
                 self.spec_steps_at[len(batch)] = self.spec_steps_at.get(len(batch), 0) + 1
+            self.costs.record(len(batch), num_nodes, seconds, tau)
         for seq, depth, count in zip(batch, depths, emitted):
             if count is None:
                 continue
@@ -190,8 +192,8 @@ class Fallback:
         if gated % policy.retry_after == 0:
             return False
         for seq in batch:
-            if seq.window.may_fall_back and seq.window.speculating and not seq.stats.fallback:
-                _mark(seq.stats, f"in a batch of {size} speculation was predicted at {gain:.2f}x plain "
+            if seq.window.may_fall_back and seq.window.speculating and not seq.window.fell_back:
+                _mark(seq, f"in a batch of {size} speculation was predicted at {gain:.2f}x plain "
                                  f"decoding's tokens/s (measured step costs and tau)")
         return True
 
@@ -212,7 +214,7 @@ class Fallback:
         if plain_cost is None:
             self.probe_steps = policy.probe_steps  # time plain steps at this batch size, then decide
             return
-        tau = (window.accepted + window.steps) / window.steps
+        _, tau = alpha_tau(window.accepted, 0, window.steps)  # tau alone: a window counts no drafted tokens
         spec_rate, plain_rate = (window.accepted + window.steps) / window.seconds, 1.0 / plain_cost
         seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
         if spec_rate < (1 - policy.margin) * plain_rate:
@@ -226,10 +228,13 @@ class Fallback:
         window = seq.window
         window.speculating = False
         window.steps, window.accepted, window.seconds, window.plain_run = 0, 0, 0.0, 0
-        _mark(seq.stats, reason)
+        _mark(seq, reason)
 
 
-def _mark(stats, reason: str) -> None:
+def _mark(seq, reason: str) -> None:
+    """Report a fallback in the sequence's stats (read by its result, never by a decision)."""
+    seq.window.fell_back = True
+    stats = seq.stats
     stats.fallback = True
     stats.fallback_reason = reason
     if stats.fallback_step is None:
