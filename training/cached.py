@@ -14,6 +14,8 @@ other taps or another seq_len is refused (FeatureCache.check_fits). Top-k caches
 KL over the stored k tokens (the rest at zero probability); full-logit caches give the same
 losses as online training up to floating-point rounding.
 
+CachedFeatures is this mode's feature source (training/features.py).
+
 Shape legend: B micro batch, T seq_len, H hidden, V vocab, J draft steps.
 """
 
@@ -27,7 +29,8 @@ import torch
 from specheads.data.feature_cache import FeatureCache, write_cache
 from specheads.data.text import PackedBlocks
 from specheads.heads.target import TargetAdapter
-from specheads.training.losses import DistillOutput, Teacher
+from specheads.training.features import Features, OnlineTarget
+from specheads.training.losses import Teacher
 
 
 AUTO = "auto"
@@ -67,15 +70,28 @@ def open_cache(directory: str | Path, target: TargetAdapter, taps: list[int], se
     return cache
 
 
-def cached_micro_step(engine, cache: FeatureCache, indices: list[int], target: TargetAdapter, kind,
-                      tap_layers: list[int], dtype: torch.dtype) -> tuple[DistillOutput, torch.Tensor]:
-    """One micro step's forward + loss from cached features -> (loss output, loss mask [B, T])."""
-    device = target.device
-    batch = cache.batch(indices)
-    input_ids_BT, loss_mask_BT = batch["input_ids"].to(device), batch["loss_mask"].to(device)
-    draft_ids_V = engine.module.draft_to_target()
-    draft_BTV, argmax_BT = FeatureCache.teacher_draft_logits(batch, target.vocab_size, draft_ids_V)
-    teacher = Teacher.from_draft_logits(draft_BTV.to(device), argmax_BT.to(device))
-    taps_BTnH = torch.cat([batch[f"tap_{layer}"] for layer in tap_layers], dim=-1).to(device)
-    inputs = kind.inputs(taps_BTnH, input_ids_BT, target, dtype)
-    return kind.loss(engine(*inputs), teacher, loss_mask_BT, draft_ids_V, inputs), loss_mask_BT
+def cache_directory(setting: str, target: TargetAdapter, target_path: str, blocks: PackedBlocks, taps: list[int],
+                    batch_size: int, log=print) -> Path:
+    """data.feature_cache -> the cache's directory: the one named, or for `auto` the one built
+    from (or already holding) these blocks."""
+    if setting != AUTO:
+        return Path(setting)
+    return build_auto_cache(target, target_path, blocks, taps, batch_size, log=log)
+
+
+class CachedFeatures(OnlineTarget):
+    """The feature cache as a feature source (training/features.py): its blocks are the training
+    data, and a micro batch's taps and teacher come from it instead of a target forward."""
+
+    def __init__(self, cache: FeatureCache, target: TargetAdapter, tap_layers: list[int]):
+        super().__init__(target, cache.blocks(), tap_layers)
+        self.cache = cache
+
+    def features(self, indices: list[int]) -> Features:
+        device = self.target.device
+        batch = self.cache.batch(indices)
+        draft_ids_V = self.heads.draft_to_target()
+        draft_BTV, argmax_BT = FeatureCache.teacher_draft_logits(batch, self.target.vocab_size, draft_ids_V)
+        teacher = Teacher.from_draft_logits(draft_BTV.to(device), argmax_BT.to(device))
+        taps_BTnH = torch.cat([batch[f"tap_{layer}"] for layer in self.tap_layers], dim=-1).to(device)
+        return Features(batch["input_ids"].to(device), batch["loss_mask"].to(device), teacher, taps_BTnH, draft_ids_V)

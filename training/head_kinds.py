@@ -27,14 +27,9 @@ from specheads.heads.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE
 from specheads.heads.eagle3 import next_token_embeddings
 from specheads.heads.heads_dir import HeadsConfig, eagle_heads_config
 from specheads.heads.target import TargetAdapter, TargetIdentity
-from specheads.training.losses import DistillOutput, eagle_ttt_loss, medusa_distill_loss
 from specheads.training.config import HeadsSpec, RecipeError
-
-
-def frozen_target(device: torch.device):
-    """The teacher's side of a step: no grad, and never under the heads' bf16 autocast (its
-    outputs are the heads' targets; the target's dtype decides its precision)."""
-    return torch.autocast(device.type, enabled=False), torch.no_grad()
+from specheads.training.features import frozen_target
+from specheads.training.losses import DistillOutput, eagle_ttt_loss, medusa_distill_loss
 
 
 class MedusaKind:

@@ -1,9 +1,10 @@
 """Medusa-2 joint training: a PEFT LoRA adapter on the target trains together with the heads.
 
-The recipe's `lora` section turns it on (absent = frozen target). The adapter is injected
-into the loaded target in place (peft.get_peft_model), so `TargetAdapter.model` runs with
-it; the heads and the target model then sit in one `JointModel`, which is the module the
-DeepSpeed engine wraps (one optimizer, one scheduler, one gradient clip, one checkpoint).
+The recipe's `lora` section turns it on (absent = frozen target); `LoraJoint` is this mode's
+feature source (training/features.py). The adapter is injected into the loaded target in
+place (peft.get_peft_model), so `TargetAdapter.model` runs with it; the heads and the target
+model then sit in one `JointModel`, which is the module the DeepSpeed engine wraps (one
+optimizer, one scheduler, one gradient clip, one checkpoint).
 Only the heads' and the adapter's parameters are trainable; the base weights stay frozen.
 
 Loss (per micro step):
@@ -40,6 +41,7 @@ Shape legend: B batch, T positions, V vocab, H hidden.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -47,10 +49,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.export import LORA_META
 from specheads.heads import atomic
-from specheads.heads.target import TargetAdapter
+from specheads.heads.export import ADAPTER_SUBDIR, LORA_META
+from specheads.heads.heads_dir import HeadsConfig
+from specheads.heads.target import TargetAdapter, resolve_dtype
 from specheads.training.config import RecipeError
+from specheads.training.features import Features, OnlineTarget
+from specheads.training.losses import DistillOutput
 
 HEADS_PREFIX = "heads."
 TARGET_PREFIX = "target_model."
@@ -82,26 +87,17 @@ def count_lora_params(model: nn.Module) -> int:
 
 
 class JointModel(nn.Module):
-    """Heads + the adapted target model, the one module the DeepSpeed engine trains.
+    """Heads + the adapted target model, the one module the DeepSpeed engine trains (one
+    optimizer, one clip, one checkpoint). Its forward is the heads': the adapted target runs
+    before it, in LoraJoint.features, so that the step calls the engine alike in every mode."""
 
-    forward(input_ids, adapter_grad) runs the target (taps + logits) and the heads on the inputs
-    their kind (training/head_kinds.py) makes of its taps. -> (target logits [B, T, V], heads
-    output, heads' inputs)."""
-
-    def __init__(self, heads: nn.Module, target: TargetAdapter, kind, tap_layers: list[int]):
+    def __init__(self, heads: nn.Module, target: TargetAdapter):
         super().__init__()
         self.heads = heads
         self.target_model = target.model
-        self._target = target  # not a module attribute: the same model, reached through the adapter
-        self.kind, self.tap_layers = kind, list(tap_layers)
 
-    def forward(self, input_ids_BT: torch.Tensor, adapter_grad: bool):
-        dtype = next(self.heads.parameters()).dtype
-        grad = contextlib.nullcontext() if adapter_grad else torch.no_grad()
-        with grad:
-            out = self._target(input_ids_BT, self.tap_layers)
-        inputs = self.kind.inputs(torch.cat(out.taps, dim=-1), input_ids_BT, self._target, dtype)
-        return out.logits, self.heads(*inputs), inputs
+    def forward(self, *inputs):
+        return self.heads(*inputs)
 
     def checkpoint_names(self) -> set[str]:
         """What a checkpoint holds: every heads tensor and the adapter's parameters (not the base)."""
@@ -137,14 +133,74 @@ def lm_loss(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, loss_mask_BT: 
     return (ce_BN * mask_BN).sum() / mask_BN.sum().clamp(min=1.0)
 
 
-def joint_micro_step(engine, input_ids_BT, loss_mask_BT, kind, lora_cfg, adapter_on: bool):
-    """-> (DistillOutput of the heads, LM loss or None, the objective to backward)."""
-    logits_BTV, heads_out, inputs = engine(input_ids_BT, adapter_on)
-    result = kind.loss(heads_out, logits_BTV.detach(), loss_mask_BT, engine.module.heads.draft_to_target(), inputs)
-    if not adapter_on:
-        return result, None, result.loss
-    lm = lm_loss(logits_BTV, input_ids_BT, loss_mask_BT)
-    return result, lm.detach(), result.loss + lora_cfg.lm_loss_weight * lm
+class LoraJoint(OnlineTarget):
+    """LoRA joint training as a feature source (training/features.py): the adapted target runs on
+    every micro batch, with grad once heads_warmup_steps are over (before that under no_grad:
+    the adapter gets no gradient and AdamW skips it), and its LM loss joins the objective."""
+
+    adapter = True
+
+    def __init__(self, target: TargetAdapter, blocks, tap_layers: list[int], lora_cfg, base: dict, log=print):
+        super().__init__(target, blocks, tap_layers)
+        self.cfg, self.base = lora_cfg, base
+        self.peft_model = apply_lora(target, lora_cfg)
+        self.adapter_on = False
+        self.lm_loss_sum, self.lm_loss_count = 0.0, 0  # LM loss of the micro steps since the last report
+        log(f"LoRA adapter: {count_lora_params(target.model):,} trainable parameters in the target (rank "
+            f"{lora_cfg.rank}, modules {lora_cfg.target_modules}); heads-only warmup {lora_cfg.heads_warmup_steps} "
+            "steps")
+
+    def attach(self, heads: nn.Module) -> tuple[nn.Module, list[nn.Parameter]]:
+        """-> one JointModel over heads + target; only the heads and the adapter train."""
+        self.heads, self.joint = heads, JointModel(heads, self.target)
+        adapter = [p for n, p in self.target.model.named_parameters() if "lora_" in n]
+        return self.joint, list(heads.parameters()) + adapter
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        self.adapter_on = step > self.cfg.heads_warmup_steps
+        self.joint.train()  # LoRA dropout on; held-out eval and calibration want the target in eval mode
+        yield
+        self.target.model.eval()
+
+    def features(self, indices: list[int]) -> Features:
+        input_ids_BT, loss_mask_BT = (tensor.to(self.target.device) for tensor in self.blocks.batch(indices))
+        with contextlib.nullcontext() if self.adapter_on else torch.no_grad():
+            out = self.target(input_ids_BT, self.tap_layers)
+        # The teacher is detached, so the heads loss cannot pull the target towards the heads; the
+        # taps keep their grad, so the heads loss also trains the adapter (as in Medusa-2).
+        return Features(input_ids_BT, loss_mask_BT, out.logits.detach(), torch.cat(out.taps, dim=-1),
+                        self.heads.draft_to_target(), logits_BTV=out.logits)
+
+    def objective(self, result: DistillOutput, features: Features) -> torch.Tensor:
+        if not self.adapter_on:
+            return result.loss
+        lm = lm_loss(features.logits_BTV, features.input_ids_BT, features.loss_mask_BT)
+        self.lm_loss_sum, self.lm_loss_count = self.lm_loss_sum + float(lm.detach()), self.lm_loss_count + 1
+        return result.loss + self.cfg.lm_loss_weight * lm
+
+    def metrics(self) -> dict[str, float]:
+        """The adapted target's own LM loss (this rank's) since the last call."""
+        if not self.lm_loss_count:
+            return {}
+        mean = self.lm_loss_sum / self.lm_loss_count
+        self.lm_loss_sum, self.lm_loss_count = 0.0, 0
+        return {"train/lm_loss": mean}
+
+    def finish(self, config: HeadsConfig, output_dir: Path, log) -> HeadsConfig:
+        """Write `<output_dir>/adapter`; the heads record the target as "<base>+lora:<adapter>"."""
+        directory = save_adapter(self.peft_model, Path(output_dir) / ADAPTER_SUBDIR, self.base)
+        log(f"wrote {directory} (serve the merged target: specheads export {output_dir} --format merged --out DIR)")
+        name = f"{config.target.name_or_path}+lora:{directory.resolve()}"
+        return dataclasses.replace(config, target=dataclasses.replace(config.target, name_or_path=name))
+
+
+def adapter_base(target_cfg, target_path: str, device: str, lora_cfg) -> dict:
+    """specheads_lora.json: the base target the adapter merges into."""
+    return {"name_or_path": target_cfg.name_or_path,
+            "resolved_path": str(Path(target_path).resolve()) if Path(target_path).exists() else target_path,
+            "dtype": str(resolve_dtype(target_cfg.dtype, device)).removeprefix("torch."),
+            "trust_remote_code": target_cfg.trust_remote_code, "lora": lora_cfg.to_dict()}
 
 
 def save_adapter(peft_model, directory: Path, base: dict) -> Path:

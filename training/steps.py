@@ -1,91 +1,58 @@
-"""One optimizer step of the heads' training: grad_accum micro steps, each getting the target's
-outputs in one of three ways (StepMode): online (the frozen target runs under no_grad), from
-the offline feature cache (training/cached.py), or LoRA joint (the adapted target runs inside
-the engine, training/lora.py). Split out of trainer.py, which drives the loop.
+"""One optimizer step of the heads' training, the same in every mode: the trainer picks the
+head kind (training/head_kinds.py) and the feature source (training/features.py) once, and
+the step only calls them. Split out of trainer.py, which drives the loop.
 
-Shape legend: K heads, B micro batch, T seq_len, H hidden, V vocab, J draft steps.
+Shape legend: D depths (Medusa heads, EAGLE steps), B micro batch, T seq_len.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
+from torch import nn
 
-from specheads.data.text import BlockSampler, PackedBlocks
-from specheads.heads.target import TargetAdapter
-from specheads.training import lora as lora_mode
-from specheads.training.cached import cached_micro_step
-from specheads.training.head_kinds import frozen_target
-
-
-def _online_micro_step(engine, target: TargetAdapter, input_ids_BT, loss_mask_BT, dtype, kind, tap_layers):
-    off, no_grad = frozen_target(target.device)
-    with off, no_grad:
-        out = target(input_ids_BT, tap_layers)
-        taps_BTnH = torch.cat(out.taps, dim=-1)
-    inputs = kind.inputs(taps_BTnH, input_ids_BT, target, dtype)
-    return kind.loss(engine(*inputs), out.logits, loss_mask_BT, engine.module.draft_to_target(), inputs)
+from specheads.data.text import BlockSampler
+from specheads.training.features import OnlineTarget
+from specheads.training.head_kinds import HeadKind
 
 
-@dataclass
-class StepMode:
-    """How a micro step gets the target's outputs: online (default), from a feature cache, or
-    LoRA joint (the adapted target inside the engine; adapter_on is False during heads warmup)."""
-
-    cache: object | None = None  # FeatureCache
-    lora: object | None = None  # LoraConfig
-    adapter_on: bool = False
-    lm_loss_sum: float = 0.0  # LoRA: summed LM loss of the micro steps since the last report
-    lm_loss_count: int = 0
-    autocast: bool = False  # bf16 on a CPU rank: forward + loss under torch.autocast (training/ds_config.py)
-
-    def precision_context(self, device_type: str):
-        if not self.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=torch.bfloat16)
+def bf16_autocast(device_type: str) -> Callable[[], ContextManager]:
+    """bf16 on a CPU rank: the heads' forward and loss under torch.autocast (training/ds_config.py)."""
+    return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
 
 
-def train_step(engine, target: TargetAdapter, blocks: PackedBlocks, sampler: BlockSampler,
-               grad_accum: int, kind, tap_layers: list[int], mode: StepMode | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One optimizer step (grad_accum micro steps) -> loss [K|J], top-1 [K|J], tokens."""
-    mode = mode or StepMode()
-    heads = engine.module.heads if mode.lora is not None else engine.module
-    dtype = next(heads.parameters()).dtype
-    if mode.lora is not None:
-        engine.module.train()  # LoRA dropout on; eval/calibration switch the target back to eval
+@dataclass(frozen=True)
+class StepParts:
+    """What the step trains and how, chosen once per run by the trainer."""
+
+    engine: object  # the DeepSpeed engine over the heads (LoRA: over heads + adapted target)
+    heads: nn.Module  # the heads inside it
+    kind: HeadKind
+    source: OnlineTarget  # or a subclass: CachedFeatures, LoraJoint
+    precision: Callable[[], ContextManager] = contextlib.nullcontext  # or bf16_autocast(...)
+
+
+def train_step(parts: StepParts, sampler: BlockSampler, grad_accum: int,
+               step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Optimizer step `step` (grad_accum micro steps) -> loss [D], top-1 [D], loss tokens (this rank's).
+
+    A micro step: the source's teacher outputs and taps -> the kind's inputs -> the heads (through
+    the engine) -> the kind's loss -> the source's objective -> backward."""
+    engine, kind, source = parts.engine, parts.kind, parts.source
+    dtype = next(parts.heads.parameters()).dtype
     loss_sum, top1_sum, num_tokens = 0.0, 0.0, 0
-    for _ in range(grad_accum):
-        indices = sampler.next_indices()
-        with mode.precision_context(target.device.type):
-            result, loss_mask_BT, objective = _micro_step(engine, target, blocks, indices, dtype, kind, tap_layers,
-                                                          mode)
-        engine.backward(objective)
-        engine.step()
-        loss_sum = loss_sum + result.head_loss
-        top1_sum = top1_sum + result.head_top1
-        num_tokens += int(loss_mask_BT.sum())
-    if mode.lora is not None:
-        target.model.eval()
+    with source.step(step):
+        for _ in range(grad_accum):
+            with parts.precision():
+                batch = source.features(sampler.next_indices())
+                inputs = kind.inputs(batch.taps_BTnH, batch.input_ids_BT, source.target, dtype)
+                result = kind.loss(engine(*inputs), batch.teacher, batch.loss_mask_BT, batch.draft_ids_V, inputs)
+                objective = source.objective(result, batch)
+            engine.backward(objective)
+            engine.step()
+            loss_sum, top1_sum = loss_sum + result.head_loss, top1_sum + result.head_top1
+            num_tokens += int(batch.loss_mask_BT.sum())
     return loss_sum / grad_accum, top1_sum / grad_accum, num_tokens
-
-
-def _micro_step(engine, target: TargetAdapter, blocks: PackedBlocks, indices: list[int], dtype, kind,
-                tap_layers, mode: StepMode):
-    """One micro step's forward and loss -> (loss output, loss mask [B, T], the objective to backward)."""
-    if mode.cache is not None:
-        result, loss_mask_BT = cached_micro_step(engine, mode.cache, indices, target, kind, tap_layers, dtype)
-        objective = result.loss
-    else:
-        input_ids_BT, loss_mask_BT = blocks.batch(indices)
-        input_ids_BT, loss_mask_BT = input_ids_BT.to(target.device), loss_mask_BT.to(target.device)
-        if mode.lora is not None:
-            result, lm, objective = lora_mode.joint_micro_step(engine, input_ids_BT, loss_mask_BT, kind, mode.lora,
-                                                               mode.adapter_on)
-            if lm is not None:
-                mode.lm_loss_sum, mode.lm_loss_count = mode.lm_loss_sum + float(lm), mode.lm_loss_count + 1
-        else:
-            result = _online_micro_step(engine, target, input_ids_BT, loss_mask_BT, dtype, kind, tap_layers)
-            objective = result.loss
-    return result, loss_mask_BT, objective

@@ -1,13 +1,13 @@
 """The heads distillation loop (Medusa, and EAGLE with the training-time test) on a
 DeepSpeed engine.
 
+The run picks two parts once and the step (training/steps.py) only calls them: the head
+kind (training/head_kinds.py: Medusa, EAGLE-3, EAGLE-1/2) and the feature source
+(training/features.py: the online frozen target by default, the feature cache, or LoRA joint).
 By default DeepSpeed wraps the heads only and the frozen target runs inside every micro step
-under no_grad, so its hidden states and logits are always those of the current block (the
-two other modes, LoRA joint and feature cache, are below). Works in one process without a
-launcher (rank/world default to 0/1) and under
-`deepspeed --num_gpus N --module specheads.train RECIPE.yaml`; on CPU ranks the process
-group uses the backend DeepSpeed's CPU accelerator names (gloo, or ccl when oneCCL is
-installed).
+under no_grad, so its hidden states and logits are always those of the current block. Works
+in one process without a launcher and under `deepspeed --num_gpus N --module specheads.train
+RECIPE.yaml` (training/distributed.py).
 
 One run: recipe -> target -> data -> heads -> engine -> resume from `latest` if present ->
 steps (log, eval every train.eval_every, checkpoint) -> final checkpoint -> calibration on
@@ -19,7 +19,7 @@ rank (get_accelerator().current_device_name(): "cuda:N", or "cpu" on CPU ranks).
 SIGTERM during the step loop: the step finishes, a checkpoint is saved at it, and run()
 raises TrainingStopped (specheads.train exits 75); the handler is installed only around
 the loop and the previous one restored. ZeRO-3 (train.zero_stage=3) also partitions the
-frozen target across ranks (_load_target); every rank then takes part in every target
+frozen target across ranks (training/zero3.py); every rank then takes part in every target
 forward, calibration included.
 
 EAGLE heads: the target returns the tap layers' hidden states and logits; the head is
@@ -30,45 +30,43 @@ tokens (data/vocab_counts.py, heads/draft_vocab.py).
 
 LoRA joint mode (recipe section `lora`, training/lora.py): the engine wraps a JointModel of
 the heads and the adapted target; checkpoints add the adapter; the run also writes
-`<output_dir>/adapter`. Feature-cache mode (`data.feature_cache: DIR` or `auto`, training/cached.py): the
-step loop reads cached taps + logits instead of running the target. Data splits
-(`data.split`, `data.eval_split`): training/data_split.py.
+`<output_dir>/adapter`. Feature-cache mode (`data.feature_cache: DIR` or `auto`,
+training/cached.py): the step loop reads cached taps + logits instead of running the target.
+Data splits (`data.split`, `data.eval_split`): training/data_split.py.
 
 Shape legend: K heads, B micro batch, T seq_len, H hidden, V vocab, J draft steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import logging
-import os
 import random
-import signal
-import socket
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers.utils import logging as transformers_logging
 
 from specheads.data.text import BlockSampler, PackedBlocks
 from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import build_draft_vocab
-from specheads.heads.export import ADAPTER_SUBDIR
 from specheads.heads.heads_dir import HeadsConfig, build_heads, save_heads
-from specheads.heads.target import TargetAdapter, check_target_exists, resolve_dtype
+from specheads.heads.target import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
 from specheads.training import lora as lora_mode
-from specheads.training.cached import AUTO as AUTO_CACHE, build_auto_cache, open_cache
+from specheads.training.cached import CachedFeatures, cache_directory, open_cache
 from specheads.training.calibrate import calibrate, measure_accuracy
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.data_split import load_training_data
+from specheads.training.distributed import Dist, StopRequest, init_distributed, mean_over_ranks, train_device
 from specheads.training.ds_config import build_ds_config, cpu_autocast
+from specheads.training.features import OnlineTarget
 from specheads.training.head_kinds import HeadKind, head_kind
-from specheads.training.steps import StepMode, train_step
+from specheads.training.steps import StepParts, bf16_autocast, train_step
 from specheads.training.tracking import eval_metrics, make_tracker, new_run_id, step_metrics
+from specheads.training.zero3 import gathered, load_target
 
 HEADS_SUBDIR = "heads"
 # Recipe keys that must match a checkpoint to resume from it (they shape the state or the data).
@@ -86,75 +84,93 @@ class TrainingStopped(Exception):
         self.step, self.checkpoint_dir = step, checkpoint_dir
 
 
-class StopRequest:
-    """SIGTERM -> a flag checked between steps (installed for the training loop only; the previous
-    handler is restored on exit). Under several ranks the flag is OR-ed over ranks every step, so
-    all ranks stop after the same step even when the signal reaches them at different times."""
+def run(recipe: Recipe) -> Path:
+    """Train, checkpoint, calibrate; returns the heads directory (written by rank 0)."""
+    kind = head_kind(recipe.heads)
+    kind.check_seq_len(recipe.data.seq_len)
+    target_path = _resolve_target(recipe.target.name_or_path)
+    check_target_exists(target_path)  # fail before starting DeepSpeed
+    recipe = _materialize_chat_source(recipe, target_path)
+    dist = init_distributed()
+    train_cfg, output_dir = recipe.train, Path(recipe.train.output_dir)
+    random.seed(train_cfg.seed)
+    torch.manual_seed(train_cfg.seed)
 
-    def __init__(self):
-        self.requested = False
-        self._previous = None
+    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
+    target, target_engine = load_target(recipe, target_path, dist)  # keep the engine: it gathers ZeRO-3 weights
+    train_blocks, eval_blocks = load_training_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
+                                                   target.vocab_size, recipe.target.trust_remote_code)
+    config = _heads_config(recipe, target)
+    source = feature_source(recipe, target, target_path, train_blocks, config.tap_layers, lambda m: _say(dist, m))
+    _say(dist, f"train data {source.blocks.report.summary()}")
+    _say(dist, f"eval data {eval_blocks.report.summary()}")
+    autocast = cpu_autocast(train_cfg, train_device(), lora=source.adapter)
+    engine, heads = _make_engine(recipe, kind, config, source, target, dist, autocast)
+    parts = StepParts(engine, heads, kind, source, bf16_autocast(target.device.type) if autocast
+                      else contextlib.nullcontext)
+    sampler = BlockSampler(len(source.blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank,
+                           dist.world_size)
+    start_step, manifest = _resume(recipe, engine, sampler, output_dir, dist)
+    # The W&B run this training run logs to: the checkpoint's when resuming, else a new one. Only
+    # rank 0's id is used (it writes the manifest and is the only rank that reports).
+    run_id = (manifest or {}).get("wandb_run_id") or new_run_id()
+    tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank,
+                           run_id)
+    _say(dist, f"{dist.world_size} rank(s), ZeRO stage {train_cfg.zero_stage}, {train_cfg.precision}"
+               f"{' (autocast over fp32 weights)' if autocast else ''}, "
+               f"steps {start_step}->{train_cfg.steps}, output {output_dir}")
 
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
+    def save(step: int) -> Path:
+        return checkpoint.save_checkpoint(output_dir, engine, step, sampler.state_dict(), recipe.to_dict(),
+                                          train_cfg.precision, extra={"wandb_run_id": run_id})
 
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def should_stop(self, device) -> bool:
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            return bool(flag.item() > 0)
-        return self.requested
-
-
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def init_distributed() -> Dist:
-    """Launcher-less defaults, then DeepSpeed's process group on its accelerator's backend."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
-    local_size = int(os.environ.get("LOCAL_SIZE", "1"))
-    if local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))  # ranks share the cores
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               verbose=False)
-    return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+    _train(parts, recipe, sampler, start_step, eval_blocks, config.tap_layers, tracker, save, dist)
+    heads_dir = _finish(recipe, parts, config, eval_blocks, output_dir, dist, tracker,
+                        partitioned_target=target_engine is not None)
+    tracker.finish()
+    return heads_dir
 
 
-def train_device() -> str:
-    """This rank's device as DeepSpeed's accelerator names it ("cuda:N" on GPU ranks, "cpu" on CPU
-    ranks). The frozen target and every batch live there; deepspeed.initialize puts the heads there."""
-    from deepspeed.accelerator import get_accelerator
+def _train(parts: StepParts, recipe: Recipe, sampler: BlockSampler, start_step: int, eval_blocks: PackedBlocks,
+           tap_layers: list[int], tracker, save, dist: Dist) -> None:
+    """Steps start_step+1..train.steps: log every train.log_every, eval every train.eval_every,
+    checkpoint every train.save_every and at the end; SIGTERM saves and raises TrainingStopped."""
+    train_cfg, target = recipe.train, parts.source.target
+    window_start, window_tokens = time.perf_counter(), 0
+    with StopRequest() as stop:
+        for step in range(start_step + 1, train_cfg.steps + 1):
+            head_loss, head_top1, num_tokens = train_step(parts, sampler, train_cfg.grad_accum, step)
+            window_tokens += num_tokens
+            if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+                head_loss, head_top1 = mean_over_ranks(head_loss, head_top1)
+                elapsed = time.perf_counter() - window_start
+                metrics = step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(parts.engine),
+                                       window_tokens * dist.world_size / max(elapsed, 1e-9))
+                tracker.log(step, {**metrics, **parts.source.metrics()})
+                window_start, window_tokens = time.perf_counter(), 0
+            if train_cfg.eval_every and step % train_cfg.eval_every == 0:
+                tracker.log(step, eval_metrics(held_out_top1(parts, target, eval_blocks, recipe, tap_layers)))
+            stopping = stop.should_stop(target.device)  # collective when there are several ranks
+            if step % train_cfg.save_every == 0 or step == train_cfg.steps or stopping:
+                saved = save(step)
+            if stopping and step < train_cfg.steps:
+                _say(dist, f"SIGTERM: stopping after step {step}; saved {saved}")
+                tracker.finish()
+                raise TrainingStopped(step, saved)
 
-    return get_accelerator().current_device_name()
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def feature_source(recipe: Recipe, target: TargetAdapter, target_path: str, blocks: PackedBlocks,
+                   tap_layers: list[int], log) -> OnlineTarget:
+    """The run's one feature source (training/features.py): LoRA joint, the feature cache, or the
+    online frozen target."""
+    if recipe.lora is not None:
+        base = lora_mode.adapter_base(recipe.target, target_path, train_device(), recipe.lora)
+        return lora_mode.LoraJoint(target, blocks, tap_layers, recipe.lora, base, log=log)
+    if recipe.data.feature_cache is not None:
+        directory = cache_directory(recipe.data.feature_cache, target, target_path, blocks, tap_layers,
+                                    recipe.train.micro_batch_size, log=log)
+        return CachedFeatures(open_cache(directory, target, tap_layers, recipe.data.seq_len), target, tap_layers)
+    return OnlineTarget(target, blocks, tap_layers)
 
 
 def _say(dist: Dist, message: str) -> None:
@@ -219,16 +235,16 @@ def _check_resumable(manifest: dict, recipe: Recipe, directory: Path) -> None:
             "values, or use a new train.output_dir")
 
 
-def held_out_top1(engine, kind: HeadKind, target: TargetAdapter, eval_blocks: PackedBlocks, recipe: Recipe,
+def held_out_top1(parts: StepParts, target: TargetAdapter, eval_blocks: PackedBlocks, recipe: Recipe,
                   tap_layers: list[int]) -> list[float]:
     """Per-depth top-1 agreement of the heads with the target's greedy tokens on held-out blocks:
     train.eval_batches batches of micro_batch_size, evenly spaced over the held-out set (the same
     blocks every time). Every rank runs the same forwards (ZeRO-3 gathers the heads' weights
     collectively), so every rank gets the same numbers."""
-    heads = engine.module.heads if recipe.lora is not None else engine.module
+    heads = parts.heads
     try:
         with torch.no_grad():
-            accuracy, _ = measure_accuracy(heads, kind, target, eval_blocks.input_ids.to(target.device),
+            accuracy, _ = measure_accuracy(heads, parts.kind, target, eval_blocks.input_ids.to(target.device),
                                            eval_blocks.loss_mask.to(target.device), 1,
                                            recipe.train.micro_batch_size, recipe.train.eval_batches, tap_layers)
     finally:
@@ -236,165 +252,22 @@ def held_out_top1(engine, kind: HeadKind, target: TargetAdapter, eval_blocks: Pa
     return [row[0] for row in accuracy]
 
 
-def _mean_over_ranks(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    packed = torch.stack([t.float() for t in tensors])  # [n, K]
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(packed)
-        packed /= torch.distributed.get_world_size()
-    return list(packed)
-
-
-def run(recipe: Recipe) -> Path:
-    """Train, checkpoint, calibrate; returns the heads directory (written by rank 0)."""
-    kind = head_kind(recipe.heads)
-    kind.check_seq_len(recipe.data.seq_len)
-    target_path = _resolve_target(recipe.target.name_or_path)
-    check_target_exists(target_path)  # fail before starting DeepSpeed
-    recipe = _materialize_chat_source(recipe, target_path)
-    dist = init_distributed()
-    train_cfg, output_dir = recipe.train, Path(recipe.train.output_dir)
-    random.seed(train_cfg.seed)
-    torch.manual_seed(train_cfg.seed)
-
-    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
-    target, target_engine = _load_target(recipe, target_path, dist)
-    train_blocks, eval_blocks = load_training_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
-                                                   target.vocab_size, recipe.target.trust_remote_code)
-    tap_layers = _heads_config(recipe, target).tap_layers
-    mode = StepMode(lora=recipe.lora, autocast=cpu_autocast(train_cfg, train_device(), recipe.lora is not None))
-    if recipe.data.feature_cache is not None:
-        directory = recipe.data.feature_cache
-        if directory == AUTO_CACHE:
-            directory = build_auto_cache(target, target_path, train_blocks, tap_layers,
-                                         train_cfg.micro_batch_size, log=lambda message: _say(dist, message))
-        mode.cache = open_cache(directory, target, tap_layers, recipe.data.seq_len)
-        train_blocks = mode.cache.blocks()  # the cache's blocks are the training data
-    _say(dist, f"train data {train_blocks.report.summary()}")
-    _say(dist, f"eval data {eval_blocks.report.summary()}")
-
-    peft_model = lora_mode.apply_lora(target, recipe.lora) if recipe.lora is not None else None
-    if peft_model is not None:
-        _say(dist, f"LoRA adapter: {lora_mode.count_lora_params(target.model):,} trainable parameters in the target "
-                   f"(rank {recipe.lora.rank}, modules {recipe.lora.target_modules}); heads-only warmup "
-                   f"{recipe.lora.heads_warmup_steps} steps")
-    engine = _make_engine(recipe, target, dist, train_blocks)
-    sampler = BlockSampler(len(train_blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank, dist.world_size)
-    start_step, manifest = _resume(recipe, engine, sampler, output_dir, dist)
-    # The W&B run this training run logs to: the checkpoint's when resuming, else a new one. Only
-    # rank 0's id is used (it writes the manifest and is the only rank that reports).
-    run_id = (manifest or {}).get("wandb_run_id") or new_run_id()
-    tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank,
-                           run_id)
-    _say(dist, f"{dist.world_size} rank(s), ZeRO stage {train_cfg.zero_stage}, {train_cfg.precision}"
-               f"{' (autocast over fp32 weights)' if mode.autocast else ''}, "
-               f"steps {start_step}->{train_cfg.steps}, output {output_dir}")
-
-    def save(step: int) -> Path:
-        return checkpoint.save_checkpoint(output_dir, engine, step, sampler.state_dict(), recipe.to_dict(),
-                                          train_cfg.precision, extra={"wandb_run_id": run_id})
-
-    window_start, window_tokens = time.perf_counter(), 0
-    with StopRequest() as stop:
-        for step in range(start_step + 1, train_cfg.steps + 1):
-            mode.adapter_on = recipe.lora is not None and step > recipe.lora.heads_warmup_steps
-            head_loss, head_top1, num_tokens = train_step(engine, target, train_blocks, sampler,
-                                                         train_cfg.grad_accum, kind, tap_layers, mode)
-            window_tokens += num_tokens
-            if step % train_cfg.log_every == 0 or step == train_cfg.steps:
-                head_loss, head_top1 = _mean_over_ranks(head_loss, head_top1)
-                elapsed = time.perf_counter() - window_start
-                metrics = step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(engine),
-                                       window_tokens * dist.world_size / max(elapsed, 1e-9))
-                if mode.lm_loss_count:  # LoRA: the adapted target's own LM loss (this rank's)
-                    metrics["train/lm_loss"] = mode.lm_loss_sum / mode.lm_loss_count
-                    mode.lm_loss_sum, mode.lm_loss_count = 0.0, 0
-                tracker.log(step, metrics)
-                window_start, window_tokens = time.perf_counter(), 0
-            if train_cfg.eval_every and step % train_cfg.eval_every == 0:
-                tracker.log(step, eval_metrics(held_out_top1(engine, kind, target, eval_blocks, recipe, tap_layers)))
-            stopping = stop.should_stop(target.device)  # collective when there are several ranks
-            if step % train_cfg.save_every == 0 or step == train_cfg.steps or stopping:
-                saved = save(step)
-            if stopping and step < train_cfg.steps:
-                _say(dist, f"SIGTERM: stopping after step {step}; saved {saved}")
-                tracker.finish()
-                raise TrainingStopped(step, saved)
-
-    heads_dir = _finish(recipe, engine, target, eval_blocks, output_dir, dist, tracker,
-                        partitioned_target=target_engine is not None, peft_model=peft_model,
-                        target_path=target_path)
-    tracker.finish()
-    return heads_dir
-
-
-def _load_target(recipe: Recipe, target_path: str, dist: Dist):
-    """-> (target, its DeepSpeed engine or None).
-
-    ZeRO stages 0-2: the whole frozen target on this rank's device. ZeRO-3: the target is built
-    and loaded under DeepSpeed's ZeRO-3 context (transformers' HfDeepSpeedConfig, alive during
-    from_pretrained), so each rank holds 1/world of every weight (param.ds_tensor), and it is
-    wrapped by an optimizer-less DeepSpeed engine whose ZeRO-3 hooks gather each module's
-    weights around its forward. Every rank must then run every target forward (training,
-    eval and calibration all do)."""
-    kwargs = {"dtype": recipe.target.dtype, "device": train_device(),
-              "trust_remote_code": recipe.target.trust_remote_code}
-    if recipe.train.zero_stage != 3:
-        return TargetAdapter.from_pretrained(target_path, **kwargs), None
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-
-    config = _target_ds_config(recipe, dist)
-    hf_config = HfDeepSpeedConfig(config)  # transformers holds a weak reference: keep it alive while loading
-    target = TargetAdapter.from_pretrained(target_path, **kwargs)
-    del hf_config  # later transformers models (none are built) would otherwise be partitioned too
-    engine, _, _, _ = deepspeed.initialize(model=target.model, config=config)
-    local = sum(p.ds_tensor.numel() for p in target.model.parameters() if hasattr(p, "ds_tensor"))
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in target.model.parameters())
-    print(f"specheads train: [rank {dist.rank}] ZeRO-3 target: {local} of {total} parameters resident "
-          "on this rank", flush=True)
-    return target, engine
-
-
-def _target_ds_config(recipe: Recipe, dist: Dist) -> dict:
-    """The heads' DeepSpeed config minus optimizer and scheduler: ZeRO-3 inference for the target."""
-    config = build_ds_config(recipe.train, dist.world_size)
-    config.pop("optimizer", None)
-    config.pop("scheduler", None)
-    config["zero_optimization"].pop("offload_optimizer", None)  # no optimizer; offload_param stays
-    return config
-
-
-def _gathered(target: TargetAdapter, module):
-    """A context in which `module`'s full weights are present (ZeRO-3 targets; collective)."""
-    import contextlib
-
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    if not params:
-        return contextlib.nullcontext()
+def _make_engine(recipe: Recipe, kind: HeadKind, config: HeadsConfig, source: OnlineTarget,
+                 target: TargetAdapter, dist: Dist, autocast: bool) -> tuple[object, nn.Module]:
+    """-> (the DeepSpeed engine over what the source trains, the heads inside it)."""
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
-def _make_engine(recipe: Recipe, target: TargetAdapter, dist: Dist, train_blocks: PackedBlocks):
-    import deepspeed
-
-    heads = build_heads(_heads_config(recipe, target))
-    if head_kind(recipe.heads).takes_draft_vocab(heads):
+    heads = build_heads(config)
+    if kind.takes_draft_vocab(heads):
         # The same maps on every rank: counts over all training blocks.
-        counts_V = count_tokens(train_blocks.input_ids, train_blocks.loss_mask, target.vocab_size)
+        counts_V = count_tokens(source.blocks.input_ids, source.blocks.loss_mask, target.vocab_size)
         heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
-    with _gathered(target, target.lm_head()):
+    with gathered(target.lm_head()):
         heads.init_lm_heads_from(target.lm_head())
-    ds_config = build_ds_config(recipe.train, dist.world_size,
-                                autocast=cpu_autocast(recipe.train, train_device(), recipe.lora is not None))
-    module, params = heads, list(heads.parameters())
-    if recipe.lora is not None:  # one engine over heads + adapted target; only heads + adapter train
-        module = lora_mode.JointModel(heads, target, head_kind(recipe.heads),
-                                      _heads_config(recipe, target).tap_layers)
-        params = params + [p for n, p in target.model.named_parameters() if "lora_" in n]
+    ds_config = build_ds_config(recipe.train, dist.world_size, autocast=autocast)
+    module, params = source.attach(heads)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
-    return engine
+    return engine, heads
 
 
 def _heads_config(recipe: Recipe, target: TargetAdapter) -> HeadsConfig:
@@ -428,43 +301,31 @@ def _current_lr(engine) -> float:
     return float(engine.optimizer.param_groups[0]["lr"])
 
 
-def _finish(recipe: Recipe, engine, target: TargetAdapter, eval_blocks: PackedBlocks, output_dir: Path,
-            dist: Dist, tracker, partitioned_target: bool = False, peft_model=None, target_path: str = "") -> Path:
+def _finish(recipe: Recipe, parts: StepParts, config: HeadsConfig, eval_blocks: PackedBlocks, output_dir: Path,
+            dist: Dist, tracker, partitioned_target: bool = False) -> Path:
     """Gather the weights (all ranks), calibrate on held-out data and write the heads dir (rank 0).
     A ZeRO-3 target needs every rank in its forwards, so then every rank calibrates (the same
-    blocks, the same numbers) and rank 0 writes. LoRA runs calibrate on the adapted target and
-    also write `<output_dir>/adapter`; their heads record the target as "<base>+lora:<adapter>"."""
-    weights = checkpoint.full_state_dict(engine)
-    heads_dir = output_dir / HEADS_SUBDIR
-    if peft_model is not None:
+    blocks, the same numbers) and rank 0 writes. The feature source writes what else it trained
+    (LoRA: `<output_dir>/adapter`, named in the heads' target) after calibration."""
+    weights = checkpoint.full_state_dict(parts.engine)
+    if parts.source.adapter:
         weights, _ = lora_mode.split_state(weights)
-        target.model.eval()
+    heads_dir, target = output_dir / HEADS_SUBDIR, parts.source.target
+    target.model.eval()  # LoRA's dropout off (a frozen target is always in eval mode)
     if dist.rank == 0 or partitioned_target:
-        config = _heads_config(recipe, target)
-        if peft_model is not None:
-            adapter_dir = (output_dir / ADAPTER_SUBDIR).resolve()
-            config.target = dataclasses.replace(config.target,
-                                                name_or_path=f"{config.target.name_or_path}+lora:{adapter_dir}")
         heads = build_heads(config)
         saved = heads.state_dict()  # non-persistent buffers (rotary inv_freq) stay as built
         heads.load_state_dict({k: v for k, v in weights.items() if k in saved})
         heads.to(target.device)
         cal = recipe.calibrate
         config.calibration, config.tree = calibrate(
-            heads, head_kind(recipe.heads), target, eval_blocks.input_ids.to(target.device),
+            heads, parts.kind, target, eval_blocks.input_ids.to(target.device),
             eval_blocks.loss_mask.to(target.device), cal.num_nodes, cal.max_rank, recipe.train.micro_batch_size,
             cal.eval_batches, config.tap_layers, source=eval_blocks.report.source)
         if dist.rank != 0:
             checkpoint.barrier()
             return heads_dir
-        if peft_model is not None:
-            base = {"name_or_path": recipe.target.name_or_path, "resolved_path": str(Path(target_path).resolve())
-                    if Path(target_path).exists() else target_path,
-                    "dtype": str(resolve_dtype(recipe.target.dtype, train_device())).removeprefix("torch."),
-                    "trust_remote_code": recipe.target.trust_remote_code, "lora": recipe.lora.to_dict()}
-            lora_mode.save_adapter(peft_model, output_dir / ADAPTER_SUBDIR, base)
-            _say(dist, f"wrote {output_dir / ADAPTER_SUBDIR} (serve the merged target: specheads export "
-                       f"{output_dir} --format merged --out DIR)")
+        config = parts.source.finish(config, output_dir, lambda message: _say(dist, message))
         save_heads(heads_dir, heads, config)
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
         _say(dist, f"held-out top-1 per head {top1}; tree of {config.tree['num_nodes']} nodes, expected "

@@ -1,0 +1,97 @@
+"""The training processes: rank, world and device, the process group, SIGTERM between steps, and
+the mean of a per-rank figure over ranks.
+
+Works in one process without a launcher (rank/world default to 0/1) and under
+`deepspeed --num_gpus N --module specheads.train RECIPE.yaml`; on CPU ranks the process group
+uses the backend DeepSpeed's CPU accelerator names (gloo, or ccl when oneCCL is installed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def init_distributed() -> Dist:
+    """Launcher-less defaults, then DeepSpeed's process group on its accelerator's backend."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    local_size = int(os.environ.get("LOCAL_SIZE", "1"))
+    if local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))  # ranks share the cores
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               verbose=False)
+    return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+
+
+def train_device() -> str:
+    """This rank's device as DeepSpeed's accelerator names it ("cuda:N" on GPU ranks, "cpu" on CPU
+    ranks). The frozen target and every batch live there; deepspeed.initialize puts the heads there."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def mean_over_ranks(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    packed = torch.stack([t.float() for t in tensors])  # [n, K]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(packed)
+        packed /= torch.distributed.get_world_size()
+    return list(packed)
+
+
+class StopRequest:
+    """SIGTERM -> a flag checked between steps (installed for the training loop only; the previous
+    handler is restored on exit). Under several ranks the flag is OR-ed over ranks every step, so
+    all ranks stop after the same step even when the signal reaches them at different times."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def should_stop(self, device) -> bool:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            return bool(flag.item() > 0)
+        return self.requested
