@@ -124,7 +124,7 @@ class StaticEagleDrafter:
             candidates = self.head.logits(features).topk(self.num_ranks, dim=-1).indices  # [1, n_{d-1}, R]
             level_tokens = self.draft_to_target[candidates[0, parent_local, ranks]]  # [n_d]
             tokens.append(level_tokens)
-            if depth < self.tree.max_depth:
+            if depth < len(self.levels):  # the last level's features are never read
                 features = loop.run(depth, level_tokens, features[:, parent_local], mask)
         return Draft(torch.cat(tokens), self.plan), cache
 
