@@ -299,7 +299,8 @@ def heads_trees(heads_config, tree_nodes: list[int] | None) -> list[tuple[object
     """(tree, tree info) per tree to bench: the heads directory's own tree (the tuned one once
     `specheads tune` ran), then one calibrated tree per entry of `tree_nodes` (draft nodes,
     root excluded), expanded from the directory's calibrated accuracy (or the prior guess)."""
-    from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreeSpec, prior_accuracy
+    from specheads.serving.decode.config import TreeSpec
+    from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, prior_accuracy
 
     trees = []
     record = heads_config.tree or {}

@@ -45,7 +45,7 @@ class HeadsConfig:
     num_layers: int
     tap_layers: list[int]  # target layers the heads read (see heads/target.py for the convention)
     target: TargetIdentity
-    tree: dict | None = None  # {"paths": [[rank, ...], ...], ...}; see serving/decode/trees.py
+    tree: dict | None = None  # {"paths": [[rank, ...], ...], ...}; read by serving/decode/config.py parse_tree_field
     calibration: dict | None = None  # per-depth top-k accuracy measured after training
     # EAGLE kinds only (None for Medusa):
     num_attention_heads: int | None = None

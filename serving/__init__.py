@@ -4,19 +4,21 @@ Three parts; imports go one way, server -> decode -> kernels (tests/serving/test
 
 decode/    the decode loop and its parts. A single request is a batch of one.
     config.py     SpeculativeDecoder: validated, typed configuration (target, drafter, tree,
-                  attention, fallback policy, lookup); runs nothing
+                  attention, fallback policy, lookup); runs nothing. The parser of a heads
+                  directory's `tree` field (TreeSpec)
     engine.py     BatchEngine: one step = draft -> verify -> accept -> commit -> record over
                   every sequence, one target forward; fault isolation per sequence
     generate.py   generate / stream: one request through the engine
     scheduler.py  Scheduler: admits, reports and retires requests around the engine (a server's worker)
-    steps.py      prefill, verify, accept, commit, emit: each step written once, batched
+    steps.py      prefill, verify, accept, emit: each step written once, batched
     medusa.py     Medusa drafting (one head call per batch) with AdaEDL's depth cut
     eagle.py      EAGLE drafting, static and EAGLE-2 dynamic trees through one level loop
     lookup.py     n-gram lookup drafts from the sequence's own context
-    trees.py      DraftTree and every constructor, TreePlan, Draft, the accepted-path rule,
-                  DynamicTreeConfig and the parser of a heads directory's `tree` field
+    trees.py      DraftTree and every constructor, TreePlan (with the greedy accept test),
+                  Draft, the accepted-path rule, DynamicTreeConfig
     cache.py      TreeStaticCache: the target's preallocated KV cache, commit in place
-    sampling.py   tree rejection sampling (lossless), typical acceptance, AdaEDL's bound
+    sampling.py   tree rejection sampling (lossless, temperature > 0), typical acceptance,
+                  AdaEDL's bound
     fallback.py   FallbackPolicy, StepCosts and the decisions, each sequence's SpeculationWindow
     stats.py      DecodeStats, GenerationResult, and the one definition of alpha and tau
     faults.py     which errors end one sequence and which break the engine

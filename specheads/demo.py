@@ -193,7 +193,7 @@ def check_targets(report: dict) -> list[str]:
 def lookup_flag(heads_dir: Path, lookup_num_tokens: int) -> str:
     """The `--lookup` option serve needs for that much lookup, given what tune stored."""
     from specheads.heads.heads_dir import read_heads_config
-    from specheads.serving.decode.trees import parse_tree_field
+    from specheads.serving.decode.config import parse_tree_field
 
     stored = parse_tree_field(read_heads_config(heads_dir).tree).lookup
     if (stored.num_tokens if stored else 0) == lookup_num_tokens:

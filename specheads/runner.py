@@ -65,9 +65,8 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
     directory records (`specheads tune` stores lookup when it made the tuned tree faster;
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens."""
     from specheads.heads.heads_dir import load_heads
-    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
     from specheads.serving.decode.lookup import LookupConfig
-    from specheads.serving.decode.trees import TreeSpec
 
     if lookup_num_tokens is not None and lookup_num_tokens < 0:
         raise ValueError(f"--lookup must be >= 0 (0: off), got {lookup_num_tokens}")

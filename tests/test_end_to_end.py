@@ -23,7 +23,7 @@ from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.stats import DecodeStats
-from specheads.serving.decode.trees import TreeSpec
+from specheads.serving.decode.config import TreeSpec
 
 from conftest import REPO
 

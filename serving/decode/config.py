@@ -2,9 +2,17 @@
 and tree, the attention used to verify, the fallback policy, n-gram lookup). It runs
 nothing and changes nothing on the target; serving/decode/engine.py's `BatchEngine` runs
 requests with it, and serving/decode/generate.py's `generate`/`stream` run one.
+
+What a heads directory asks serving for is read here too: `parse_tree_field` turns its
+config's `tree` field (heads/heads_dir.py `HeadsConfig.tree`, written by training's
+calibration and `specheads tune`) into a `TreeSpec`, the decoder's tree, AdaEDL threshold
+and n-gram lookup. (heads/ reads the rest of the config, but may not import serving's tree
+types.)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 from torch import nn
 
@@ -14,7 +22,7 @@ from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDraft
 from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
 from specheads.serving.decode.lookup import LookupConfig
 from specheads.serving.decode.medusa import MedusaDrafter
-from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreePlan
+from specheads.serving.decode.trees import DEFAULT_NUM_DRAFT_NODES, DraftTree, DynamicTreeConfig, TreePlan
 
 DEFAULT_EAGLE_DEPTH = 4  # EAGLE heads have no head count: without a tree they draft this deep
 
@@ -109,3 +117,47 @@ class SpeculativeDecoder:
 
 def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
     return default_tap_layers(target.num_layers) if heads.num_taps > 1 else [target.num_layers]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """What a heads directory's `tree` field asks for: a static tree or an EAGLE-2 dynamic
+    one, Medusa's AdaEDL depth-cut threshold, and the n-gram lookup tuned with it."""
+
+    tree: DraftTree | DynamicTreeConfig
+    entropy_threshold: float | None = None
+    lookup: LookupConfig | None = None
+
+    @classmethod
+    def from_heads_config(cls, config) -> "TreeSpec":
+        """What a HeadsConfig (heads/heads_dir.py) records: parse_tree_field over its tree,
+        head count and calibration."""
+        return parse_tree_field(config.tree, config.num_heads, config.calibration)
+
+
+def parse_tree_field(tree: dict | None, num_heads: int = 1, calibration: dict | None = None) -> TreeSpec:
+    """The one parser of the heads config's `tree` field.
+
+    {"dynamic": {...}}: an EAGLE-2 tree; {"paths": [...]} with an optional
+    "entropy_threshold": that static tree; neither: the calibrated tree
+    (calibration["accuracy"], DEFAULT_NUM_DRAFT_NODES nodes) or the prior guess
+    (`DraftTree.default`). {"lookup": {...}} (written by `specheads tune`) rides along."""
+    field = tree or {}
+    if not isinstance(field, dict):
+        raise ValueError(f"the heads config's tree must be an object, got {tree!r}")
+    lookup_spec = field.get("lookup")
+    lookup = None
+    if lookup_spec is not None:
+        allowed = [f.name for f in fields(LookupConfig)]
+        if not isinstance(lookup_spec, dict) or set(lookup_spec) - set(allowed):
+            raise ValueError(f"the heads tree's 'lookup' must be an object with keys from {allowed}, got {lookup_spec!r}")
+        lookup = LookupConfig(**lookup_spec)
+    if "dynamic" in field:
+        return TreeSpec(DynamicTreeConfig.from_dict(field), None, lookup)
+    if field.get("paths"):
+        static = DraftTree.from_paths(field["paths"])
+    else:
+        accuracy = (calibration or {}).get("accuracy")
+        static = DraftTree.from_calibration(accuracy[:num_heads], DEFAULT_NUM_DRAFT_NODES) if accuracy \
+            else DraftTree.default(num_heads)
+    return TreeSpec(static, field.get("entropy_threshold"), lookup)

@@ -1,6 +1,5 @@
 """Draft trees: which candidate tokens a decode step drafts, how they attend, and which
-path is accepted. Every tree constructor, the parser of a heads directory's `tree` field and
-the longest-accepted-path rule live here.
+path is accepted. Every tree constructor and the longest-accepted-path rule live here.
 
 A tree is data. Node 0 is the root: the token the target already chose, so it is certain.
 Every other node comes from a rank-path: (0, 2) is "the top-1 candidate of depth 1, then
@@ -18,7 +17,7 @@ Constructors (all return a `DraftTree`): `from_paths` (rank paths), `chain(depth
 (the nodes above a depth: AdaEDL's cuts of a static Medusa tree).
 `TreePlan` is a tree's tensors on the target's device; `Draft` is one sequence's drafted
 tokens with their plan. `DynamicTreeConfig` is the shape of an EAGLE-2 tree drafted anew
-every step. `parse_tree_field` reads a heads directory's `tree` field into a `TreeSpec`.
+every step. A heads directory's `tree` field is read in serving/decode/config.py.
 
 Acceptance (`accepted_path`): a drafted node is correct when the rule says so (greedy: its
 token is the target's argmax at its parent; Medusa-2's typical rule: its probability clears
@@ -36,7 +35,6 @@ from typing import Sequence
 import torch
 
 from specheads.heads.tree_paths import expand_paths
-from specheads.serving.decode.lookup import LookupConfig
 
 # The tree used when a heads directory records none: Medusa-style expansion over a prior
 # guess of head accuracy (top-1 accuracy decaying with depth, lower ranks halving). Small
@@ -340,47 +338,3 @@ class DynamicTreeConfig:
         if missing:
             raise ValueError(f"missing key(s) {', '.join('tree.dynamic.' + k for k in missing)}")
         return cls(**values)
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """What a heads directory's `tree` field asks for: a static tree or an EAGLE-2 dynamic
-    one, Medusa's AdaEDL depth-cut threshold, and the n-gram lookup tuned with it."""
-
-    tree: DraftTree | DynamicTreeConfig
-    entropy_threshold: float | None = None
-    lookup: LookupConfig | None = None
-
-    @classmethod
-    def from_heads_config(cls, config) -> "TreeSpec":
-        """What a HeadsConfig (heads/heads_dir.py) records: parse_tree_field over its tree,
-        head count and calibration."""
-        return parse_tree_field(config.tree, config.num_heads, config.calibration)
-
-
-def parse_tree_field(tree: dict | None, num_heads: int = 1, calibration: dict | None = None) -> TreeSpec:
-    """The one parser of the heads config's `tree` field.
-
-    {"dynamic": {...}}: an EAGLE-2 tree; {"paths": [...]} with an optional
-    "entropy_threshold": that static tree; neither: the calibrated tree
-    (calibration["accuracy"], DEFAULT_NUM_DRAFT_NODES nodes) or the prior guess
-    (`DraftTree.default`). {"lookup": {...}} (written by `specheads tune`) rides along."""
-    field = tree or {}
-    if not isinstance(field, dict):
-        raise ValueError(f"the heads config's tree must be an object, got {tree!r}")
-    lookup_spec = field.get("lookup")
-    lookup = None
-    if lookup_spec is not None:
-        allowed = [f.name for f in fields(LookupConfig)]
-        if not isinstance(lookup_spec, dict) or set(lookup_spec) - set(allowed):
-            raise ValueError(f"the heads tree's 'lookup' must be an object with keys from {allowed}, got {lookup_spec!r}")
-        lookup = LookupConfig(**lookup_spec)
-    if "dynamic" in field:
-        return TreeSpec(DynamicTreeConfig.from_dict(field), None, lookup)
-    if field.get("paths"):
-        static = DraftTree.from_paths(field["paths"])
-    else:
-        accuracy = (calibration or {}).get("accuracy")
-        static = DraftTree.from_calibration(accuracy[:num_heads], DEFAULT_NUM_DRAFT_NODES) if accuracy \
-            else DraftTree.default(num_heads)
-    return TreeSpec(static, field.get("entropy_threshold"), lookup)

@@ -16,7 +16,8 @@ from specheads.heads.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_conf
                                        update_tree)
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode.trees import DraftTree, TreeSpec
+from specheads.serving.decode.config import TreeSpec
+from specheads.serving.decode.trees import DraftTree
 
 NUM_HEADS = 3
 ACCURACY = [[0.6, 0.2, 0.1, 0.05], [0.4, 0.15, 0.05, 0.02], [0.3, 0.1, 0.05, 0.01]]
@@ -110,7 +111,7 @@ def test_tuned_lookup_is_stored_and_used_by_default(tmp_path):
     from specheads.bench.tune import stored_tree
     from specheads.runner import load_decoder
     from specheads.serving.decode.lookup import LookupConfig
-    from specheads.serving.decode.trees import parse_tree_field
+    from specheads.serving.decode.config import parse_tree_field
 
     row = {"name": "chain-2", "tree": {"paths": [[0], [0, 0]]}, "num_nodes": 2, "tokens_per_s": 10.0,
            "speedup_vs_plain": 1.2, "tau": 1.5, "step_cost": 1.1}

@@ -17,11 +17,11 @@ from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.eagle3 import Eagle3Head, default_tap_layers, next_token_embeddings
 from specheads.heads.heads_dir import HeadsConfig, build_heads, load_heads, read_heads_config, save_heads
 from specheads.heads.target import TargetAdapter
-from specheads.serving.decode.config import SpeculativeDecoder
+from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
 from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.trees import Draft, TreePlan
-from specheads.serving.decode.trees import DraftTree, TreeSpec
+from specheads.serving.decode.trees import DraftTree
 from specheads.training.losses import eagle_ttt_loss
 
 from conftest import REPO, TINY_VOCAB, make_tiny_model

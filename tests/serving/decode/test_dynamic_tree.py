@@ -22,7 +22,8 @@ from specheads.serving.decode.generate import generate
 from specheads.serving.decode.medusa import entropy_cut_depth
 from specheads.serving.decode.sampling import ADAEDL_GAMMA, acceptance_bound
 from specheads.serving.decode.steps import prefill
-from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreeSpec, parse_tree_field
+from specheads.serving.decode.config import TreeSpec, parse_tree_field
+from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig
 
 TAPS = [0, 1, 2]
 DRAFT_VOCAB = 200

@@ -9,7 +9,8 @@ import torch
 from specheads.heads.heads_dir import HeadsConfig
 from specheads.heads.target import TargetIdentity
 from specheads.heads.tree_paths import expand_paths
-from specheads.serving.decode.trees import DraftTree, TreePlan, TreeSpec
+from specheads.serving.decode.config import TreeSpec
+from specheads.serving.decode.trees import DraftTree, TreePlan
 
 # Nodes in (depth, path) order: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0), 6 (0,0,0)
 EXAMPLE_PATHS = [[0, 0, 0], [1], [0, 1], [0], [1, 0], [0, 0]]  # deliberately unsorted
