@@ -10,8 +10,9 @@ Layout under `<output_dir>/checkpoints/`:
         rank-00000.pt         per rank: its optimizer state (its ZeRO partition), loss-scaler
         rank-00001.pt         state and RNG states; tensors and plain values only
         manifest.json         step, sampler position, scheduler and engine counters, world
-                              size, ZeRO stage, precision, the recipe, the file list and
-                              the W&B run id (wandb_run_id) the run logs to
+                              size, ZeRO stage, precision, the recipe, the file list, the
+                              adapter flag (true: a LoRA run) and the W&B run id
+                              (wandb_run_id) the run logs to
 
 Protocol: every rank writes into `.tmp-step-N/`; after a barrier rank 0 checks that all
 files are there, writes the manifest, renames the directory to `step-N` and only then
@@ -127,13 +128,28 @@ def _set_rng_state(state: dict) -> None:
 
 # ---------------------------------------------------------------------------- weights
 
-def full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """The trained module's full fp32 weights. Collective under ZeRO: every rank must call it.
-    A module with `checkpoint_names()` (LoRA's JointModel) keeps only those names, so the
-    frozen base target is never gathered or saved."""
+def has_adapter(manifest: dict) -> bool:
+    """Whether a checkpoint holds a LoRA adapter: its manifest's `adapter` flag. Manifests written
+    before the flag existed say it by listing the adapter's weights file."""
+    return manifest.get("adapter", ADAPTER_WEIGHTS in manifest["files"])
+
+
+def trained_state(engine, adapter: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The trained weights, full fp32 -> (heads state, adapter state or None). Collective under
+    ZeRO: every rank must call it. adapter: the engine trains LoRA's JointModel, of which only
+    checkpoint_names() are kept, so the frozen base target is never gathered or saved."""
+    state = _full_state_dict(engine, engine.module.checkpoint_names() if adapter else None)
+    if not adapter:
+        return state, None
+    from specheads.training.lora import split_state
+
+    return split_state(state)
+
+
+def _full_state_dict(engine, keep: set[str] | None) -> dict[str, torch.Tensor]:
+    """The engine module's full fp32 weights (only the names in `keep` when given)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    keep = engine.module.checkpoint_names() if hasattr(engine.module, "checkpoint_names") else None
     masters = _unfused_masters(engine.optimizer)
     state = {}
     for name, param in engine.module.named_parameters():
@@ -150,15 +166,6 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def _split(engine, weights: dict[str, torch.Tensor]) -> tuple[dict, dict | None]:
-    """(heads weights, adapter weights or None for a heads-only run)."""
-    if not hasattr(engine.module, "checkpoint_names"):
-        return weights, None
-    from specheads.training.lora import split_state
-
-    return split_state(weights)
-
-
 def _unfused_masters(optimizer) -> dict[int, torch.Tensor]:
     """fp32 masters of DeepSpeed's ZeRO-0 fp16/bf16 optimizer, keyed by id(low-precision param)."""
     low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
@@ -170,9 +177,10 @@ def _unfused_masters(optimizer) -> dict[int, torch.Tensor]:
 # ---------------------------------------------------------------------------- save
 
 def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_state: dict,
-                    recipe_dict: dict, precision: str, extra: dict | None = None) -> Path:
+                    recipe_dict: dict, precision: str, extra: dict | None = None, adapter: bool = False) -> Path:
     """Collective: all ranks call it at the same step. Returns the checkpoint directory.
-    `extra` (JSON values, rank 0's) is merged into the manifest, e.g. the W&B run id."""
+    `extra` (JSON values, rank 0's) is merged into the manifest, e.g. the W&B run id.
+    adapter: the engine trains a LoRA adapter too (trained_state), saved beside the heads."""
     rank, world_size = _rank_world()
     root = Path(output_dir) / CHECKPOINTS_DIR
     name = checkpoint_name(step)
@@ -181,18 +189,17 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    weights = full_state_dict(engine)  # collective under ZeRO
+    heads_weights, adapter_weights = trained_state(engine, adapter)  # collective under ZeRO
     with atomic.temp_path(tmp / rank_file(rank)) as path:
         torch.save({"optimizer": to_plain(engine.optimizer.state_dict()),
                     "loss_scaler": _scaler_state(engine.optimizer), "rng": _rng_state()}, path)
     barrier()
     final = root / name
     if rank == 0:
-        heads_weights, adapter_weights = _split(engine, weights)
         save_file(heads_weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
         atomic.fsync(tmp / WEIGHTS)
         files = [WEIGHTS] + [rank_file(r) for r in range(world_size)]
-        if adapter_weights is not None:
+        if adapter:
             save_file(adapter_weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             atomic.fsync(tmp / ADAPTER_WEIGHTS)
             files.append(ADAPTER_WEIGHTS)
@@ -205,7 +212,7 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
             "precision": precision, "sampler": sampler_state, "scheduler": scheduler,
             "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                        "skipped_steps": engine.skipped_steps},
-            "files": files, "recipe": recipe_dict, **(extra or {}),
+            "files": files, "adapter": adapter, "recipe": recipe_dict, **(extra or {}),
         }
         atomic.write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         atomic.fsync(tmp)
@@ -249,8 +256,11 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> tuple[Path, dict] | None
     return directory, manifest
 
 
-def load_checkpoint(directory: Path, manifest: dict, engine, precision: str, grad_accum: int) -> None:
-    """Restore weights, optimizer, scheduler, engine counters and RNG into `engine` (all ranks)."""
+def load_checkpoint(directory: Path, manifest: dict, engine, heads: torch.nn.Module, precision: str,
+                    grad_accum: int, adapter: bool = False) -> None:
+    """Restore weights, optimizer, scheduler, engine counters and RNG into `engine` (all ranks).
+    heads: the heads inside the engine; adapter: whether this run trains a LoRA adapter too (the
+    engine's module is then LoRA's JointModel), which must match the checkpoint's flag."""
     rank, world_size = _rank_world()
     stage = engine.zero_optimization_stage()
     saved = (manifest["world_size"], manifest["zero_stage"], manifest["precision"])
@@ -259,18 +269,16 @@ def load_checkpoint(directory: Path, manifest: dict, engine, precision: str, gra
             f"checkpoint {directory} was written with world size {saved[0]}, ZeRO stage {saved[1]}, precision "
             f"{saved[2]!r}; this run has {world_size}, {stage}, {precision!r}. Resume with the same settings, "
             "or use a new train.output_dir")
-    joint = hasattr(engine.module, "checkpoint_names")
-    if joint != (ADAPTER_WEIGHTS in manifest["files"]):
-        raise CheckpointError(f"checkpoint {directory} was written by a run {'without' if joint else 'with'} a LoRA "
-                              f"adapter; this run has {'one' if joint else 'none'}. Resume with the same lora "
+    if has_adapter(manifest) != adapter:
+        raise CheckpointError(f"checkpoint {directory} was written by a run {'without' if adapter else 'with'} a "
+                              f"LoRA adapter; this run has {'one' if adapter else 'none'}. Resume with the same lora "
                               "section, or use a new train.output_dir")
     if stage < 3:  # ZeRO-3 restores its partitioned weights from the optimizer's fp32 partitions
-        heads = engine.module.heads if joint else engine.module
         dtype = next(heads.parameters()).dtype
         weights = load_file(str(directory / WEIGHTS))
         # Only floating tensors take the module's dtype: int64 d2t / bool t2d must stay exact.
         heads.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()})
-        if joint:
+        if adapter:
             from specheads.training.lora import load_adapter_state
 
             load_adapter_state(engine.module.target_model, load_file(str(directory / ADAPTER_WEIGHTS)),

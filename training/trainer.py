@@ -110,7 +110,7 @@ def run(recipe: Recipe) -> Path:
                       else contextlib.nullcontext)
     sampler = BlockSampler(len(source.blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank,
                            dist.world_size)
-    start_step, manifest = _resume(recipe, engine, sampler, output_dir, dist)
+    start_step, manifest = _resume(recipe, parts, sampler, output_dir, dist)
     # The W&B run this training run logs to: the checkpoint's when resuming, else a new one. Only
     # rank 0's id is used (it writes the manifest and is the only rank that reports).
     run_id = (manifest or {}).get("wandb_run_id") or new_run_id()
@@ -122,7 +122,7 @@ def run(recipe: Recipe) -> Path:
 
     def save(step: int) -> Path:
         return checkpoint.save_checkpoint(output_dir, engine, step, sampler.state_dict(), recipe.to_dict(),
-                                          train_cfg.precision, extra={"wandb_run_id": run_id})
+                                          train_cfg.precision, extra={"wandb_run_id": run_id}, adapter=source.adapter)
 
     _train(parts, recipe, sampler, start_step, eval_blocks, config.tap_layers, tracker, save, dist)
     heads_dir = _finish(recipe, parts, config, eval_blocks, output_dir, dist, tracker,
@@ -276,7 +276,8 @@ def _heads_config(recipe: Recipe, target: TargetAdapter) -> HeadsConfig:
     return head_kind(recipe.heads).heads_config(target, identity)
 
 
-def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dist: Dist) -> tuple[int, dict | None]:
+def _resume(recipe: Recipe, parts: StepParts, sampler: BlockSampler, output_dir: Path,
+            dist: Dist) -> tuple[int, dict | None]:
     """Load the checkpoint `latest` names, if any; -> the step it ends at (0 for a fresh run) and
     its manifest (None for a fresh run)."""
     if dist.rank == 0:
@@ -287,7 +288,8 @@ def _resume(recipe: Recipe, engine, sampler: BlockSampler, output_dir: Path, dis
         return 0, None
     directory, manifest = found
     _check_resumable(manifest, recipe, directory)
-    checkpoint.load_checkpoint(directory, manifest, engine, recipe.train.precision, recipe.train.grad_accum)
+    checkpoint.load_checkpoint(directory, manifest, parts.engine, parts.heads, recipe.train.precision,
+                               recipe.train.grad_accum, adapter=parts.source.adapter)
     sampler.load_state_dict(manifest["sampler"])
     _say(dist, f"resuming from {directory} (step {manifest['step']})")
     if manifest["step"] > recipe.train.steps:
@@ -307,9 +309,7 @@ def _finish(recipe: Recipe, parts: StepParts, config: HeadsConfig, eval_blocks: 
     A ZeRO-3 target needs every rank in its forwards, so then every rank calibrates (the same
     blocks, the same numbers) and rank 0 writes. The feature source writes what else it trained
     (LoRA: `<output_dir>/adapter`, named in the heads' target) after calibration."""
-    weights = checkpoint.full_state_dict(parts.engine)
-    if parts.source.adapter:
-        weights, _ = lora_mode.split_state(weights)
+    weights, _ = checkpoint.trained_state(parts.engine, parts.source.adapter)
     heads_dir, target = output_dir / HEADS_SUBDIR, parts.source.target
     target.model.eval()  # LoRA's dropout off (a frozen target is always in eval mode)
     if dist.rank == 0 or partitioned_target:

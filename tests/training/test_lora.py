@@ -90,12 +90,17 @@ def test_adapter_stays_frozen_in_warmup_then_adapter_and_heads_both_train(lora_r
 
 def test_lora_resume_is_bit_exact(target_with_tokenizer, walks, lora_run, tmp_path):
     """6 steps straight == 4 steps, a crash after step 2, and a resume to 6 (dropout on, the warmup's
-    end crossed after the resume)."""
+    end crossed after the resume). The step-2 checkpoint is made one from before the manifest's
+    adapter flag: the adapter's weights file alone says it holds one."""
     recipe = lora_recipe(tmp_path, target_with_tokenizer, walks, "b")
     assert main([str(recipe), *RUN_ARGS, "--set", "train.steps=4"]) == 0
     shutil.rmtree(tmp_path / "b" / "run" / "heads")
     (tmp_path / "b" / "run" / "checkpoints" / "latest").write_text("step-00000002\n")  # died after step 2
     shutil.rmtree(tmp_path / "b" / "run" / "checkpoints" / "step-00000004")
+    manifest_path = tmp_path / "b" / "run" / "checkpoints" / "step-00000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest.pop("adapter") is True and "adapter.safetensors" in manifest["files"]
+    manifest_path.write_text(json.dumps(manifest))
     assert main([str(recipe), *RUN_ARGS]) == 0
     for name in ("heads.safetensors", "adapter.safetensors"):
         a = load_file(str(lora_run / "checkpoints" / "step-00000006" / name))

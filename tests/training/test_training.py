@@ -365,8 +365,9 @@ def test_a_recipe_trains_on_a_split(tiny_llama_dir, walks_file, tmp_path, capsys
 
 
 def test_a_checkpoint_from_before_the_new_recipe_keys_still_resumes(tiny_llama_dir, walks_file, tmp_path, capsys):
-    """Manifests written before data.split/eval_split/feature_cache and lora existed hold no such
-    keys; they mean the defaults, so the run resumes instead of reporting a changed recipe."""
+    """Manifests written before data.split/eval_split/feature_cache, lora and the adapter flag
+    existed hold no such keys; they mean the defaults, so the run resumes instead of reporting a
+    changed recipe or a LoRA adapter."""
     recipe = write_recipe(tmp_path, tiny_llama_dir, walks_file, tmp_path / "run")
     assert main([str(recipe), "--set", "train.steps=2", "--set", "train.save_every=2"]) == 0
     manifest_path = tmp_path / "run" / "checkpoints" / "step-00000002" / "manifest.json"
@@ -374,6 +375,7 @@ def test_a_checkpoint_from_before_the_new_recipe_keys_still_resumes(tiny_llama_d
     for key in ("split", "eval_split", "feature_cache"):
         del manifest["recipe"]["data"][key]
     del manifest["recipe"]["lora"]
+    assert manifest.pop("adapter") is False
     manifest_path.write_text(json.dumps(manifest))
     assert main([str(recipe), "--set", "train.steps=3", "--set", "train.save_every=2"]) == 0
     assert "resuming from" in capsys.readouterr().out
