@@ -1,6 +1,7 @@
 """Training metrics: stdout always, Weights & Biases when the recipe says `tracking: wandb`.
 
-Only rank 0 reports. wandb is imported lazily, so `tracking: none` never loads it. A
+Only rank 0 reports. Lines go through a `write` function (training/progress.py: above the
+progress bar on a terminal, plain print otherwise); W&B gets the same metrics dict. wandb is imported lazily, so `tracking: none` never loads it. A
 resumed run continues the same W&B run: a fresh run generates an id (new_run_id), every
 checkpoint manifest stores it as `wandb_run_id`, and a run resumed from a checkpoint
 passes the stored id with resume="allow" to wandb.init. (A run killed before its first
@@ -11,7 +12,6 @@ the id.
 
 from __future__ import annotations
 
-import sys
 import uuid
 from pathlib import Path
 
@@ -21,14 +21,18 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:8]
 
 
-class Tracker:
-    """Prints one line per logged step; subclasses also send the metrics somewhere."""
+def _print(line: str) -> None:
+    print(line, flush=True)
 
-    def __init__(self, total_steps: int):
-        self.total_steps = total_steps
+
+class Tracker:
+    """Writes one line per logged step; subclasses also send the metrics somewhere."""
+
+    def __init__(self, total_steps: int, write=_print):
+        self.total_steps, self.write = total_steps, write
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        print(format_metrics(step, self.total_steps, metrics), file=sys.stdout, flush=True)
+        self.write(format_metrics(step, self.total_steps, metrics))
 
     def summary(self, values: dict) -> None:
         """End-of-run values (calibration); printed, not plotted."""
@@ -46,8 +50,8 @@ class SilentTracker(Tracker):
 
 class WandbTracker(Tracker):
     def __init__(self, total_steps: int, project: str, entity: str | None, run_name: str | None,
-                 config: dict, output_dir: Path, run_id: str):
-        super().__init__(total_steps)
+                 config: dict, output_dir: Path, run_id: str, write=_print):
+        super().__init__(total_steps, write)
         import wandb
 
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -68,19 +72,20 @@ class WandbTracker(Tracker):
 
 
 def make_tracker(tracking: str, wandb_config, recipe_dict: dict, output_dir: Path, total_steps: int,
-                 rank: int, run_id: str | None = None) -> Tracker:
-    """run_id: the W&B run to continue (from the checkpoint manifest) or to start."""
+                 rank: int, run_id: str | None = None, write=_print) -> Tracker:
+    """run_id: the W&B run to continue (from the checkpoint manifest) or to start; write: where
+    the lines go (Progress.write)."""
     if rank != 0:
         return SilentTracker(total_steps)
     if tracking == "wandb":
         return WandbTracker(total_steps, wandb_config.project, wandb_config.entity, wandb_config.run_name,
-                            recipe_dict, output_dir, run_id or new_run_id())
-    return Tracker(total_steps)
+                            recipe_dict, output_dir, run_id or new_run_id(), write)
+    return Tracker(total_steps, write)
 
 
 def format_metrics(step: int, total_steps: int, metrics: dict[str, float]) -> str:
-    """'step 10/100 loss 2.31 | head loss 1.9 2.3 2.6 | top1 0.41 0.22 0.13 | lr 1.0e-03 | 5120 tok/s',
-    or for eval metrics 'eval step 10/100 | top1 0.40 0.21 0.12 | tau 1.52'."""
+    """'step 10/100 loss 2.31 | head loss 1.9 2.3 2.6 | top1 0.41 0.22 0.13 | lr 1.0e-03 | 5120 loss tok/s
+    | ETA 0:03:12', or for eval metrics 'eval step 10/100 | top1 0.40 0.21 0.12 | tau 1.52'."""
     if "eval/tau" in metrics and "train/loss" not in metrics:
         depths = sorted((key for key in metrics if key.startswith("eval/head")),
                         key=lambda key: int(key[len("eval/head"):].split("_")[0]))
@@ -96,13 +101,23 @@ def format_metrics(step: int, total_steps: int, metrics: dict[str, float]) -> st
         parts.append(f"lm loss {metrics['train/lm_loss']:.4f}")
     if "train/lr" in metrics:
         parts.append(f"lr {metrics['train/lr']:.2e}")
-    if "train/tokens_per_s" in metrics:
-        parts.append(f"{metrics['train/tokens_per_s']:.0f} tok/s")
+    if "train/loss_tokens_per_s" in metrics:
+        parts.append(f"{metrics['train/loss_tokens_per_s']:.0f} loss tok/s")
+    if "train/eta_s" in metrics:
+        parts.append(f"ETA {format_duration(metrics['train/eta_s'])}")
     return " | ".join(parts)
 
 
-def step_metrics(head_loss: list[float], head_top1: list[float], lr: float, tokens_per_s: float) -> dict:
-    metrics = {"train/loss": sum(head_loss) / len(head_loss), "train/lr": lr, "train/tokens_per_s": tokens_per_s}
+def format_duration(seconds: float) -> str:
+    """3723.4 -> '1:02:03' (hours may pass 24: '26:00:00')."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def step_metrics(head_loss: list[float], head_top1: list[float], lr: float, progress: dict[str, float]) -> dict:
+    """The logged step's metrics; progress: Progress.figures() (loss tok/s, ETA)."""
+    metrics = {"train/loss": sum(head_loss) / len(head_loss), "train/lr": lr, **progress}
     for k, (loss, top1) in enumerate(zip(head_loss, head_top1)):
         metrics[f"train/head{k}_loss"] = loss
         metrics[f"train/head{k}_top1"] = top1

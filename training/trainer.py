@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -64,6 +63,7 @@ from specheads.training.distributed import Dist, StopRequest, init_distributed, 
 from specheads.training.ds_config import build_ds_config, cpu_autocast
 from specheads.training.features import OnlineTarget
 from specheads.training.head_kinds import HeadKind, head_kind
+from specheads.training.progress import Progress
 from specheads.training.steps import StepParts, bf16_autocast, train_step
 from specheads.training.tracking import eval_metrics, make_tracker, new_run_id, step_metrics
 from specheads.training.zero3 import gathered, load_target
@@ -114,17 +114,21 @@ def run(recipe: Recipe) -> Path:
     # The W&B run this training run logs to: the checkpoint's when resuming, else a new one. Only
     # rank 0's id is used (it writes the manifest and is the only rank that reports).
     run_id = (manifest or {}).get("wandb_run_id") or new_run_id()
-    tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank,
-                           run_id)
     _say(dist, f"{dist.world_size} rank(s), ZeRO stage {train_cfg.zero_stage}, {train_cfg.precision}"
                f"{' (autocast over fp32 weights)' if autocast else ''}, "
                f"steps {start_step}->{train_cfg.steps}, output {output_dir}")
+    progress = Progress(start_step, train_cfg.steps, dist.world_size, show=dist.rank == 0)
+    tracker = make_tracker(recipe.tracking, recipe.wandb, recipe.to_dict(), output_dir, train_cfg.steps, dist.rank,
+                           run_id, write=progress.write)
 
     def save(step: int) -> Path:
         return checkpoint.save_checkpoint(output_dir, engine, step, sampler.state_dict(), recipe.to_dict(),
                                           train_cfg.precision, extra={"wandb_run_id": run_id}, adapter=source.adapter)
 
-    _train(parts, recipe, sampler, start_step, eval_blocks, config.tap_layers, tracker, save, dist)
+    try:
+        _train(parts, recipe, sampler, start_step, eval_blocks, config.tap_layers, tracker, progress, save, dist)
+    finally:
+        progress.close()
     heads_dir = _finish(recipe, parts, config, eval_blocks, output_dir, dist, tracker,
                         partitioned_target=target_engine is not None)
     tracker.finish()
@@ -132,29 +136,26 @@ def run(recipe: Recipe) -> Path:
 
 
 def _train(parts: StepParts, recipe: Recipe, sampler: BlockSampler, start_step: int, eval_blocks: PackedBlocks,
-           tap_layers: list[int], tracker, save, dist: Dist) -> None:
+           tap_layers: list[int], tracker, progress: Progress, save, dist: Dist) -> None:
     """Steps start_step+1..train.steps: log every train.log_every, eval every train.eval_every,
     checkpoint every train.save_every and at the end; SIGTERM saves and raises TrainingStopped."""
     train_cfg, target = recipe.train, parts.source.target
-    window_start, window_tokens = time.perf_counter(), 0
     with StopRequest() as stop:
         for step in range(start_step + 1, train_cfg.steps + 1):
             head_loss, head_top1, num_tokens = train_step(parts, sampler, train_cfg.grad_accum, step)
-            window_tokens += num_tokens
+            progress.step(num_tokens, float(head_loss.mean()) if progress.bar is not None else None)
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
                 head_loss, head_top1 = mean_over_ranks(head_loss, head_top1)
-                elapsed = time.perf_counter() - window_start
                 metrics = step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(parts.engine),
-                                       window_tokens * dist.world_size / max(elapsed, 1e-9))
+                                       progress.figures())
                 tracker.log(step, {**metrics, **parts.source.metrics()})
-                window_start, window_tokens = time.perf_counter(), 0
             if train_cfg.eval_every and step % train_cfg.eval_every == 0:
                 tracker.log(step, eval_metrics(held_out_top1(parts, target, eval_blocks, recipe, tap_layers)))
             stopping = stop.should_stop(target.device)  # collective when there are several ranks
             if step % train_cfg.save_every == 0 or step == train_cfg.steps or stopping:
                 saved = save(step)
             if stopping and step < train_cfg.steps:
-                _say(dist, f"SIGTERM: stopping after step {step}; saved {saved}")
+                progress.write(f"specheads train: SIGTERM: stopping after step {step}; saved {saved}")
                 tracker.finish()
                 raise TrainingStopped(step, saved)
 

@@ -262,7 +262,7 @@ def test_wandb_tracking_logs_offline_and_stdout_gets_the_metrics(tiny_llama_dir,
     assert main([str(recipe), "--set", "train.steps=2", "--set", "train.log_every=1"]) == 0
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("step 2/2"))
-    assert "head loss" in line and "top1" in line and "lr " in line and "tok/s" in line
+    assert "head loss" in line and "top1" in line and "lr " in line and "loss tok/s" in line and "| ETA " in line
     assert len(line.split("top1 ")[1].split(" |")[0].split()) == NUM_HEADS
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / "manifest.json").read_text())
     run_id = manifest["wandb_run_id"]
