@@ -72,6 +72,13 @@ def test_the_counter_sees_each_way_of_asking():
                                                                 "zero-3"]
 
 
+def test_the_step_the_head_kinds_and_the_feature_sources_ask_no_mode():
+    """Each mode is one object chosen once (trainer.py); the parts that use them never ask which."""
+    for name in ("steps.py", "head_kinds.py", "features.py", "cached.py", "lora.py", "calibrate.py", "losses.py",
+                 "progress.py", "tracking.py"):
+        assert mode_branches((TRAINING / name).read_text()) == [], name
+
+
 def test_training_adds_no_mode_branches():
     counts = count(TRAINING)
     total = sum(len(branches) for branches in counts.values())
