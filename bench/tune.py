@@ -108,7 +108,7 @@ def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[in
                     node_budgets: tuple[int, ...] = NODE_BUDGETS, costs=None) -> list[Setting]:
     """Chains and calibrated expansions per depth limit, deduplicated, each with its speed
     estimate from `costs` (bench/step_costs.StepCostTable; None: the prior)."""
-    from specheads.heads.tree_paths import expand_paths, expected_accept_length
+    from specheads.heads.tree_paths import expand_paths, expected_accepted_draft_tokens
     from specheads.serving.decode.trees import DraftTree
 
     max_depth = len(accuracy)
@@ -126,7 +126,7 @@ def static_settings(accuracy: list[list[float]], *, eagle: bool, depths: list[in
         tree = DraftTree.from_paths(paths)
         depth = tree.max_depth
         settings.append(Setting(name, "static", tree, {"paths": [list(p) for p in key]}, len(paths), depth,
-                                (1 + expected_accept_length(paths, accuracy))
+                                (1 + expected_accepted_draft_tokens(paths, accuracy))
                                 / step_cost(len(paths), depth, eagle, costs)))
 
     for depth in depths:

@@ -43,7 +43,7 @@ def expand_paths(accuracy: list[list[float]], num_nodes: int) -> list[tuple[int,
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
-def expected_accept_length(paths: list[tuple[int, ...]], accuracy: list[list[float]]) -> float:
+def expected_accepted_draft_tokens(paths: list[tuple[int, ...]], accuracy: list[list[float]]) -> float:
     """Expected accepted draft tokens per step under the independence approximation."""
     total = 0.0
     for path in paths:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specheads.heads.target import TargetAdapter
-from specheads.heads.tree_paths import expand_paths, expected_accept_length
+from specheads.heads.tree_paths import expand_paths, expected_accepted_draft_tokens
 
 
 @torch.no_grad()
@@ -79,6 +79,6 @@ def calibrate(heads: nn.Module, kind, target: TargetAdapter, input_ids_NT: torch
     tree = {
         "paths": [list(path) for path in paths],
         "num_nodes": len(paths),
-        "expected_accept_length": expected_accept_length(paths, accuracy),
+        "expected_accepted_draft_tokens": expected_accepted_draft_tokens(paths, accuracy),
     }
     return calibration, tree

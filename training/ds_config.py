@@ -9,7 +9,7 @@ zero_optimization.offload_optimizer / offload_param {"device": "cpu", "pin_memor
 With the optimizer offloaded, `torch_adam` is dropped so DeepSpeed steps the CPU-resident
 fp32 state with its vectorised DeepSpeedCPUAdam (JIT-built with the host C++ compiler on first
 use, cached afterwards); torch's AdamW would be several times slower there. Parameter
-offload needs ZeRO-3 (config.check_combinations refuses it otherwise).
+offload needs ZeRO-3 (recipe_models.check_combinations refuses it otherwise).
 
 train.precision bf16 maps onto DeepSpeed's bf16 (bf16 weights, fp32 masters in the optimizer) on
 GPU ranks. On CPU ranks (`cpu_autocast`) the engine stays fp32 and the heads' forward and loss run

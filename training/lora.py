@@ -28,7 +28,7 @@ runs under no_grad and the LM loss is left out: the adapter gets no gradient, Ad
 it, and only the heads learn (their random start would otherwise send large gradients into
 the adapter).
 
-ZeRO-3 is refused (config.check_combinations): there the target is a partitioned,
+ZeRO-3 is refused (recipe_models.check_combinations): there the target is a partitioned,
 optimizer-less inference engine, and the adapter cannot train inside it.
 
 Outputs of a LoRA run: `<output_dir>/heads` (for the adapted target) and

@@ -85,12 +85,12 @@ def make_tracker(tracking: str, wandb_config, recipe_dict: dict, output_dir: Pat
 
 def format_metrics(step: int, total_steps: int, metrics: dict[str, float]) -> str:
     """'step 10/100 loss 2.31 | head loss 1.9 2.3 2.6 | top1 0.41 0.22 0.13 | lr 1.0e-03 | 5120 loss tok/s
-    | ETA 0:03:12', or for eval metrics 'eval step 10/100 | top1 0.40 0.21 0.12 | tau 1.52'."""
-    if "eval/tau" in metrics and "train/loss" not in metrics:
+    | ETA 0:03:12', or for eval metrics 'eval step 10/100 | top1 0.40 0.21 0.12 | chain tau est 1.52'."""
+    if "eval/chain_tau_estimate" in metrics and "train/loss" not in metrics:
         depths = sorted((key for key in metrics if key.startswith("eval/head")),
                         key=lambda key: int(key[len("eval/head"):].split("_")[0]))
         return (f"eval step {step}/{total_steps} | top1 " + " ".join(f"{metrics[key]:.3f}" for key in depths)
-                + f" | tau {metrics['eval/tau']:.3f}")
+                + f" | chain tau est {metrics['eval/chain_tau_estimate']:.3f}")
     heads = sorted({key.split("/")[1].split("_")[0] for key in metrics if key.startswith("train/head")},
                    key=lambda name: int(name[4:]))
     parts = [f"step {step}/{total_steps} loss {metrics.get('train/loss', float('nan')):.4f}"]
@@ -124,7 +124,7 @@ def step_metrics(head_loss: list[float], head_top1: list[float], lr: float, prog
     return metrics
 
 
-def estimated_tau(top1: list[float]) -> float:
+def estimated_chain_tau(top1: list[float]) -> float:
     """Expected tokens per target forward for a chain draft of len(top1) tokens:
 
         tau = 1 + sum_{d=1..D} prod_{i=1..d} p_i
@@ -142,5 +142,5 @@ def estimated_tau(top1: list[float]) -> float:
 
 def eval_metrics(top1: list[float]) -> dict:
     metrics = {f"eval/head{k}_top1": p for k, p in enumerate(top1)}
-    metrics["eval/tau"] = estimated_tau(top1)
+    metrics["eval/chain_tau_estimate"] = estimated_chain_tau(top1)
     return metrics

@@ -330,9 +330,9 @@ def _finish(recipe: Recipe, parts: StepParts, config: HeadsConfig, eval_blocks: 
         save_heads(heads_dir, heads, config)
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
         _say(dist, f"held-out top-1 per head {top1}; tree of {config.tree['num_nodes']} nodes, expected "
-                   f"accepted draft tokens per step {config.tree['expected_accept_length']:.3f}")
+                   f"accepted draft tokens per step {config.tree['expected_accepted_draft_tokens']:.3f}")
         _say(dist, f"wrote {heads_dir}")
-        tracker.summary({"calibrate/expected_accept_length": config.tree["expected_accept_length"],
+        tracker.summary({"calibrate/expected_accepted_draft_tokens": config.tree["expected_accepted_draft_tokens"],
                          **{f"calibrate/head{k}_top1": a for k, a in enumerate(config.calibration["top1"])}})
     checkpoint.barrier()
     return heads_dir

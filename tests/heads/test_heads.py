@@ -12,7 +12,7 @@ import torch
 from specheads.heads.heads_dir import HeadsConfig, load_heads, read_heads_config, save_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter, TargetIdentity, check_target_exists
-from specheads.heads.tree_paths import expand_paths, expected_accept_length
+from specheads.heads.tree_paths import expand_paths, expected_accepted_draft_tokens
 
 
 def medusa_config(target: TargetIdentity, num_heads=3, num_layers=2) -> HeadsConfig:
@@ -164,7 +164,8 @@ def test_expand_paths_is_best_first_and_prefix_closed():
     paths = expand_paths(acc, 8)
     assert set(paths) == {(0,), (1,), (2,), (0, 0), (0, 1), (0, 2), (1, 0), (0, 0, 0)}
     assert all(p[:-1] in paths for p in paths if len(p) > 1)
-    assert expected_accept_length(paths, acc) == pytest.approx(0.6 + 0.24 + 0.1 + 0.072 + 0.06 + 0.05 + 0.04 + 0.03)
+    expected = 0.6 + 0.24 + 0.1 + 0.072 + 0.06 + 0.05 + 0.04 + 0.03
+    assert expected_accepted_draft_tokens(paths, acc) == pytest.approx(expected)
     assert expand_paths(acc, 1) == [(0,)]
     with pytest.raises(ValueError, match="num_nodes"):
         expand_paths(acc, 0)

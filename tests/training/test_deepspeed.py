@@ -124,7 +124,7 @@ def test_two_rank_zero2_run_writes_heads(uninterrupted, tiny_llama_dir):
     assert out.count(f"step {STEPS}/{STEPS} ") == 1  # only rank 0 reports
     heads, config = load_heads(output_dir / "heads")
     assert config.num_heads == 3 and config.tree["num_nodes"] >= 1
-    assert config.tree["expected_accept_length"] > 0
+    assert config.tree["expected_accepted_draft_tokens"] > 0
     manifest = json.loads((output_dir / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["zero_stage"] == 2
     assert manifest["files"] == ["heads.safetensors", "rank-00000.pt", "rank-00001.pt"]

@@ -65,9 +65,9 @@ def test_on_a_terminal_a_bar_shows_the_step_loss_and_loss_tok_s_and_the_lines_go
     progress.bar.refresh()
     shown = terminal.getvalue()
     assert "15/30" in shown and "loss 5.5000" in shown and "100 loss tok/s" in shown
-    progress.write("eval step 15/30 | top1 0.500 | tau 1.500")
+    progress.write("eval step 15/30 | top1 0.500 | chain tau est 1.500")
     progress.close()
-    assert capsys.readouterr().out == "eval step 15/30 | top1 0.500 | tau 1.500\n"
+    assert capsys.readouterr().out == "eval step 15/30 | top1 0.500 | chain tau est 1.500\n"
 
 
 def test_other_ranks_show_no_bar_and_write_nothing(capsys):

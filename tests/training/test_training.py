@@ -173,10 +173,10 @@ def test_training_writes_a_heads_dir_with_a_tree(trained, tiny_llama_dir):
     assert config.tap_layers == [target.num_layers]
     assert config.target.name_or_path == str(Path(tiny_llama_dir).resolve())
     tree = config.tree
-    assert set(tree) == {"paths", "num_nodes", "expected_accept_length"}
+    assert set(tree) == {"paths", "num_nodes", "expected_accepted_draft_tokens"}
     assert 1 <= len(tree["paths"]) == tree["num_nodes"] <= 8
     assert all(len(p) <= NUM_HEADS and all(0 <= r < 3 for r in p) for p in tree["paths"])
-    assert tree["expected_accept_length"] > 0
+    assert tree["expected_accepted_draft_tokens"] > 0
     accuracy = config.calibration["accuracy"]
     assert len(accuracy) == NUM_HEADS and all(len(row) == 3 for row in accuracy)
     assert (trained / "checkpoints" / "latest").read_text().strip() == "step-00000100"

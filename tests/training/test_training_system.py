@@ -111,14 +111,15 @@ def test_a_resumed_run_continues_the_same_wandb_run(tiny_llama_dir, walks, tmp_p
     assert ids[-1][0] != run_id
 
 
-def test_estimated_tau_is_one_plus_the_sum_of_cumulative_products():
-    from specheads.training.tracking import estimated_tau, eval_metrics
+def test_estimated_chain_tau_is_one_plus_the_sum_of_cumulative_products():
+    from specheads.training.tracking import estimated_chain_tau, eval_metrics
 
-    assert estimated_tau([]) == 1.0
-    assert estimated_tau([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert estimated_tau([1.0, 0.0, 1.0]) == pytest.approx(2.0)
+    assert estimated_chain_tau([]) == 1.0
+    assert estimated_chain_tau([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert estimated_chain_tau([1.0, 0.0, 1.0]) == pytest.approx(2.0)
     metrics = eval_metrics([0.8, 0.5])
-    assert metrics == pytest.approx({"eval/head0_top1": 0.8, "eval/head1_top1": 0.5, "eval/tau": 1 + 0.8 + 0.4})
+    assert metrics == pytest.approx({"eval/head0_top1": 0.8, "eval/head1_top1": 0.5,
+                                     "eval/chain_tau_estimate": 1 + 0.8 + 0.4})
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
@@ -136,7 +137,7 @@ def test_held_out_eval_is_logged_every_eval_every_steps(kind, tiny_llama_dir, wa
     depths = 3 if kind == "medusa" else 2
     for line in evals:
         top1 = [float(x) for x in line.split("top1 ")[1].split(" |")[0].split()]
-        tau = float(line.split("tau ")[1])
+        tau = float(line.split("chain tau est ")[1])
         assert len(top1) == depths and all(0.0 <= p <= 1.0 for p in top1)
         expected, run = 1.0, 1.0
         for p in top1:
