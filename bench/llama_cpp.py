@@ -6,7 +6,8 @@ top_k 1; no prompt cache):
     llama.cpp-plain           the target converted to GGUF (f32 when the bench runs fp32, else bf16)
     llama.cpp-ngram           the same, with llama.cpp's n-gram speculation (--spec-type ngram-simple)
     llama.cpp-<heads>[N]      the same, drafting with our EAGLE-3 heads (heads/export_llama_cpp.py,
-                              --spec-type draft-eagle3 --spec-draft-n-max N)
+                              --spec-type draft-eagle3 --spec-draft-n-max N); one row per distinct
+                              weights (heads directories that differ only in their tree share it)
 Each row: tok/s (new tokens / wall seconds of the HTTP request, prefill included, as the
 harness times HF generate), speedup over the bench's hf-greedy on the same prompts, alpha/tau
 (DESIGN.md invariant 8) and acceptance by depth from the server's Prometheus counters
@@ -26,6 +27,7 @@ once, about 5 minutes on 2 cores. Nothing else needs it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -240,7 +242,10 @@ def bench_llama_cpp(directory: str | os.PathLike, report: dict, prompts, max_new
                                     pre_tokenizer=pre_tokenizer)
         rows.append(("llama.cpp-plain", "llama.cpp-plain", target_gguf, []))
         rows.append(("llama.cpp-ngram", "llama.cpp-ngram", target_gguf, ["--spec-type", NGRAM_SPEC_TYPE]))
-        for label, heads_dir in heads:
+        for label, heads_dir, same in distinct_weights(heads):
+            if same and log is not None:
+                log(f"llama.cpp: {', '.join(same)} hold the weights of {label}: one row for them all "
+                    f"(llama.cpp drafts a {draft_max}-token chain whatever their tree)")
             out = export_llama_cpp(heads_dir, scratch / f"heads-{len(rows)}", target_dir=target_dir,
                                    converter=converter, outtype=outtype, pre_tokenizer=pre_tokenizer,
                                    with_target=False)
@@ -257,6 +262,23 @@ def bench_llama_cpp(directory: str | os.PathLike, report: dict, prompts, max_new
                         "overall": summarise(runs[name], identical, reference)})
     return {"config": {"server": str(server), "converter": str(converter), "outtype": outtype, "threads": threads,
                        "draft_max": draft_max, "identical_to": "llama.cpp-plain"}, "methods": methods}
+
+
+def distinct_weights(heads: list[tuple[str, str]]) -> list[tuple[str, str, list[str]]]:
+    """[(label, heads directory)] -> one (label, directory, the other labels) per distinct
+    model.safetensors, in first-seen order. Heads directories that differ only in their tree
+    (a calibrated copy, a tuned one, a chain) give llama.cpp the same draft GGUF, so their rows
+    would time one thing several times."""
+    from specheads.heads.heads_dir import WEIGHTS_NAME
+
+    groups: dict[str, tuple[str, str, list[str]]] = {}
+    for label, directory in heads:
+        digest = hashlib.sha256((Path(directory) / WEIGHTS_NAME).read_bytes()).hexdigest()
+        if digest in groups:
+            groups[digest][2].append(label)
+        else:
+            groups[digest] = (label, directory, [])
+    return list(groups.values())
 
 
 def _torch_threads() -> int:

@@ -101,6 +101,18 @@ def test_format_names_identity_against_llama_cpp_plain():
     assert "| 0/1 |" in table
 
 
+def test_heads_that_differ_only_in_their_tree_share_one_row(tmp_path):
+    from specheads.bench.llama_cpp import distinct_weights
+
+    for name, weights in [("a", b"weights one"), ("a-chain3", b"weights one"), ("b", b"weights two"),
+                          ("a-cal15", b"weights one")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(weights)
+    heads = [(name, str(tmp_path / name)) for name in ("a", "a-chain3", "b", "a-cal15")]
+    assert distinct_weights(heads) == [("a", str(tmp_path / "a"), ["a-chain3", "a-cal15"]),
+                                       ("b", str(tmp_path / "b"), [])]
+
+
 # ---------------------------------------------------------------------------- llama.cpp itself
 
 PROMPTS = [[5, 9, 17, 40, 41], [60, 12, 13, 30], [20, 21, 22], [33, 34, 35, 36, 37, 38], [50, 51]]
