@@ -59,6 +59,7 @@ from specheads.heads.gguf import GGUFError, find_gguf_file, read_gguf_config, sm
 from specheads.heads.target import resolve_dtype
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.ds_config import build_ds_config
+from specheads.training.head_kinds import head_kind
 
 DEFAULT_GPU_WORLD_SIZE = 8
 GIB = 1024 ** 3
@@ -192,7 +193,7 @@ def estimate_memory(recipe: Recipe, num_target_params: int, num_head_params: int
     d_t = resolve_dtype(recipe.target.dtype).itemsize
     w = resolve_dtype(recipe.train.precision).itemsize
     master = 4 if recipe.train.precision != "fp32" else 0
-    steps = recipe.heads.num_heads if recipe.heads.kind == "medusa" else recipe.heads.ttt_steps
+    steps = head_kind(recipe.heads).num_depths  # Medusa heads or EAGLE draft steps, each with its logits
     tokens = recipe.train.micro_batch_size * recipe.data.seq_len
     activations = (tokens * (num_layers + 1) * hidden_size * d_t + tokens * vocab_size * d_t
                    + steps * tokens * (16 * hidden_size + 2 * head_vocab_size) * w)

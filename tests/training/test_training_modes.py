@@ -29,7 +29,7 @@ NOT_MODES = r'"lora_" (not )?in|set\(live\)'
 VALIDATION = ("config.py", "recipe_models.py")
 # The count at the last change of training/; a new mode belongs in a head kind
 # (training/head_kinds.py) or a feature source (training/features.py), not in another `if`.
-MAX_BRANCHES = 19
+MAX_BRANCHES = 18
 
 
 def mode_branches(source: str) -> list[tuple[str, int, str]]:
