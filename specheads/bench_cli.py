@@ -23,8 +23,9 @@ which must share the target's tokenizer). How each metric is measured: bench/har
 --llama-cpp DIR (built llama.cpp binaries: `specheads llama-cpp build` prints where) adds llama.cpp
 rows on the same prompt ids: llama.cpp-plain (the target converted to GGUF, f32 when the bench runs
 fp32, else bf16), llama.cpp-ngram, and llama.cpp-<heads>[N] per EAGLE-3 heads weights (drafting
-N tokens with --spec-type draft-eagle3; directories that differ only in their tree share one), each through its own llama-server on 127.0.0.1, one after
-another; identity there is against llama.cpp-plain. See bench/llama_cpp.py. JSON: "llama_cpp":
+N tokens with --spec-type draft-eagle3; directories that differ only in their tree share one),
+each through its own llama-server on 127.0.0.1, one after another; identity there is against
+llama.cpp-plain. See bench/llama_cpp.py. JSON: "llama_cpp":
 {"config", "methods": [{"name", "kind", "server_args", "overall": SUMMARY}]}.
 
 JSON (--json), schema "specheads.bench/1":
