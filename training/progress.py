@@ -36,13 +36,14 @@ class Progress:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step", file=stream,
                             dynamic_ncols=True, leave=True)
 
-    def step(self, num_tokens: int, loss: float | None = None) -> None:
-        """One step done: its loss tokens (this rank's) and, for the bar, its loss."""
+    def step(self, num_tokens: int, loss=None) -> None:
+        """One step done: its loss tokens (this rank's) and, for the bar, its loss (a float or a
+        0-d tensor, read only when there is a bar: no device sync per step otherwise)."""
         self.window_tokens += num_tokens
         self.step_count += 1
         if self.bar is not None:
             rate = self._rate(self.clock())
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:.0f} loss tok/s", refresh=False)
+            self.bar.set_postfix_str(f"loss {float(loss):.4f}, {rate:.0f} loss tok/s", refresh=False)
             self.bar.update(1)
 
     def figures(self) -> dict[str, float]:

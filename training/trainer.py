@@ -143,7 +143,7 @@ def _train(parts: StepParts, recipe: Recipe, sampler: BlockSampler, start_step: 
     with StopRequest() as stop:
         for step in range(start_step + 1, train_cfg.steps + 1):
             head_loss, head_top1, num_tokens = train_step(parts, sampler, train_cfg.grad_accum, step)
-            progress.step(num_tokens, float(head_loss.mean()) if progress.bar is not None else None)
+            progress.step(num_tokens, head_loss.mean())
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
                 head_loss, head_top1 = mean_over_ranks(head_loss, head_top1)
                 metrics = step_metrics(head_loss.tolist(), head_top1.tolist(), _current_lr(parts.engine),
