@@ -119,6 +119,34 @@ def test_grouped_attention_matches_sdpa(dtype, batch, num_new):
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_grouped_attention_in_row_buckets_matches_sdpa(num_new):
+    """Rows of lengths far apart, in no order (several buckets), one of them a padded row,
+    and the scratch reused by a second, shorter call."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(num_new)
+    batch, num_q_heads, num_kv_heads, head_dim, num_keys = 25, 4, 2, 8, 4000
+    lens = torch.randint(1, num_keys - num_new, (batch,), generator=generator)
+    key_K = torch.arange(num_keys)
+    offset = key_K - lens[:, None]
+    new_BTK = (offset[:, None, :] >= 0) & (offset[:, None, :] <= torch.arange(num_new)[None, :, None])
+    mask = ((key_K < lens[:, None])[:, None, :] | new_BTK)[:, None]  # [B, 1, T, K]
+    assert len(cpu_layout._row_buckets(mask)) > 1
+    module = _Attention(num_q_heads // num_kv_heads)
+    for num in (num_keys, num_keys - 50):  # the second call: a shorter key view of the same mask
+        query = torch.randn(batch, num_new, num_q_heads, head_dim, generator=generator).transpose(1, 2)
+        key, value = (torch.randn(batch, num_kv_heads, num_keys, head_dim, generator=generator)[:, :, :num]
+                      for _ in range(2))
+        visible = mask[..., :num].clone()
+        visible[4] = False  # a padded row: finite, whatever it holds
+        expected, _ = sdpa_attention_forward(module, query, key, value, visible, scaling=0.3)
+        got, _ = cpu_layout.grouped_attention_forward(module, query, key, value, visible, scaling=0.3)
+        rows = torch.arange(batch) != 4
+        torch.testing.assert_close(got[rows], expected[rows], atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(got).all()
+
+
 def test_grouped_attention_gives_a_padded_row_no_nan():
     query = torch.randn(2, 4, 3, 8)
     key = value = torch.randn(2, 2, 5, 8)
