@@ -7,13 +7,14 @@ on another model's) raises acceptance. For each conversation and each assistant 
 the target generates a replacement conditioned on the original turns before i, rendered
 with the chat template (the tokenizer's, or data/chat.py's fallback) and its generation
 prompt. Conditioning on the original turns (not on earlier regenerated replies) makes every
-turn independent, so all turns of a batch of conversations are generated together.
+turn independent, so all turns of a conversation are generated together.
 
 Decoding is greedy (deterministic) on the serving engine with continuous batching
 (serving/decode/generate.generate_many: up to --batch-size sequences share each target
-forward, and a finished reply's row takes the next prompt at once), in the device's fast
-dtype by default with packed weights (heads/cpu_layout.py); a progress bar shows reply
-tokens/s and the ETA. Generating with the engine is why data/ imports serving.decode here
+forward, a finished reply's row takes the next prompt at once, and every record of the run
+goes through one such batch, so no row waits for a batch of records to drain), in the
+device's fast dtype by default with packed weights (heads/cpu_layout.py); a progress bar
+shows reply tokens/s and the ETA. Generating with the engine is why data/ imports serving.decode here
 (and only here, lazily). Generation stops at the target's EOS ids (its generation_config's,
 which for chat models include the end-of-turn token, plus the tokenizer's EOS). A
 generation that comes out empty keeps the original reply and is counted. Records that are
@@ -23,13 +24,16 @@ record gives exactly one output line, `{"index": i, "messages": [...]}` in OpenA
 Records of user turns only, `{"turns": ["...", ...]}` (MT-bench's shape;
 data/chat_prompts.py writes them), become whole conversations: each reply is conditioned on
 the target's own earlier replies (multi-turn self-distillation), and a conversation's next
-turn joins the running batch as soon as its previous reply ends. A reply that comes out
+turn is decoded as soon as its previous reply ends, in the same row: its prefill runs only
+the new user turn, the conversation so far already being in that row's KV cache (as far as
+the re-rendered conversation repeats the generated tokens). A reply that comes out
 empty ends its conversation before that turn (counted); a conversation left without any
 reply is skipped as "empty reply".
 
-Resumable: output lines are appended one batch of conversations at a time (flushed and
-fsynced), then OUTPUT.progress.json is replaced atomically with the next input record and
-the output's byte length. A rerun truncates the output to that length (dropping a partial
+Resumable: output lines are appended in input order, --batch-size records at a time once
+every record before them is done (flushed and fsynced), then OUTPUT.progress.json is
+replaced atomically with the next input record, the output's byte length and those
+records' counts. A rerun truncates the output to that length (dropping a partial
 trailing line or a batch written after the last progress update) and continues, so an
 interrupted run never duplicates or loses a record.
 """
@@ -199,82 +203,126 @@ def _num_replies(record) -> int:
     return sum(message["role"] == "assistant" for message in document.to_list())
 
 
-def _converse(target, tokenizer, turn_lists: list[list[str]], progress: Progress, max_new_tokens: int,
-              batch_size: int, on_reply=None) -> list[list[dict]]:
-    """User turns -> conversations with the target's replies. A conversation's next user turn
-    is decoded as soon as its previous reply ends, beside the other conversations' turns."""
-    conversations = [[{"role": "user", "content": turns[0]}] for turns in turn_lists]
-    owner = list(range(len(turn_lists)))  # prompt index -> its conversation
+class _Job:
+    """One input record's replies: every assistant turn of a chat record, regenerated from the
+    original turns before it (all at once), or a user-turn record's conversation, each reply
+    conditioned on the target's own earlier ones (one turn after another). `counts` is what
+    the record adds to the progress, applied when its line is written."""
 
-    def replied(index: int, tokens: list[int]) -> list[int] | None:
-        conversation, turns = conversations[owner[index]], turn_lists[owner[index]]
-        reply = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        progress.num_turns += 1
-        if not reply:
-            conversation.pop()
-            progress.num_empty_ended += 1
-            return None
-        conversation.append({"role": "assistant", "content": reply})
-        if len(conversation) // 2 >= len(turns):
-            return None
-        conversation.append({"role": "user", "content": turns[len(conversation) // 2]})
-        owner.append(owner[index])
-        return generation_prompt_ids(tokenizer, conversation)
-
-    # The longest prompt a later turn can make: every user turn, and every earlier reply at its
-    # longest (re-encoded text can take a few tokens more than it was generated in).
-    bound = max(len(generation_prompt_ids(tokenizer, [m for turn in turns for m in (
-        {"role": "user", "content": turn}, {"role": "assistant", "content": ""})][:-1]))
-        + (len(turns) - 1) * (max_new_tokens + REPLY_SLACK_TOKENS) for turns in turn_lists)
-    greedy_continuations(target, tokenizer, [generation_prompt_ids(tokenizer, c) for c in conversations],
-                         max_new_tokens, batch_size, on_reply, follow_up=replied, max_prompt_len=bound)
-    return conversations
-
-
-def _regenerate_batch(target, tokenizer, records: list, first_index: int, progress: Progress,
-                      max_new_tokens: int, batch_size: int, on_reply=None) -> list[str]:
-    """-> output lines for the valid records of one batch; counts skips into `progress`."""
-    conversations, prompts, slots = [], [], []  # slots[k] = (conversation, turn) prompt k replaces
-    turn_records: list[tuple[int, list[str]]] = []  # (index, user turns) of user-turn records
-    skipped = Counter(progress.skipped)
-    for offset, record in enumerate(records):
-        turns = _user_turns(record)
-        if turns is not None:
-            if turns:
-                turn_records.append((first_index + offset, turns))
-            else:
-                skipped["'turns' is not a non-empty list of non-empty strings"] += 1
-            continue
+    def __init__(self, index: int, record, tokenizer):
+        self.index, self.tokenizer = index, tokenizer
+        self.counts: Counter = Counter()
+        self.line: str | None = None  # the output line once done (None: skipped)
+        self.turns = _user_turns(record)
+        self.skip_reason: str | None = None
+        self.first_prompts: list[tuple[int, list[int]]] = []  # (turn, prompt ids) to decode first
+        if self.turns is not None:
+            if not self.turns:
+                self.skip_reason = "'turns' is not a non-empty list of non-empty strings"
+                return
+            self.messages = [{"role": "user", "content": self.turns[0]}]
+            self.first_prompts = [(0, generation_prompt_ids(tokenizer, self.messages))]
+            return
         document, reason = normalize_record(record)
         if not isinstance(document, Conversation):
-            skipped[reason or "not a chat record"] += 1
-            continue
-        messages = document.to_list()
-        conversations.append((first_index + offset, messages))
-        for turn, message in enumerate(messages):
-            if message["role"] == "assistant":
-                prompts.append(generation_prompt_ids(tokenizer, messages[:turn]))
-                slots.append((len(conversations) - 1, turn))
-    replies = generate_replies(target, tokenizer, prompts, max_new_tokens, batch_size, on_reply) if prompts else []
-    regenerated = [[dict(m) for m in messages] for _, messages in conversations]
-    for (conv, turn), reply in zip(slots, replies):
-        if reply:
-            regenerated[conv][turn]["content"] = reply
-        else:
-            progress.num_empty_kept += 1
-    progress.num_turns += len(replies)
-    out = list(zip([index for index, _ in conversations], regenerated))
-    if turn_records:
-        conversed = _converse(target, tokenizer, [turns for _, turns in turn_records], progress, max_new_tokens,
-                              batch_size, on_reply)
-        for (index, _), messages in zip(turn_records, conversed):
-            if messages:
-                out.append((index, messages))
+            self.skip_reason = reason or "not a chat record"
+            return
+        self.messages = [dict(m) for m in document.to_list()]
+        self.first_prompts = [(turn, generation_prompt_ids(tokenizer, self.messages[:turn]))
+                              for turn, m in enumerate(self.messages) if m["role"] == "assistant"]
+        self.num_waiting = len(self.first_prompts)
+
+    def longest_prompt(self, max_new_tokens: int) -> int:
+        """The longest prompt this record can make: for a conversation every user turn, and
+        every earlier reply at its longest (re-encoded text can take a few tokens more than it
+        was generated in)."""
+        if self.turns is None:
+            return max((len(prompt) for _, prompt in self.first_prompts), default=0)
+        rendered = [m for turn in self.turns for m in ({"role": "user", "content": turn},
+                                                        {"role": "assistant", "content": ""})][:-1]
+        return len(generation_prompt_ids(self.tokenizer, rendered)) \
+            + (len(self.turns) - 1) * (max_new_tokens + REPLY_SLACK_TOKENS)
+
+    def replied(self, turn: int, tokens: list[int]) -> tuple[int, list[int]] | None:
+        """A reply to `turn` came in -> the next (turn, prompt) to decode, or None; sets
+        `line` once the record is done."""
+        reply = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        self.counts["num_turns"] += 1
+        if self.turns is None:  # a chat record: every turn was asked at once
+            if reply:
+                self.messages[turn]["content"] = reply
             else:
-                skipped["empty reply"] += 1
-    progress.skipped = dict(skipped)
-    return [json.dumps({"index": index, "messages": messages}, ensure_ascii=False) + "\n"
-            for index, messages in sorted(out, key=lambda item: item[0])]
+                self.counts["num_empty_kept"] += 1
+            self.num_waiting -= 1
+            if not self.num_waiting:
+                self._finish()
+            return None
+        if not reply:
+            self.messages.pop()
+            self.counts["num_empty_ended"] += 1
+        else:
+            self.messages.append({"role": "assistant", "content": reply})
+            if len(self.messages) // 2 < len(self.turns):
+                self.messages.append({"role": "user", "content": self.turns[len(self.messages) // 2]})
+                return turn + 1, generation_prompt_ids(self.tokenizer, self.messages)
+        if self.messages:
+            self._finish()
+        else:
+            self.skip_reason = "empty reply"
+        return None
+
+    def _finish(self) -> None:
+        self.line = json.dumps({"index": self.index, "messages": self.messages}, ensure_ascii=False) + "\n"
+
+    @property
+    def done(self) -> bool:
+        return self.line is not None or self.skip_reason is not None
+
+
+class _InOrderWriter:
+    """Appends finished records' lines in input order: once the records from progress.next_record
+    on are done, at least `every` of them (or the last ones) at a time, flushed and fsynced,
+    then the progress file replaced atomically with their counts (the module doc's resume)."""
+
+    def __init__(self, output: Path, progress: Progress, every: int):
+        self.output, self.progress, self.every = output, progress, every
+        self.done: dict[int, _Job] = {}
+
+    def finished(self, job: _Job) -> None:
+        self.done[job.index] = job
+        ready, index = 0, self.progress.next_record
+        while index + ready in self.done:
+            ready += 1
+        if ready >= self.every:
+            self.write(ready)
+
+    def close(self) -> None:
+        ready = 0
+        while self.progress.next_record + ready in self.done:
+            ready += 1
+        if ready:
+            self.write(ready)
+
+    def write(self, num_records: int) -> None:
+        progress = self.progress
+        jobs = [self.done.pop(progress.next_record + k) for k in range(num_records)]
+        skipped = Counter(progress.skipped)
+        for job in jobs:
+            progress.num_turns += job.counts["num_turns"]
+            progress.num_empty_kept += job.counts["num_empty_kept"]
+            progress.num_empty_ended += job.counts["num_empty_ended"]
+            if job.line is None:
+                skipped[job.skip_reason] += 1
+        progress.skipped = dict(skipped)
+        lines = [job.line for job in jobs if job.line is not None]
+        with open(self.output, "ab") as f:
+            f.write("".join(lines).encode())
+            f.flush()
+            os.fsync(f.fileno())
+            progress.output_bytes = f.tell()
+        progress.next_record += num_records
+        progress.num_written += len(lines)
+        atomic.write_json(progress_path(self.output), asdict(progress))
 
 
 def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path: str | None = None,
@@ -283,9 +331,10 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
                progress_bar: bool = True) -> Progress:
     """Regenerate `input_path` into `output_path`, resuming a previous run; -> the progress so far.
 
-    batch_size records at a time (the unit a rerun resumes at); their replies are decoded by the
-    engine with up to batch_size sequences per forward, in `dtype` ("auto": the device's fast
-    dtype). max_batches stops after that many batches (a later call continues).
+    The replies are decoded by the engine with up to batch_size sequences per forward, in
+    `dtype` ("auto": the device's fast dtype), every record in one continuous batch (a row
+    never waits for a batch of records to drain); lines are written batch_size records at a
+    time. max_batches stops after that many batches of records (a later call continues).
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise DataError(f"batch size and max new tokens must be >= 1, got {batch_size} and {max_new_tokens}")
@@ -300,23 +349,33 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
     ensure_chat_template(tokenizer)
     generator = load_generation_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    stop = len(records) if max_batches is None else min(len(records), progress.next_record + max_batches * batch_size)
     replies_R = [_num_replies(record) for record in records]  # the bar's total: every reply at most
-    meter = ReplyMeter(sum(replies_R), "regenerate: the target's replies", progress_bar,
+    meter = ReplyMeter(sum(replies_R[:stop]), "regenerate: the target's replies", progress_bar,
                        initial=sum(replies_R[:progress.next_record]))
-    num_batches = 0
-    while progress.next_record < len(records) and (max_batches is None or num_batches < max_batches):
-        batch = records[progress.next_record:progress.next_record + batch_size]
-        lines = _regenerate_batch(generator, tokenizer, batch, progress.next_record, progress, max_new_tokens,
-                                  batch_size, meter.reply)
-        with open(output, "ab") as f:
-            f.write("".join(lines).encode())
-            f.flush()
-            os.fsync(f.fileno())
-            progress.output_bytes = f.tell()
-        progress.next_record += len(batch)
-        progress.num_written += len(lines)
-        atomic.write_json(progress_path(output), asdict(progress))
-        num_batches += 1
+    writer = _InOrderWriter(output, progress, batch_size)
+    jobs = [_Job(index, records[index], tokenizer) for index in range(progress.next_record, stop)]
+    slots = [(job, turn) for job in jobs for turn, _ in job.first_prompts]  # prompt k -> (its job, turn)
+
+    def replied(index: int, tokens: list[int]) -> list[int] | None:
+        job, turn = slots[index]
+        follow_up = job.replied(turn, tokens)
+        if follow_up is not None:
+            slots.append((job, follow_up[0]))
+            return follow_up[1]
+        if job.done:
+            writer.finished(job)
+        return None
+
+    for job in jobs:
+        if job.done:  # skipped before any reply
+            writer.finished(job)
+    prompts = [prompt for job in jobs for _, prompt in job.first_prompts]
+    if prompts:
+        longest = max(job.longest_prompt(max_new_tokens) for job in jobs if not job.done)
+        greedy_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size, meter.reply,
+                             follow_up=replied, max_prompt_len=longest)
+    writer.close()
     meter.close()
     log(f"regenerate: {progress.summary()}")
     return progress

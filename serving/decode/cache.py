@@ -261,7 +261,14 @@ class TreeStaticCache(Cache):
 
     def reset_row(self, row: int) -> None:
         """Empty one row (a new sequence takes it); its buffers are not cleared (dead data is masked)."""
-        self.lengths.host[row] = 0
+        self.truncate_row(row, 0)
+
+    def truncate_row(self, row: int, length: int) -> None:
+        """Keep the first `length` committed positions of one row (a sequence that continues
+        another's context); later entries become dead data."""
+        if not 0 <= length <= self.lengths.host[row]:
+            raise ValueError(f"row {row} holds {self.lengths.host[row]} positions; cannot keep {length}")
+        self.lengths.host[row] = length
         self._sync_device_lens()
 
     def swap_rows(self, a: int, b: int) -> None:

@@ -5,7 +5,9 @@ requests around it for a server.
 Every sequence owns a row of one `TreeStaticCache` (serving/decode/cache.py); the decoding
 sequences are rows [0, n), kept contiguous (a leaving sequence's row is refilled by moving
 the last row into it). A sequence joins with its own prefill forward (its row alone),
-which yields its first token; from the next step on it takes part in the batched step:
+which yields its first token; one that continues a finished sequence's context (the next
+turn of a conversation) takes over that row and prefills only what it adds. From the next
+step on it takes part in the batched step:
 
     draft -> verify -> accept -> commit -> record
 
@@ -167,29 +169,55 @@ class BatchEngine:
             stats=DecodeStats(accepted_per_position=[0] * (decoder.max_depth if speculating else 0),
                               lossless=request.acceptance == "rejection"))
 
-    def add(self, seq: Sequence, join: bool = True) -> list[int]:
+    def add(self, seq: Sequence, join: bool = True, continues: Sequence | None = None) -> list[int]:
         """Prefill a checked sequence into the next free row; -> its first token.
         join=False: it sits out the next step (a scheduler reports its first token first).
-        An error in the prefill leaves the batch as it was and is raised to the caller."""
-        if len(self.rows) >= self.max_batch_size:
+        continues: a finished sequence still in its row (a conversation's last turn) whose
+        context seq's prompt extends: seq takes over that row and prefills only what its prompt
+        adds past the context both share (`reusable_prefix`), as a prefix cache would.
+        An error in the prefill leaves the batch as it was (a continued row keeps the shared
+        prefix only) and is raised to the caller."""
+        if continues is None and len(self.rows) >= self.max_batch_size:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences)")
-        row = len(self.rows)
+        row = len(self.rows) if continues is None else self.rows.index(continues)
+        reuse = 0 if continues is None else self.reusable_prefix(continues, seq)
         start = self.clock()
         with torch.inference_mode():  # the buffers are inference tensors
-            self.cache.reset_row(row)
+            self.cache.truncate_row(row, reuse)
             self.cache.set_rows(row, row + 1)
             try:
-                seq.state = prefill(self.target, seq.prompt_1P, self.decoder.tap_layers, self.cache, seq.sampling,
-                                    seq.generator)
+                seq.state = prefill(self.target, seq.prompt_1P[:, reuse:], self.decoder.tap_layers, self.cache,
+                                    seq.sampling, seq.generator)
             except BaseException:
-                self.cache.reset_row(row)
+                self.cache.truncate_row(row, reuse)
                 raise
         seq.joined = join
-        self.rows.append(seq)
+        if continues is None:
+            self.rows.append(seq)
+        else:
+            self.rows[row] = seq
         seq.finish_reason = emit(seq.tokens, seq.state.root.tolist(), seq.max_new_tokens, seq.eos_ids,
                                  seq.stop_sequences)
         seq.stats.prefill_s = self.clock() - start
+        seq.stats.prefill_reused_tokens = reuse
         return list(seq.tokens)
+
+    def reusable_prefix(self, done: Sequence, seq: Sequence) -> int:
+        """How many of done's cached positions seq's prompt can keep: the context both start
+        with, short of seq's last prompt token (a prefill needs one). ValueError for a running
+        sequence or an EAGLE drafter (its head cache would lack the kept positions; Medusa reads
+        only the last position's state)."""
+        if done.finish_reason is None or done not in self.rows:
+            raise ValueError("only a finished sequence that still holds its row can be continued")
+        if seq.keep_head_rows:
+            raise ValueError("an EAGLE-drafted sequence cannot continue another's cache; add it alone")
+        cached = done.prompt_1P[0].tolist() + done.tokens  # the last token's entry is never written
+        prompt = seq.prompt_1P[0].tolist()
+        limit = min(done.state.prefix_len, len(prompt) - 1)
+        same = 0
+        while same < limit and cached[same] == prompt[same]:
+            same += 1
+        return same
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence; the last row moves into its row."""
@@ -227,14 +255,16 @@ class BatchEngine:
     def _decoding(self) -> list[Sequence]:
         """The sequences this step decodes (joined, unfinished), moved to rows [0, n); every
         sequence added before now joins the next step."""
+        decoding = [seq.joined and seq.finish_reason is None for seq in self.rows]
+        front = sum(decoding)
+        # One swap per misplaced row (a swap copies both rows' KV): each row in [0, front) that
+        # sits out trades places with a decoding row from [front, n).
+        holes = [row for row in range(front) if not decoding[row]]
+        movers = [row for row in range(front, len(self.rows)) if decoding[row]]
         with torch.inference_mode():
-            front = 0
-            for index, seq in enumerate(self.rows):
-                if seq.joined and seq.finish_reason is None:
-                    if index != front:
-                        self.cache.swap_rows(front, index)
-                        self.rows[front], self.rows[index] = self.rows[index], self.rows[front]
-                    front += 1
+            for hole, mover in zip(holes, movers):
+                self.cache.swap_rows(hole, mover)
+                self.rows[hole], self.rows[mover] = self.rows[mover], self.rows[hole]
         batch = self.rows[:front]
         for seq in self.rows:
             seq.joined = True

@@ -95,13 +95,14 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
     what `generate` gives that prompt alone (greedy).
 
     on_result(index, result) is called as each one ends; when it returns a prompt (a list of
-    token ids), that prompt is decoded too, as index len(prompts so far): a conversation's
-    next turn joins the running batch as soon as its previous reply ends. A sequence the
-    engine ends alone (finish_reason "error") raises SequenceFailed: an offline job must not
-    keep a reply cut short by a fault. max_prompt_len sizes the KV cache (default: the longest
-    of `prompts`); a later prompt longer than that is refused with a ValueError."""
-    from collections import deque
-
+    token ids), that prompt is decoded too, as index len(prompts so far), at once in the row
+    the finished sequence leaves: a conversation's next turn. Its prefill runs only what it adds to the
+    context that row caches, as far as the new prompt repeats it token for token
+    (BatchEngine.add, `continues`; not for EAGLE drafts, whose head cache would lack it).
+    A sequence the engine ends alone (finish_reason "error") raises SequenceFailed: an
+    offline job must not keep a reply cut short by a fault. max_prompt_len sizes the KV
+    cache (default: the longest of `prompts`); a later prompt longer than that is refused
+    with a ValueError."""
     from specheads.serving.decode.faults import SequenceFailed
     from specheads.serving.decode.scheduler import Scheduler
 
@@ -109,16 +110,26 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
         raise ValueError(f"max_new_tokens and max_batch_size must be >= 1, got {max_new_tokens} and {max_batch_size}")
     if not prompts:
         return []
-    prompts = list(prompts)
-    longest = max(max(map(len, prompts)), max_prompt_len or 0)
+    max_prompt_len = max(max(map(len, prompts)), max_prompt_len or 0)
+    continuing = on_result is not None and (decoder.drafter is None or decoder.is_medusa)
     scheduler = Scheduler(decoder, max_batch_size=max_batch_size,
-                          max_cache_len=longest + max_new_tokens + decoder.max_tree_nodes)
-    results: list[GenerationResult | None] = [None] * len(prompts)
-    waiting, index_of = deque(range(len(prompts))), {}
-    while waiting or scheduler.num_active:
-        while waiting and scheduler.has_capacity:
-            index = waiting.popleft()
-            index_of[scheduler.add(SequenceRequest(prompts[index], max_new_tokens, eos_token_id))] = index
+                          max_cache_len=max_prompt_len + max_new_tokens + decoder.max_tree_nodes,
+                          keep_finished=continuing)
+    seen = [list(prompt) for prompt in prompts]  # every prompt so far, in index order (follow-ups last)
+    results: list[GenerationResult | None] = [None] * len(seen)
+    unread, index_of = iter(range(len(seen))), {}
+
+    def admit(index: int, continues: int | None = None) -> None:
+        index_of[scheduler.add(SequenceRequest(seen[index], max_new_tokens, eos_token_id), continues)] = index
+
+    while True:
+        while scheduler.has_capacity:
+            index = next(unread, None)
+            if index is None:
+                break
+            admit(index)
+        if not scheduler.num_active:
+            return results
         for update in scheduler.step():
             if not update.finished:
                 continue
@@ -128,7 +139,8 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
             results[index] = update.result
             follow_up = on_result(index, update.result) if on_result is not None else None
             if follow_up is not None:
-                prompts.append(list(follow_up))
+                seen.append(list(follow_up))
                 results.append(None)
-                waiting.append(len(prompts) - 1)
-    return results
+                admit(len(seen) - 1, update.seq_id if continuing else None)
+            elif continuing:
+                scheduler.release(update.seq_id)

@@ -11,7 +11,9 @@ one's new tokens, `cancel()` drops one at once. A session is used from one threa
 Each `SequenceUpdate` carries the tokens a step produced for one sequence; the first
 update of a sequence holds the prefill's token. When `finished` is set, `result` holds the
 sequence's `GenerationResult` (tokens, finish_reason, stats) and the sequence has left
-the batch. Greedy output of every sequence equals decoding it alone. The decode loop is
+the batch, unless the scheduler keeps finished rows (`keep_finished`): then each finished
+sequence holds its row until the caller either continues it (`add(..., continues=seq_id)`:
+a conversation's next turn reuses the cached context) or `release`s it. Greedy output of every sequence equals decoding it alone. The decode loop is
 serving/decode/engine.py's BatchEngine: one target forward per step for all sequences.
 """
 
@@ -44,7 +46,8 @@ class Scheduler:
     that length is allocated on the first prefill.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8, max_cache_len: int | None = None):
+    def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 8, max_cache_len: int | None = None,
+                 keep_finished: bool = False):
         if max_cache_len is None:
             max_positions = getattr(decoder.target.config, "max_position_embeddings", None)
             if not max_positions:
@@ -55,6 +58,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._sequences: dict[int, object] = {}  # seq_id -> the engine's sequence
         self._first: list[tuple[int, list[int]]] = []  # first tokens of sequences added since the last step
+        self.keep_finished = keep_finished
+        self._kept: dict[int, object] = {}  # seq_id -> a finished sequence still in its row (keep_finished)
 
     @property
     def max_batch_size(self) -> int:
@@ -66,24 +71,36 @@ class Scheduler:
 
     @property
     def has_capacity(self) -> bool:
-        return len(self._sequences) < self.max_batch_size
+        return len(self._sequences) + len(self._kept) < self.max_batch_size
 
-    def add(self, request: SequenceRequest) -> int:
+    def add(self, request: SequenceRequest, continues: int | None = None) -> int:
         """Admit a sequence and run its prefill; -> its seq_id. Bad requests raise ValueError
         before admission; a prefill that fails (not fatally, serving/decode/faults.py) raises
-        SequenceFailed, the batch unchanged. Its first token is reported by the next step()."""
-        if not self.has_capacity:
+        SequenceFailed, the batch unchanged. Its first token is reported by the next step().
+        continues: the seq_id of a kept finished sequence whose row (and cached context, as
+        far as the new prompt repeats it) the new sequence takes over (BatchEngine.add)."""
+        if continues is not None and continues not in self._kept:
+            raise ValueError(f"sequence {continues} is not a kept finished sequence")
+        if continues is None and not self.has_capacity:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences); wait for one to finish")
         seq = self.engine.check(request, next(self._ids))
+        done = None if continues is None else self._kept.pop(continues)
         try:
-            first = self.engine.add(seq, join=False)
+            first = self.engine.add(seq, join=False, continues=done)
         except Exception as err:  # noqa: BLE001 - a valid request the engine failed on: never a refusal
             if is_fatal(err):
                 raise
             raise SequenceFailed(describe(err)) from err
+        finally:
+            if done is not None and done in self.engine.rows:  # the prefill failed: the row is still done's
+                self.engine.remove(done)
         self._first.append((seq.seq_id, first))
         self._sequences[seq.seq_id] = seq
         return seq.seq_id
+
+    def release(self, seq_id: int) -> None:
+        """Free the row of a kept finished sequence (keep_finished)."""
+        self.engine.remove(self._kept.pop(seq_id))
 
     def cancel(self, seq_id: int) -> GenerationResult | None:
         """Drop a sequence now; -> its result so far (finish_reason "stop", the engine's own
@@ -109,6 +126,9 @@ class Scheduler:
             if seq.finish_reason is not None:
                 update.finished, update.result = True, seq.result()
                 del self._sequences[seq_id]
-                self.engine.remove(seq)
+                if self.keep_finished:
+                    self._kept[seq_id] = seq
+                else:
+                    self.engine.remove(seq)
             out.append(update)
         return out

@@ -30,6 +30,7 @@ class DecodeStats:
     accepted_tokens: int = 0  # accepted draft tokens, counted before any stop truncation
     accepted_per_position: list[int] = field(default_factory=list)  # [D] steps that accepted depth d+1
     prefill_s: float = 0.0
+    prefill_reused_tokens: int = 0  # prompt positions kept from the cache of the turn it continues (not run)
     decode_s: float = 0.0
     num_new_tokens: int = 0  # tokens returned (after EOS / stop / max_new_tokens truncation)
     lossless: bool = True  # False when any step used a lossy acceptance rule (acceptance="typical")
@@ -87,6 +88,7 @@ class DecodeStats:
             steps=self.steps + other.steps, drafted_tokens=self.drafted_tokens + other.drafted_tokens,
             accepted_tokens=self.accepted_tokens + other.accepted_tokens,
             accepted_per_position=per_position, prefill_s=self.prefill_s + other.prefill_s,
+            prefill_reused_tokens=self.prefill_reused_tokens + other.prefill_reused_tokens,
             decode_s=self.decode_s + other.decode_s, num_new_tokens=self.num_new_tokens + other.num_new_tokens,
             lossless=self.lossless and other.lossless, plain_steps=self.plain_steps + other.plain_steps,
             fallback=self.fallback or other.fallback, fallbacks=self.fallbacks + other.fallbacks,

@@ -69,9 +69,11 @@ class Outcome:
 @torch.inference_mode()
 def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[int], cache: TreeStaticCache,
             sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> DecodeState:
-    """Run the prompt into the cache's active row -> the state with its root (the target's
-    argmax, or a sample under `sampling`). The cache must hold the prompt plus every later
-    step (the engine sizes it)."""
+    """Run the prompt into the cache's active row, after the positions that row already holds
+    (none for a new sequence) -> the state with its root (the target's argmax, or a sample
+    under `sampling`); `hidden` covers the positions run here. The cache must hold the
+    prompt plus every later step (the engine sizes it)."""
+    held = cache.get_seq_length()
     out = target(input_ids_1P, tap_layers, past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache.commit()
     logits_1V = out.logits[:, -1]
@@ -79,7 +81,7 @@ def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[
         root = greedy_tokens(logits_1V)  # [1]
     else:
         root = torch.multinomial(target_probs(logits_1V, sampling), 1, generator=generator)[0]
-    return DecodeState(cache=cache, prefix_len=int(input_ids_1P.shape[1]), root=root,
+    return DecodeState(cache=cache, prefix_len=held + int(input_ids_1P.shape[1]), root=root,
                        hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]))
 
 

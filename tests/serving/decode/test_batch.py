@@ -371,3 +371,28 @@ def test_generate_many_gives_each_prompt_its_own_greedy_output_in_order(setup):
     assert generate_many(SpeculativeDecoder(target), [], 4) == []
     with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
         generate_many(SpeculativeDecoder(target), prompts, 4, max_batch_size=0)
+
+
+def test_generate_many_continues_a_conversation_in_its_row(setup):
+    """A follow-up that repeats its turn's context prefills only what it adds, and decodes
+    what it would alone; one that departs from the context early keeps only what they share."""
+    from specheads.serving.decode.generate import generate_many
+
+    target, prompts, _, _ = setup
+    firsts, follow_ups = prompts[:3], {}
+
+    def next_turn(index, result):
+        if index >= len(firsts):
+            return None
+        context = firsts[index] + result.tokens
+        prompt = [context[0] + 1] + context[1:] + [5, 6] if index == 1 else context + [5, 6, 9][:index + 1]
+        follow_ups[len(firsts) + len(follow_ups)] = (prompt, len(context) - 1 if index != 1 else 0)
+        return prompt
+
+    results = generate_many(SpeculativeDecoder(target), firsts, 6, max_batch_size=2, on_result=next_turn,
+                            max_prompt_len=64)
+    assert len(results) == 2 * len(firsts)
+    for index, (prompt, reused) in follow_ups.items():
+        assert results[index].tokens == hf_greedy(target, prompt, 6)
+        assert results[index].stats.prefill_reused_tokens == reused
+    assert all(result.stats.prefill_reused_tokens == 0 for result in results[:len(firsts)])
