@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specheads.heads import gguf
-from specheads.heads.atomic import build_once
+from specheads.heads.atomic import build_once, default_cache_dir
 
 DEFAULT_TARGET_NAME = "embedded:tiny"
 SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/gguf.py)
@@ -75,15 +75,6 @@ class TinyTargetSpec:
 
 
 DEFAULT_SPEC = TinyTargetSpec()
-
-
-def default_cache_dir() -> Path:
-    """SPECHEADS_CACHE, else $XDG_CACHE_HOME/specheads, else ~/.cache/specheads."""
-    if os.environ.get("SPECHEADS_CACHE"):
-        return Path(os.environ["SPECHEADS_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "specheads"
-    return Path.home() / ".cache" / "specheads"
 
 
 def target_dir(cache_dir: Path | None = None, spec: TinyTargetSpec = DEFAULT_SPEC) -> Path:

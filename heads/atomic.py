@@ -11,8 +11,8 @@ or a run killed half way, sees either the old thing or the whole new one:
     with staged_dir(final) as tmp: ...
         a directory: staged beside `final`, moved into place whole (replacing any old one);
     build_once(final, build)
-        a cache entry: built once under a file lock by `build(staging)`, however many
-        processes ask at the same time.
+        a cache entry (under default_cache_dir()): built once under a file lock by
+        `build(staging)`, however many processes ask at the same time.
 
 Temporary names start with "." and sit beside their target (a rename is atomic only within
 one filesystem). mkstemp/mkdtemp's private modes are widened to what open()/mkdir() would
@@ -119,6 +119,16 @@ def staged_dir(final_dir: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def default_cache_dir() -> Path:
+    """Where cache entries live: SPECHEADS_CACHE, else $XDG_CACHE_HOME/specheads, else
+    ~/.cache/specheads."""
+    if os.environ.get("SPECHEADS_CACHE"):
+        return Path(os.environ["SPECHEADS_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "specheads"
+    return Path.home() / ".cache" / "specheads"
 
 
 def build_once(final: str | os.PathLike, build: Callable[[Path], object], force: bool = False) -> Path:

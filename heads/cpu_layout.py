@@ -23,12 +23,14 @@ the drafters or the accept rule:
   3.8 -> 2.0 ms; one row x 16 tokens over 316 keys 0.148 -> 0.114 ms. One row x one token
   keeps SDPA (0.040 against 0.065 ms), and so does anything this path does not cover.
   Rows of one batch attend to different lengths (continuous batching mixes a first turn's
-  100 keys with a third turn's 800), so the rows are sorted by how many keys they see and
-  each bucket of rows multiplies only its own longest length (`_row_buckets`), its keys and
-  values gathered into a scratch buffer that every layer and step reuses. A fresh copy per
-  layer cost page faults more than the copying: 96 rows at 100-800 keys (mean 410), bf16,
-  one layer, 15.5 ms for the dense copy alone against 2.5 ms for the whole bucketed
-  attention (8 buckets).
+  100 keys with a third turn's 800), and each row reads only its own: where a C compiler is
+  found, heads/cpu_attention.py's kernel reads them in place in the cache; elsewhere the
+  rows are sorted by how many keys they see and each bucket of rows multiplies only its own
+  longest length (`_row_buckets`), its keys and values gathered into a scratch buffer that
+  every layer and step reuses. 96 rows at 100-800 keys (mean 410), bf16, one layer: the
+  dense copy of the keys and values alone took 15.5 ms (a fresh copy per layer paid more in
+  page faults than in copying), the bucketed attention 2.5-4 ms, the kernel 2.0 ms; a
+  decode step of SmolLM2 at those lengths 655 ms, then 173-198 ms, then 134-148 ms.
 
 Packing keeps the plain weights (the `Parameter`s are shared, not copied): heads read the
 target's lm_head and embeddings through them, and `PackedWeights.plain()` swaps the plain
@@ -49,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from specheads.heads import cpu_attention
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 CPU_ATTENTION = "specheads_cpu"
@@ -143,6 +147,10 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     scale = head_dim ** -0.5 if scaling is None else scaling
     query_BHGD = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # G = group * T rows per KV head
     visible_B1TK = attention_mask[..., :num_keys]  # a mask may be longer than the keys, as SDPA allows
+    if cpu_attention.supports(query, key, value):  # each row's own keys, read in place (heads/cpu_attention.py)
+        out_BHGD = cpu_attention.ragged_attention(query_BHGD, key, value, _row_lengths(visible_B1TK),
+                                                  visible_B1TK[:, 0], num_new, scale)
+        return out_BHGD.view(batch, num_q_heads, num_new, head_dim).transpose(1, 2), None
     out_BHGD = torch.empty_like(query_BHGD)
     for rows_N, length in _row_buckets(visible_B1TK):
         # bmm reads strided views of the cache through a slow clone, so each bucket's keys and
@@ -169,13 +177,19 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     return out_BHGD.view(batch, num_q_heads, num_new, head_dim).transpose(1, 2), None
 
 
+def _row_lengths(visible_B1TK: torch.Tensor) -> torch.Tensor:
+    """[B] the keys each row reads: its last visible column + 1, at least 1 (a row that sees
+    nothing stays finite)."""
+    num_keys = visible_B1TK.shape[-1]
+    seen_BK = visible_B1TK.any(dim=2)[:, 0]
+    return (num_keys - seen_BK.flip(-1).to(torch.uint8).argmax(dim=-1)).masked_fill_(~seen_BK.any(-1), 1)
+
+
 def _row_buckets(visible_B1TK: torch.Tensor) -> list[tuple[torch.Tensor | None, int]]:
     """The rows in buckets of similar visible lengths (ROW_BUCKET_COUNTS) -> [(row indices
-    [N], or None for every row in order; the keys that bucket reads)]. A row's length is its
-    last visible column + 1, at least 1 (a row that sees nothing stays finite)."""
-    batch, num_keys = visible_B1TK.shape[0], visible_B1TK.shape[-1]
-    seen_BK = visible_B1TK.any(dim=2)[:, 0]
-    lens_B = (num_keys - seen_BK.flip(-1).to(torch.uint8).argmax(dim=-1)).masked_fill_(~seen_BK.any(-1), 1)
+    [N], or None for every row in order; the keys that bucket reads, `_row_lengths`)]."""
+    batch = visible_B1TK.shape[0]
+    lens_B = _row_lengths(visible_B1TK)
     order_B = torch.argsort(lens_B)
     sorted_lens = lens_B[order_B].tolist()
 

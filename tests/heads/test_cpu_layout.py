@@ -95,9 +95,22 @@ class _Attention(nn.Module):
         self.is_causal = True
 
 
+@pytest.fixture(params=["kernel", "bmm"])
+def attention_path(request, monkeypatch):
+    """Both ways the grouped attention computes: the ragged C kernel (heads/cpu_attention.py)
+    where it builds, and the bucketed bmm path it falls back to."""
+    from specheads.heads import cpu_attention
+
+    if request.param == "kernel" and not cpu_attention.available():
+        pytest.skip("no C compiler on this machine")
+    if request.param == "bmm":
+        monkeypatch.setattr(cpu_attention, "supports", lambda *args: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,num_new", [(1, 5), (3, 1), (3, 4)])
-def test_grouped_attention_matches_sdpa(dtype, batch, num_new):
+def test_grouped_attention_matches_sdpa(dtype, batch, num_new, attention_path):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     generator = torch.Generator().manual_seed(batch * 10 + num_new)
@@ -120,7 +133,7 @@ def test_grouped_attention_matches_sdpa(dtype, batch, num_new):
 
 
 @pytest.mark.parametrize("num_new", [1, 3])
-def test_grouped_attention_in_row_buckets_matches_sdpa(num_new):
+def test_grouped_attention_of_ragged_rows_matches_sdpa(num_new, attention_path):
     """Rows of lengths far apart, in no order (several buckets), one of them a padded row,
     and the scratch reused by a second, shorter call."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -147,7 +160,7 @@ def test_grouped_attention_in_row_buckets_matches_sdpa(num_new):
         assert torch.isfinite(got).all()
 
 
-def test_grouped_attention_gives_a_padded_row_no_nan():
+def test_grouped_attention_gives_a_padded_row_no_nan(attention_path):
     query = torch.randn(2, 4, 3, 8)
     key = value = torch.randn(2, 2, 5, 8)
     mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)

@@ -1,0 +1,191 @@
+"""Ragged grouped-query attention for a CPU: each batch row reads only its own keys, in place.
+
+The grouped attention of heads/cpu_layout.py multiplies batched matrices, and oneDNN's bf16
+bmm needs dense batches: it gathers every row's keys and values out of the KV cache first,
+so one decode step of 96 SmolLM2 rows at a mean 270 keys moved each key three times (read,
+written, read again) and the attention cost about 125 ns a row, key and layer. This kernel
+reads each row's keys and values once, where the cache holds them, and never past the row's
+own length: per (row, KV head) it scores the row's G = group x T query vectors against its
+keys, takes the softmax, and sums the values, all in fp32 (bf16 or fp32 inputs).
+
+It is C, compiled once per machine by the system C compiler (`cc -O3 -march=native
+-fopenmp`) into the specheads cache and called through ctypes, because PyTorch has no op
+for it: an extension built against torch's headers takes a minute to compile, this takes a
+second. It links the libgomp that torch already loaded, so its threads are torch's threads
+(two OpenMP runtimes would spin against each other on a small CPU). Where no compiler is
+found, `available()` is False and heads/cpu_layout.py keeps its bmm path.
+
+Shapes: q [B, Hkv, G, D] (query head h reads KV head h // group; row g of a KV head is query
+head g // T of its group at token g % T), keys and values [B, Hkv, >= L_b, D] with unit
+stride in D (views of the cache), lens [B] int32 keys read per row, mask bool [B, T, K]
+(any strides along B and T, unit along K) or None -> out [B, Hkv, G, D] in q's dtype.
+A row whose keys are all masked gets zeros (finite, as the bmm path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from specheads.heads import atomic
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) { uint32_t x = (uint32_t)h << 16; float f; memcpy(&f, &x, 4); return f; }
+static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch casts */
+    uint32_t x; memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+
+/* e^x for x <= 0: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor (rel. error ~1e-7) */
+static inline float exp_nonpositive(float x) {
+    float t = x * 1.44269504088896341f;
+    t = t < -126.0f ? -126.0f : t;
+    float n = rintf(t), f = t - n;
+    float p = 1.0f + f * (0.693147180f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f
+              + f * (0.00133335581f + f * 0.000154035304f)))));
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* One (row, KV head): its G query vectors against its L keys. DIM is a constant for the common
+   head sizes, so the inner loops unroll; buf holds G * (2 DIM + L) + DIM floats. */
+#define ATTEND_ONE(T, LOAD, STORE, DIM)                                                              \
+    const int b = (int)(task / heads), h = (int)(task % heads), L = lens[b];                         \
+    float* qf = buf; float* acc = qf + (size_t)G * DIM; float* kv = acc + (size_t)G * DIM;           \
+    float* s = kv + DIM;                                                                             \
+    const T* qp = q + task * G * DIM;                                                                \
+    for (int i = 0; i < G * DIM; i++) { qf[i] = LOAD(qp[i]) * scale; acc[i] = 0.0f; }                \
+    const T* kp = k + b * k_row + h * k_head;                                                        \
+    const T* vp = v + b * v_row + h * v_head;                                                        \
+    const uint8_t* mp = mask ? mask + b * mask_row : 0;                                              \
+    for (int j = 0; j < L; j++) {                                                                    \
+        for (int d = 0; d < DIM; d++) kv[d] = LOAD(kp[(int64_t)j * DIM + d]);                        \
+        for (int g = 0; g < G; g++) {                                                                \
+            float dot = 0.0f;                                                                        \
+            for (int d = 0; d < DIM; d++) dot += qf[g * DIM + d] * kv[d];                            \
+            s[(int64_t)g * L + j] = (mp && !mp[(g % tokens) * mask_t + j]) ? -INFINITY : dot;        \
+        }                                                                                            \
+    }                                                                                                \
+    for (int g = 0; g < G; g++) {                                                                    \
+        float* sg = s + (int64_t)g * L;                                                              \
+        float top = -INFINITY, sum = 0.0f;                                                           \
+        for (int j = 0; j < L; j++) top = sg[j] > top ? sg[j] : top;                                 \
+        if (top == -INFINITY) { for (int j = 0; j < L; j++) sg[j] = 0.0f; continue; }                \
+        for (int j = 0; j < L; j++) { float e = exp_nonpositive(sg[j] - top); sg[j] = e; sum += e; } \
+        const float inv = 1.0f / sum;                                                                \
+        for (int j = 0; j < L; j++) sg[j] *= inv;                                                    \
+    }                                                                                                \
+    for (int j = 0; j < L; j++) {                                                                    \
+        for (int d = 0; d < DIM; d++) kv[d] = LOAD(vp[(int64_t)j * DIM + d]);                        \
+        for (int g = 0; g < G; g++) {                                                                \
+            const float pj = s[(int64_t)g * L + j];                                                  \
+            for (int d = 0; d < DIM; d++) acc[g * DIM + d] += pj * kv[d];                            \
+        }                                                                                            \
+    }                                                                                                \
+    T* op = out + task * G * DIM;                                                                    \
+    for (int i = 0; i < G * DIM; i++) op[i] = STORE(acc[i]);
+
+#define RAGGED_ATTENTION(NAME, T, LOAD, STORE)                                                       \
+void NAME(const T* q, const T* k, const T* v, int64_t k_row, int64_t k_head, int64_t v_row,          \
+          int64_t v_head, const int32_t* lens, const uint8_t* mask, int64_t mask_row, int64_t mask_t, \
+          int rows, int heads, int group, int tokens, int dim, float scale, T* out) {                  \
+    const int G = group * tokens;                                                                    \
+    int longest = 1;                                                                                 \
+    for (int b = 0; b < rows; b++) longest = lens[b] > longest ? lens[b] : longest;                  \
+    _Pragma("omp parallel")                                                                          \
+    {                                                                                                \
+        float* buf = malloc(sizeof(float) * ((size_t)G * (2 * (size_t)dim + longest) + dim));        \
+        _Pragma("omp for schedule(dynamic, 1)")                                                      \
+        for (int64_t task = 0; task < (int64_t)rows * heads; task++) {                               \
+            if (dim == 64) { ATTEND_ONE(T, LOAD, STORE, 64) }                                        \
+            else if (dim == 128) { ATTEND_ONE(T, LOAD, STORE, 128) }                                 \
+            else { ATTEND_ONE(T, LOAD, STORE, dim) }                                                 \
+        }                                                                                            \
+        free(buf);                                                                                   \
+    }                                                                                                \
+}
+
+RAGGED_ATTENTION(ragged_attention_bf16, uint16_t, bf16_load, bf16_store)
+RAGGED_ATTENTION(ragged_attention_f32, float, f32_load, f32_store)
+"""
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros")
+DTYPES = (torch.bfloat16, torch.float32)
+LIBRARY = "cpu_attention.so"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per machine into the specheads cache (keyed by the
+    source, the flags and the compiler); None when there is no C compiler or it fails."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        return None
+    key = hashlib.sha256("\n".join([SOURCE, " ".join(FLAGS), os.path.realpath(compiler)]).encode()).hexdigest()[:16]
+
+    def build(staging: Path) -> None:
+        (staging / "cpu_attention.c").write_text(SOURCE)
+        subprocess.run([compiler, *FLAGS, str(staging / "cpu_attention.c"), "-o", str(staging / LIBRARY)],
+                       check=True, capture_output=True, text=True)
+
+    try:
+        built = atomic.build_once(atomic.default_cache_dir() / "kernels" / f"cpu-attention-{key}", build)
+    except subprocess.CalledProcessError:
+        return None
+    library = ctypes.CDLL(str(built / LIBRARY))
+    for name in ("ragged_attention_bf16", "ragged_attention_f32"):
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_void_p] \
+            + [ctypes.c_int64] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p]
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel is built (or can be) on this machine."""
+    return _library() is not None
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `ragged_attention` takes these tensors (CPU, bf16 or fp32, unit stride in D)."""
+    return (query.device.type == "cpu" and query.dtype in DTYPES and key.dtype == value.dtype == query.dtype
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(-2) == key.shape[-1]
+            and value.stride(-2) == value.shape[-1] and available())
+
+
+def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens_B: torch.Tensor,
+                     mask_BTK: torch.Tensor | None, num_tokens: int, scale: float) -> torch.Tensor:
+    """See the module docstring; the caller checks `supports` first."""
+    batch, num_kv_heads, num_rows, head_dim = query_BHGD.shape
+    query_BHGD = query_BHGD.contiguous()
+    lens_B = lens_B.to(torch.int32).contiguous()
+    out = torch.empty_like(query_BHGD)
+    if mask_BTK is not None:
+        if mask_BTK.stride(-1) != 1:
+            mask_BTK = mask_BTK.contiguous()
+        mask_args = (mask_BTK.data_ptr(), mask_BTK.stride(0), mask_BTK.stride(1))
+    else:
+        mask_args = (None, 0, 0)
+    name = "ragged_attention_bf16" if query_BHGD.dtype == torch.bfloat16 else "ragged_attention_f32"
+    getattr(_library(), name)(query_BHGD.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
+                              value.stride(0), value.stride(1), lens_B.data_ptr(), *mask_args, batch, num_kv_heads,
+                              num_rows // num_tokens, num_tokens, head_dim, scale, out.data_ptr())
+    return out
