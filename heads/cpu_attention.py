@@ -8,6 +8,11 @@ reads each row's keys and values once, where the cache holds them, and never pas
 own length: per (row, KV head) it scores the row's G = group x T query vectors against its
 keys, takes the softmax, and sums the values, all in fp32 (bf16 or fp32 inputs).
 
+On a CPU with AVX512-BF16 a bf16 row takes dot-product instructions on the bf16 values
+themselves (four keys' scores per reduction, two keys' values per instruction); elsewhere,
+and in fp32, plain C loops that the compiler vectorises. 96 SmolLM2 rows at 100-800 keys
+(mean 410), one layer: the bmm path 3.2-4.1 ms, the plain loops 2.0 ms, AVX512-BF16 1.0 ms.
+
 It is C, compiled once per machine by the system C compiler (`cc -O3 -march=native
 -fopenmp`) into the specheads cache and called through ctypes, because PyTorch has no op
 for it: an extension built against torch's headers takes a minute to compile, this takes a
@@ -64,6 +69,88 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define FAST_BF16 1
+static const uint16_t ZERO_ROW[256] = {0};
+
+/* The sums of four vectors, as one 4-lane vector. */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+/* One (row, KV head) in bf16 with AVX512-BF16 dot products, dim a multiple of 32 up to 256:
+   scores four keys at a time (one 4-way reduction instead of four), values two keys at a time
+   (the pair (V[j][d], V[j+1][d]) times (p[j], p[j+1]) in one dpbf16; unpacking interleaves d
+   within 128-bit lanes, undone at the store). Probabilities are rounded to bf16 for the values
+   product, as a bf16 matmul would take them. s: G * L4 floats, pb: G * (L4 + 2) uint16s. */
+static void attend_bf16_fast(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, const uint8_t* mp,
+                             int64_t mask_t, int L, int G, int tokens, int dim, float scale, uint16_t* op,
+                             float* s, uint16_t* pb) {
+    const int nv = dim / 32, L4 = (L + 3) & ~3, Lp = L4 + 2;
+    for (int g = 0; g < G; g++) {
+        __m512bh qv[8];
+        for (int v = 0; v < nv; v++) qv[v] = (__m512bh)_mm512_loadu_si512(qp + (int64_t)g * dim + 32 * v);
+        float* sg = s + (int64_t)g * L4;
+        for (int j = 0; j < L; j += 4) {
+            __m512 acc[4];
+            for (int u = 0; u < 4; u++) {
+                acc[u] = _mm512_setzero_ps();
+                if (j + u < L)
+                    for (int v = 0; v < nv; v++)
+                        acc[u] = _mm512_dpbf16_ps(acc[u], qv[v],
+                                                  (__m512bh)_mm512_loadu_si512(kp + (int64_t)(j + u) * dim + 32 * v));
+            }
+            _mm_storeu_ps(sg + j, _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+        }
+        const uint8_t* mg = mp ? mp + (int64_t)(g % tokens) * mask_t : 0;
+        float top = -INFINITY, sum = 0.0f;
+        for (int j = 0; j < L; j++) {
+            if (mg && !mg[j]) sg[j] = -INFINITY;
+            top = sg[j] > top ? sg[j] : top;
+        }
+        uint16_t* pg = pb + (int64_t)g * Lp;
+        if (top == -INFINITY) {
+            for (int j = 0; j < Lp; j++) pg[j] = 0;
+            continue;
+        }
+        for (int j = 0; j < L; j++) { float e = exp_nonpositive(sg[j] - top); sg[j] = e; sum += e; }
+        const float inv = 1.0f / sum;
+        for (int j = 0; j < L; j++) pg[j] = bf16_store(sg[j] * inv);
+        for (int j = L; j < Lp; j++) pg[j] = 0;
+    }
+    for (int g = 0; g < G; g++) {
+        const uint16_t* pg = pb + (int64_t)g * Lp;
+        __m512 acc[16];
+        for (int a = 0; a < 2 * nv; a++) acc[a] = _mm512_setzero_ps();
+        for (int j = 0; j < L; j += 2) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)((uint32_t)pg[j] | ((uint32_t)pg[j + 1] << 16)));
+            const uint16_t* v0 = vp + (int64_t)j * dim;
+            const uint16_t* v1 = j + 1 < L ? v0 + dim : ZERO_ROW;
+            for (int v = 0; v < nv; v++) {
+                __m512i a = _mm512_loadu_si512(v0 + 32 * v), b = _mm512_loadu_si512(v1 + 32 * v);
+                acc[2 * v] = _mm512_dpbf16_ps(acc[2 * v], (__m512bh)_mm512_unpacklo_epi16(a, b), pair);
+                acc[2 * v + 1] = _mm512_dpbf16_ps(acc[2 * v + 1], (__m512bh)_mm512_unpackhi_epi16(a, b), pair);
+            }
+        }
+        for (int v = 0; v < nv; v++) {
+            float lo[16], hi[16];
+            _mm512_storeu_ps(lo, acc[2 * v]);
+            _mm512_storeu_ps(hi, acc[2 * v + 1]);
+            for (int i = 0; i < 16; i++) {  /* element i of lane i / 4 holds d = 8 (i / 4) + i % 4 (+ 4 for hi) */
+                op[(int64_t)g * dim + 32 * v + 8 * (i / 4) + i % 4] = bf16_store(lo[i]);
+                op[(int64_t)g * dim + 32 * v + 8 * (i / 4) + 4 + i % 4] = bf16_store(hi[i]);
+            }
+        }
+    }
+}
+#endif
+
 /* One (row, KV head): its G query vectors against its L keys. DIM is a constant for the common
    head sizes, so the inner loops unroll; buf holds G * (2 DIM + L) + DIM floats. */
 #define ATTEND_ONE(T, LOAD, STORE, DIM)                                                              \
@@ -111,10 +198,16 @@ void NAME(const T* q, const T* k, const T* v, int64_t k_row, int64_t k_head, int
     for (int b = 0; b < rows; b++) longest = lens[b] > longest ? lens[b] : longest;                  \
     _Pragma("omp parallel")                                                                          \
     {                                                                                                \
-        float* buf = malloc(sizeof(float) * ((size_t)G * (2 * (size_t)dim + longest) + dim));        \
+        float* buf = malloc(sizeof(float) * ((size_t)G * (2 * (size_t)dim + 2 * (size_t)longest + 16) + dim)); \
         _Pragma("omp for schedule(dynamic, 1)")                                                      \
         for (int64_t task = 0; task < (int64_t)rows * heads; task++) {                               \
-            if (dim == 64) { ATTEND_ONE(T, LOAD, STORE, 64) }                                        \
+            if (FAST(T, dim)) {                                                                      \
+                const int b = (int)(task / heads), h = (int)(task % heads);                          \
+                attend_fast(q + task * G * dim, k + b * k_row + h * k_head, v + b * v_row + h * v_head, \
+                            mask ? mask + b * mask_row : 0, mask_t, lens[b], G, tokens, dim, scale,  \
+                            out + task * G * dim, buf, (uint16_t*)(buf + (size_t)G * (longest + 4)));   \
+            }                                                                                        \
+            else if (dim == 64) { ATTEND_ONE(T, LOAD, STORE, 64) }                                   \
             else if (dim == 128) { ATTEND_ONE(T, LOAD, STORE, 128) }                                 \
             else { ATTEND_ONE(T, LOAD, STORE, dim) }                                                 \
         }                                                                                            \
@@ -122,8 +215,20 @@ void NAME(const T* q, const T* k, const T* v, int64_t k_row, int64_t k_head, int
     }                                                                                                \
 }
 
+#ifdef FAST_BF16
+#define FAST(T, dim) (sizeof(T) == 2 && (dim) % 32 == 0 && (dim) <= 256)
+#define attend_fast(q, k, v, m, mt, L, G, tk, d, sc, o, s, pb) \
+    attend_bf16_fast((const uint16_t*)(q), (const uint16_t*)(k), (const uint16_t*)(v), m, mt, L, G, tk, d, sc, \
+                     (uint16_t*)(o), s, pb)
+#else
+#define FAST(T, dim) 0
+#define attend_fast(...) ((void)0)
+#endif
+
 RAGGED_ATTENTION(ragged_attention_bf16, uint16_t, bf16_load, bf16_store)
 RAGGED_ATTENTION(ragged_attention_f32, float, f32_load, f32_store)
+
+int fast_bf16(void) { return FAST(uint16_t, 64); }
 """
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",

@@ -29,8 +29,8 @@ the drafters or the accept rule:
   longest length (`_row_buckets`), its keys and values gathered into a scratch buffer that
   every layer and step reuses. 96 rows at 100-800 keys (mean 410), bf16, one layer: the
   dense copy of the keys and values alone took 15.5 ms (a fresh copy per layer paid more in
-  page faults than in copying), the bucketed attention 2.5-4 ms, the kernel 2.0 ms; a
-  decode step of SmolLM2 at those lengths 655 ms, then 173-198 ms, then 134-148 ms.
+  page faults than in copying), the bucketed attention 2.5-4 ms, the kernel 1.0 ms; a
+  decode step of SmolLM2 at those lengths 655 ms, then 173-198 ms, then 100-103 ms.
 
 Packing keeps the plain weights (the `Parameter`s are shared, not copied): heads read the
 target's lm_head and embeddings through them, and `PackedWeights.plain()` swaps the plain

@@ -50,6 +50,22 @@ def test_ragged_attention_matches_the_reference(dtype, head_dim, num_tokens):
     assert not got[3].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_beside_short_ones(dtype):
+    """Rows of a decode batch far apart in length (a third turn beside a first one)."""
+    generator = torch.Generator().manual_seed(3)
+    batch, num_kv_heads, head_dim = 4, 3, 64
+    lens_B = torch.tensor([1500, 3, 700, 1501])
+    key, value = (torch.randn(batch, num_kv_heads, 1600, head_dim, generator=generator).to(dtype)[:, :, :1501]
+                  for _ in range(2))
+    query = torch.randn(batch, num_kv_heads, 3, head_dim, generator=generator).to(dtype)
+    mask_BTK = torch.arange(1501)[None, None, :] < lens_B[:, None, None]
+    got = cpu_attention.ragged_attention(query, key, value, lens_B, mask_BTK, 1, 0.125)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), reference(query, key, value, lens_B, mask_BTK, 1, 0.125),
+                               atol=tolerance, rtol=tolerance)
+
+
 def test_keys_past_a_rows_length_are_never_read():
     """Garbage (NaN) past each row's length changes nothing: the kernel stops at the length."""
     batch, num_kv_heads, head_dim = 3, 1, 64
