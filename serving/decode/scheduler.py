@@ -13,8 +13,9 @@ update of a sequence holds the prefill's token. When `finished` is set, `result`
 sequence's `GenerationResult` (tokens, finish_reason, stats) and the sequence has left
 the batch, unless the scheduler keeps finished rows (`keep_finished`): then each finished
 sequence holds its row until the caller either continues it (`add(..., continues=seq_id)`:
-a conversation's next turn reuses the cached context) or `release`s it. Greedy output of every sequence equals decoding it alone. The decode loop is
-serving/decode/engine.py's BatchEngine: one target forward per step for all sequences.
+a conversation's next turn reuses the cached context) or `release`s it. Greedy output of
+every sequence equals decoding it alone. The decode loop is serving/decode/engine.py's
+BatchEngine: one target forward per step for all sequences.
 """
 
 from __future__ import annotations

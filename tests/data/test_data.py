@@ -282,6 +282,7 @@ def test_regenerate_turns_records_into_multi_turn_conversations_with_the_targets
     progress = regenerate(str(target_512), str(source), str(output), tokenizer_path=str(chat_tok),
                           batch_size=3, max_new_tokens=6, dtype="float32", log=lambda _: None)
     lines = {line["index"]: line["messages"] for line in read_lines(output)}
+    assert list(lines) == [0, 1, 3]  # input order, though record 1's one reply ends before record 0's second
     assert progress.skipped == {"'turns' is not a non-empty list of non-empty strings": 1}
     tokenizer, model = load_tok(chat_tok), load_generation_target(str(target_512), dtype="float32")
     for index in (0, 1):
