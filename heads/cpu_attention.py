@@ -227,8 +227,6 @@ void NAME(const T* q, const T* k, const T* v, int64_t k_row, int64_t k_head, int
 
 RAGGED_ATTENTION(ragged_attention_bf16, uint16_t, bf16_load, bf16_store)
 RAGGED_ATTENTION(ragged_attention_f32, float, f32_load, f32_store)
-
-int fast_bf16(void) { return FAST(uint16_t, 64); }
 """
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
@@ -244,7 +242,8 @@ def _library() -> ctypes.CDLL | None:
     compiler = shutil.which("cc")
     if compiler is None:
         return None
-    key = hashlib.sha256("\n".join([SOURCE, " ".join(FLAGS), os.path.realpath(compiler)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([SOURCE, " ".join(FLAGS), os.path.realpath(compiler), _cpu_flags()]).encode())
+    key = key.hexdigest()[:16]
 
     def build(staging: Path) -> None:
         (staging / "cpu_attention.c").write_text(SOURCE)
@@ -264,6 +263,16 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def _cpu_flags() -> str:
+    """This CPU's feature flags: -march=native builds for them, so a cache shared with another
+    machine keeps one build per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def available() -> bool:
     """Whether the kernel is built (or can be) on this machine."""
     return _library() is not None
@@ -278,8 +287,18 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
 
 def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens_B: torch.Tensor,
                      mask_BTK: torch.Tensor | None, num_tokens: int, scale: float) -> torch.Tensor:
-    """See the module docstring; the caller checks `supports` first."""
+    """See the module docstring; the caller checks `supports` first. The kernel trusts the
+    lengths, so they are checked against the keys and the mask here."""
     batch, num_kv_heads, num_rows, head_dim = query_BHGD.shape
+    longest = int(lens_B.max())
+    if key.shape[:2] != (batch, num_kv_heads) or key.shape[-1] != head_dim or value.shape[:-1] != key.shape[:-1] \
+            or longest > key.shape[2] or num_rows % num_tokens:
+        raise ValueError(f"ragged_attention: query {tuple(query_BHGD.shape)}, keys {tuple(key.shape)}, values "
+                         f"{tuple(value.shape)}, {num_tokens} tokens, rows up to {longest} keys do not fit together")
+    if mask_BTK is not None and (mask_BTK.dtype != torch.bool or mask_BTK.shape[0] != batch
+                                 or mask_BTK.shape[1] != num_tokens or mask_BTK.shape[2] < longest):
+        raise ValueError(f"ragged_attention: the mask must be bool [{batch}, {num_tokens}, >= {longest}], got "
+                         f"{mask_BTK.dtype} {tuple(mask_BTK.shape)}")
     query_BHGD = query_BHGD.contiguous()
     lens_B = lens_B.to(torch.int32).contiguous()
     out = torch.empty_like(query_BHGD)

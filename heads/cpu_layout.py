@@ -128,8 +128,8 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, Hq, T, D], key/value [B, Hkv, K, D], a bool
     mask [B, 1, T, K] (True = attend) -> ([B, T, Hq, D], None). Query head h reads KV head
-    h // group, as `repeat_kv` lays them out. Rows go in buckets of similar visible lengths
-    (module docstring). Scores and softmax in fp32; a row with no key to attend to (a padded
+    h // group, as `repeat_kv` lays them out. Each row reads only the keys it sees (the
+    module docstring: the ragged kernel, else buckets of rows). Scores and softmax in fp32; a row with no key to attend to (a padded
     batch row) gets a finite output instead of NaN. Anything else (no, a float or a per-head
     mask, dropout, a single query token in a single row, extra kwargs such as sinks) goes to
     transformers' own SDPA function."""

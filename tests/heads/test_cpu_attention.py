@@ -87,3 +87,11 @@ def test_supports_only_what_it_computes():
     assert cpu_attention.supports(query, key, key)
     assert not cpu_attention.supports(query.half(), key.half(), key.half())
     assert not cpu_attention.supports(query, key.transpose(-1, -2), key)  # D not unit-strided
+
+
+def test_lengths_past_the_keys_are_refused_before_the_kernel_reads_them():
+    query, key = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 5, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_attention.ragged_attention(query, key, key, torch.tensor([5, 6]), None, 1, 0.3)
+    with pytest.raises(ValueError, match="the mask must be bool"):
+        cpu_attention.ragged_attention(query, key, key, torch.tensor([5, 4]), torch.ones(2, 1, 4, dtype=torch.bool), 1, 0.3)
