@@ -211,9 +211,11 @@ class BatchEngine:
             raise ValueError("only a finished sequence that still holds its row can be continued")
         if seq.keep_head_rows:
             raise ValueError("an EAGLE-drafted sequence cannot continue another's cache; add it alone")
-        cached = done.prompt_1P[0].tolist() + done.tokens  # the last token's entry is never written
+        # Row position i holds token i of done's context, for i below its committed length. The
+        # last emitted token has no entry yet; max_new_tokens may have cut accepted tokens that do.
+        cached = done.prompt_1P[0].tolist() + done.tokens
         prompt = seq.prompt_1P[0].tolist()
-        limit = min(done.state.prefix_len, len(prompt) - 1)
+        limit = min(done.state.prefix_len, len(cached), len(prompt) - 1)
         same = 0
         while same < limit and cached[same] == prompt[same]:
             same += 1

@@ -396,3 +396,27 @@ def test_generate_many_continues_a_conversation_in_its_row(setup):
         assert results[index].tokens == hf_greedy(target, prompt, 6)
         assert results[index].stats.prefill_reused_tokens == reused
     assert all(result.stats.prefill_reused_tokens == 0 for result in results[:len(firsts)])
+
+
+def test_a_medusa_conversation_continues_after_a_step_cut_by_max_new_tokens(setup):
+    """Heads that always match accept three tokens a step, so max_new_tokens (4: the prefill's
+    token, then a step of 4) cuts accepted tokens whose entries the row already holds; the next
+    turn keeps exactly the context it repeats and decodes what it would alone."""
+    from specheads.serving.decode.generate import generate_many
+
+    target, prompts, _, long = setup
+    decoder = SpeculativeDecoder(target, MultiOracle(target, long, PROMPT_LENGTHS), DraftTree.from_paths(TREE_PATHS))
+    follow_ups = {}
+
+    def next_turn(index, result):
+        if index >= 2:
+            return None
+        context = prompts[index] + result.tokens
+        follow_ups[2 + len(follow_ups)] = (context + [5, 6], len(context))
+        return context + [5, 6]
+
+    results = generate_many(decoder, prompts[:2], 4, max_batch_size=2, on_result=next_turn, max_prompt_len=64)
+    assert all(result.stats.accepted_tokens >= 3 for result in results[:2])  # the cut happened
+    for index, (prompt, context_len) in follow_ups.items():
+        assert results[index].stats.prefill_reused_tokens == context_len  # every token it emitted has its entry
+        assert results[index].tokens == hf_greedy(target, prompt, 4)
