@@ -230,7 +230,7 @@ class _Job:
         self.messages = [dict(m) for m in document.to_list()]
         self.first_prompts = [(turn, generation_prompt_ids(tokenizer, self.messages[:turn]))
                               for turn, m in enumerate(self.messages) if m["role"] == "assistant"]
-        self.num_waiting = len(self.first_prompts)
+        self.num_waiting = len(self.first_prompts)  # >= 1: normalize_record refuses chats without a reply
 
     def longest_prompt(self, max_new_tokens: int) -> int:
         """The longest prompt this record can make: for a conversation every user turn, and
@@ -302,6 +302,9 @@ class _InOrderWriter:
             ready += 1
         if ready:
             self.write(ready)
+        if self.done:  # a record after a gap: never dropped silently
+            raise RuntimeError(f"regenerate: records {sorted(self.done)[:5]}... finished but record "
+                               f"{self.progress.next_record} never did; nothing after it was written")
 
     def write(self, num_records: int) -> None:
         progress = self.progress
