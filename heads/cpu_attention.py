@@ -22,9 +22,10 @@ found, `available()` is False and heads/cpu_layout.py keeps its bmm path.
 
 Shapes: q [B, Hkv, G, D] (query head h reads KV head h // group; row g of a KV head is query
 head g // T of its group at token g % T), keys and values [B, Hkv, >= L_b, D] with unit
-stride in D (views of the cache), lens [B] int32 keys read per row, mask bool [B, T, K]
-(any strides along B and T, unit along K) or None -> out [B, Hkv, G, D] in q's dtype.
-A row whose keys are all masked gets zeros (finite, as the bmm path).
+stride in D (views of the cache), mask bool [B, T, K] (any strides along B and T, unit along
+K) or None -> out [B, Hkv, G, D] in q's dtype. A row reads its keys up to the last one its
+mask shows (the kernel finds it: no per-layer length pass in torch); a row whose keys are all
+masked gets zeros (finite, as the bmm path).
 """
 
 from __future__ import annotations
@@ -151,17 +152,25 @@ static void attend_bf16_fast(const uint16_t* qp, const uint16_t* kp, const uint1
 }
 #endif
 
-/* One (row, KV head): its G query vectors against its L keys. DIM is a constant for the common
-   head sizes, so the inner loops unroll; buf holds G * (2 DIM + L) + DIM floats. */
+/* Keys a row reads: up to the last one any of its tokens sees (every key without a mask). */
+static inline int row_length(const uint8_t* mp, int64_t mask_t, int tokens, int num_keys) {
+    if (!mp) return num_keys;
+    for (int j = num_keys - 1; j >= 0; j--)
+        for (int t = 0; t < tokens; t++)
+            if (mp[t * mask_t + j]) return j + 1;
+    return 0;
+}
+
+/* One (row b, KV head h): its G query vectors against its L keys (mp: its mask rows). DIM is a
+   constant for the common head sizes, so the inner loops unroll; buf holds G * (2 DIM + L) + DIM
+   floats. */
 #define ATTEND_ONE(T, LOAD, STORE, DIM)                                                              \
-    const int b = (int)(task / heads), h = (int)(task % heads), L = lens[b];                         \
     float* qf = buf; float* acc = qf + (size_t)G * DIM; float* kv = acc + (size_t)G * DIM;           \
     float* s = kv + DIM;                                                                             \
     const T* qp = q + task * G * DIM;                                                                \
     for (int i = 0; i < G * DIM; i++) { qf[i] = LOAD(qp[i]) * scale; acc[i] = 0.0f; }                \
     const T* kp = k + b * k_row + h * k_head;                                                        \
     const T* vp = v + b * v_row + h * v_head;                                                        \
-    const uint8_t* mp = mask ? mask + b * mask_row : 0;                                              \
     for (int j = 0; j < L; j++) {                                                                    \
         for (int d = 0; d < DIM; d++) kv[d] = LOAD(kp[(int64_t)j * DIM + d]);                        \
         for (int g = 0; g < G; g++) {                                                                \
@@ -191,21 +200,21 @@ static void attend_bf16_fast(const uint16_t* qp, const uint16_t* kp, const uint1
 
 #define RAGGED_ATTENTION(NAME, T, LOAD, STORE)                                                       \
 void NAME(const T* q, const T* k, const T* v, int64_t k_row, int64_t k_head, int64_t v_row,          \
-          int64_t v_head, const int32_t* lens, const uint8_t* mask, int64_t mask_row, int64_t mask_t, \
+          int64_t v_head, const uint8_t* mask, int64_t mask_row, int64_t mask_t, int num_keys,          \
           int rows, int heads, int group, int tokens, int dim, float scale, T* out) {                  \
     const int G = group * tokens;                                                                    \
-    int longest = 1;                                                                                 \
-    for (int b = 0; b < rows; b++) longest = lens[b] > longest ? lens[b] : longest;                  \
     _Pragma("omp parallel")                                                                          \
     {                                                                                                \
-        float* buf = malloc(sizeof(float) * ((size_t)G * (2 * (size_t)dim + 2 * (size_t)longest + 16) + dim)); \
+        float* buf = malloc(sizeof(float) * ((size_t)G * (2 * (size_t)dim + 2 * (size_t)num_keys + 16) + dim)); \
         _Pragma("omp for schedule(dynamic, 1)")                                                      \
         for (int64_t task = 0; task < (int64_t)rows * heads; task++) {                               \
+            const int b = (int)(task / heads), h = (int)(task % heads);                              \
+            const uint8_t* mp = mask ? mask + b * mask_row : 0;                                      \
+            const int L = row_length(mp, mask_t, tokens, num_keys);                                  \
             if (FAST(T, dim)) {                                                                      \
-                const int b = (int)(task / heads), h = (int)(task % heads);                          \
                 attend_fast(q + task * G * dim, k + b * k_row + h * k_head, v + b * v_row + h * v_head, \
-                            mask ? mask + b * mask_row : 0, mask_t, lens[b], G, tokens, dim, scale,  \
-                            out + task * G * dim, buf, (uint16_t*)(buf + (size_t)G * (longest + 4)));   \
+                            mp, mask_t, L, G, tokens, dim, scale,                                    \
+                            out + task * G * dim, buf, (uint16_t*)(buf + (size_t)G * (num_keys + 4))); \
             }                                                                                        \
             else if (dim == 64) { ATTEND_ONE(T, LOAD, STORE, 64) }                                   \
             else if (dim == 128) { ATTEND_ONE(T, LOAD, STORE, 128) }                                 \
@@ -258,8 +267,8 @@ def _library() -> ctypes.CDLL | None:
     for name in ("ragged_attention_bf16", "ragged_attention_f32"):
         function = getattr(library, name)
         function.restype = None
-        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_void_p] \
-            + [ctypes.c_int64] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p]
+        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] \
+            + [ctypes.c_int64] * 2 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
     return library
 
 
@@ -285,22 +294,21 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
             and value.stride(-2) == value.shape[-1] and available())
 
 
-def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens_B: torch.Tensor,
+def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      mask_BTK: torch.Tensor | None, num_tokens: int, scale: float) -> torch.Tensor:
-    """See the module docstring; the caller checks `supports` first. The kernel trusts the
-    lengths, so they are checked against the keys and the mask here."""
+    """See the module docstring; the caller checks `supports` first. Each row reads its keys up
+    to the last one its mask shows (all of them without a mask), so the mask is checked against
+    the keys here: the kernel trusts it."""
     batch, num_kv_heads, num_rows, head_dim = query_BHGD.shape
-    longest = int(lens_B.max())
+    num_keys = key.shape[2] if mask_BTK is None else mask_BTK.shape[2]
     if key.shape[:2] != (batch, num_kv_heads) or key.shape[-1] != head_dim or value.shape[:-1] != key.shape[:-1] \
-            or longest > key.shape[2] or num_rows % num_tokens:
+            or num_keys > key.shape[2] or num_rows % num_tokens:
         raise ValueError(f"ragged_attention: query {tuple(query_BHGD.shape)}, keys {tuple(key.shape)}, values "
-                         f"{tuple(value.shape)}, {num_tokens} tokens, rows up to {longest} keys do not fit together")
-    if mask_BTK is not None and (mask_BTK.dtype != torch.bool or mask_BTK.shape[0] != batch
-                                 or mask_BTK.shape[1] != num_tokens or mask_BTK.shape[2] < longest):
-        raise ValueError(f"ragged_attention: the mask must be bool [{batch}, {num_tokens}, >= {longest}], got "
+                         f"{tuple(value.shape)}, {num_tokens} tokens, rows up to {num_keys} keys do not fit together")
+    if mask_BTK is not None and (mask_BTK.dtype != torch.bool or mask_BTK.shape[:2] != (batch, num_tokens)):
+        raise ValueError(f"ragged_attention: the mask must be bool [{batch}, {num_tokens}, <= {key.shape[2]}], got "
                          f"{mask_BTK.dtype} {tuple(mask_BTK.shape)}")
     query_BHGD = query_BHGD.contiguous()
-    lens_B = lens_B.to(torch.int32).contiguous()
     out = torch.empty_like(query_BHGD)
     if mask_BTK is not None:
         if mask_BTK.stride(-1) != 1:
@@ -310,6 +318,6 @@ def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.T
         mask_args = (None, 0, 0)
     name = "ragged_attention_bf16" if query_BHGD.dtype == torch.bfloat16 else "ragged_attention_f32"
     getattr(_library(), name)(query_BHGD.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
-                              value.stride(0), value.stride(1), lens_B.data_ptr(), *mask_args, batch, num_kv_heads,
+                              value.stride(0), value.stride(1), *mask_args, num_keys, batch, num_kv_heads,
                               num_rows // num_tokens, num_tokens, head_dim, scale, out.data_ptr())
     return out

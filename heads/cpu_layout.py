@@ -128,11 +128,11 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, Hq, T, D], key/value [B, Hkv, K, D], a bool
     mask [B, 1, T, K] (True = attend) -> ([B, T, Hq, D], None). Query head h reads KV head
-    h // group, as `repeat_kv` lays them out. Each row reads only the keys it sees (the
-    module docstring: the ragged kernel, else buckets of rows). Scores and softmax in fp32; a row with no key to attend to (a padded
-    batch row) gets a finite output instead of NaN. Anything else (no, a float or a per-head
-    mask, dropout, a single query token in a single row, extra kwargs such as sinks) goes to
-    transformers' own SDPA function."""
+    h // group, as `repeat_kv` lays them out. Each row reads only the keys it sees (module
+    docstring: the ragged kernel, else buckets of rows). Scores and softmax in fp32; a row
+    with no key to attend to (a padded batch row) gets a finite output instead of NaN.
+    Anything else (no, a float or a per-head mask, dropout, a single query token in a single
+    row, extra kwargs such as sinks) goes to transformers' own SDPA function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, num_q_heads, num_new, head_dim = query.shape
@@ -148,8 +148,7 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     query_BHGD = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # G = group * T rows per KV head
     visible_B1TK = attention_mask[..., :num_keys]  # a mask may be longer than the keys, as SDPA allows
     if cpu_attention.supports(query, key, value):  # each row's own keys, read in place (heads/cpu_attention.py)
-        out_BHGD = cpu_attention.ragged_attention(query_BHGD, key, value, _row_lengths(visible_B1TK),
-                                                  visible_B1TK[:, 0], num_new, scale)
+        out_BHGD = cpu_attention.ragged_attention(query_BHGD, key, value, visible_B1TK[:, 0], num_new, scale)
         return out_BHGD.view(batch, num_q_heads, num_new, head_dim).transpose(1, 2), None
     out_BHGD = torch.empty_like(query_BHGD)
     for rows_N, length in _row_buckets(visible_B1TK):

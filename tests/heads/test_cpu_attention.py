@@ -41,8 +41,9 @@ def test_ragged_attention_matches_the_reference(dtype, head_dim, num_tokens):
     key, value = cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]  # views: rows strided by the capacity
     query = torch.randn(batch, num_kv_heads, group * num_tokens, head_dim, generator=generator).to(dtype)
     mask_BTK = torch.rand(batch, num_tokens, num_keys, generator=generator) > 0.4  # any pattern, a tree's too
+    mask_BTK &= torch.arange(num_keys) < lens_B[:, None, None]  # each row's keys end at its length
     mask_BTK[3] = False  # a row that sees nothing
-    got = cpu_attention.ragged_attention(query, key, value, lens_B, mask_BTK, num_tokens, 0.2)
+    got = cpu_attention.ragged_attention(query, key, value, mask_BTK, num_tokens, 0.2)
     expected = reference(query, key, value, lens_B, mask_BTK, num_tokens, 0.2)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     assert got.dtype == dtype and torch.isfinite(got).all()
@@ -60,14 +61,15 @@ def test_long_rows_beside_short_ones(dtype):
                   for _ in range(2))
     query = torch.randn(batch, num_kv_heads, 3, head_dim, generator=generator).to(dtype)
     mask_BTK = torch.arange(1501)[None, None, :] < lens_B[:, None, None]
-    got = cpu_attention.ragged_attention(query, key, value, lens_B, mask_BTK, 1, 0.125)
+    got = cpu_attention.ragged_attention(query, key, value, mask_BTK, 1, 0.125)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float(), reference(query, key, value, lens_B, mask_BTK, 1, 0.125),
                                atol=tolerance, rtol=tolerance)
 
 
 def test_keys_past_a_rows_length_are_never_read():
-    """Garbage (NaN) past each row's length changes nothing: the kernel stops at the length."""
+    """Garbage (NaN) past each row's length changes nothing: the kernel stops at the last key
+    the row's mask shows."""
     batch, num_kv_heads, head_dim = 3, 1, 64
     lens_B = torch.tensor([5, 9, 2])
     key = torch.randn(batch, num_kv_heads, 12, head_dim)
@@ -75,8 +77,8 @@ def test_keys_past_a_rows_length_are_never_read():
     for b, length in enumerate(lens_B.tolist()):
         key[b, :, length:] = value[b, :, length:] = float("nan")
     query = torch.randn(batch, num_kv_heads, 2, head_dim)
-    mask_BTK = torch.ones(batch, 1, 12, dtype=torch.bool)
-    got = cpu_attention.ragged_attention(query, key, value, lens_B, mask_BTK, 1, 0.125)
+    mask_BTK = torch.arange(12)[None, None, :] < lens_B[:, None, None]
+    got = cpu_attention.ragged_attention(query, key, value, mask_BTK, 1, 0.125)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, reference(query, key, value, lens_B, mask_BTK, 1, 0.125), atol=1e-5, rtol=1e-5)
 
@@ -89,9 +91,9 @@ def test_supports_only_what_it_computes():
     assert not cpu_attention.supports(query, key.transpose(-1, -2), key)  # D not unit-strided
 
 
-def test_lengths_past_the_keys_are_refused_before_the_kernel_reads_them():
+def test_a_mask_past_the_keys_is_refused_before_the_kernel_reads_them():
     query, key = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 5, 8)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_attention.ragged_attention(query, key, key, torch.tensor([5, 6]), None, 1, 0.3)
+        cpu_attention.ragged_attention(query, key, key, torch.ones(2, 1, 6, dtype=torch.bool), 1, 0.3)
     with pytest.raises(ValueError, match="the mask must be bool"):
-        cpu_attention.ragged_attention(query, key, key, torch.tensor([5, 4]), torch.ones(2, 1, 4, dtype=torch.bool), 1, 0.3)
+        cpu_attention.ragged_attention(query, key, key, torch.ones(2, 1, 4, dtype=torch.int32), 1, 0.3)
