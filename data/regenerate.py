@@ -192,17 +192,6 @@ def _user_turns(record) -> list[str] | None:
     return []
 
 
-def _num_replies(record) -> int:
-    """How many replies regenerating `record` asks for at most (0: it is skipped)."""
-    turns = _user_turns(record)
-    if turns is not None:
-        return len(turns)
-    document, _ = normalize_record(record)
-    if not isinstance(document, Conversation):
-        return 0
-    return sum(message["role"] == "assistant" for message in document.to_list())
-
-
 class _Job:
     """One input record's replies: every assistant turn of a chat record, regenerated from the
     original turns before it (all at once), or a user-turn record's conversation, each reply
@@ -275,6 +264,11 @@ class _Job:
         self.line = json.dumps({"index": self.index, "messages": self.messages}, ensure_ascii=False) + "\n"
 
     @property
+    def max_replies(self) -> int:
+        """How many replies this record asks for at most (0: skipped)."""
+        return len(self.turns) if self.turns is not None else len(self.first_prompts)
+
+    @property
     def done(self) -> bool:
         return self.line is not None or self.skip_reason is not None
 
@@ -290,21 +284,22 @@ class _InOrderWriter:
 
     def finished(self, job: _Job) -> None:
         self.done[job.index] = job
-        ready, index = 0, self.progress.next_record
-        while index + ready in self.done:
-            ready += 1
-        if ready >= self.every:
-            self.write(ready)
+        if self._ready() >= self.every:
+            self.write(self._ready())
 
     def close(self) -> None:
-        ready = 0
-        while self.progress.next_record + ready in self.done:
-            ready += 1
-        if ready:
-            self.write(ready)
+        if self._ready():
+            self.write(self._ready())
         if self.done:  # a record after a gap: never dropped silently
             raise RuntimeError(f"regenerate: records {sorted(self.done)[:5]}... finished but record "
                                f"{self.progress.next_record} never did; nothing after it was written")
+
+    def _ready(self) -> int:
+        """How many finished records follow progress.next_record without a gap."""
+        ready = 0
+        while self.progress.next_record + ready in self.done:
+            ready += 1
+        return ready
 
     def write(self, num_records: int) -> None:
         progress = self.progress
@@ -353,11 +348,11 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     ensure_chat_template(tokenizer)
     generator = load_generation_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     stop = len(records) if max_batches is None else min(len(records), progress.next_record + max_batches * batch_size)
-    replies_R = [_num_replies(record) for record in records]  # the bar's total: every reply at most
-    meter = ReplyMeter(sum(replies_R[:stop]), "regenerate: the target's replies", progress_bar,
-                       initial=sum(replies_R[:progress.next_record]))
-    writer = _InOrderWriter(output, progress, batch_size)
     jobs = [_Job(index, records[index], tokenizer) for index in range(progress.next_record, stop)]
+    to_come = sum(job.max_replies for job in jobs)  # at most
+    meter = ReplyMeter(progress.num_turns + to_come, "regenerate: the target's replies", progress_bar,
+                       initial=progress.num_turns)
+    writer = _InOrderWriter(output, progress, batch_size)
     slots = [(job, turn) for job in jobs for turn, _ in job.first_prompts]  # prompt k -> (its job, turn)
 
     def replied(index: int, tokens: list[int]) -> list[int] | None:

@@ -114,6 +114,13 @@ class SpeculativeDecoder:
         """Whether requests draft at all (heads, n-gram lookup, or both), unless they opt out."""
         return self.drafter is not None or self.lookup is not None
 
+    @property
+    def drafts_from_head_cache(self) -> bool:
+        """Whether the drafter keeps its own cache over every committed position (EAGLE), so a
+        sequence cannot start from positions another one cached; Medusa reads only the last
+        position's hidden state."""
+        return self.drafter is not None and not self.is_medusa
+
 
 def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
     return default_tap_layers(target.num_layers) if heads.num_taps > 1 else [target.num_layers]

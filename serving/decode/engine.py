@@ -165,7 +165,7 @@ class BatchEngine:
             generator=None if greedy else make_generator(request.sampling, self.target.device),
             lookup=NgramIndex(decoder.lookup, prompt_1P[0].tolist())
             if speculating and decoder.lookup is not None else None,
-            keep_head_rows=speculating and decoder.drafter is not None and not decoder.is_medusa,
+            keep_head_rows=speculating and decoder.drafts_from_head_cache,
             stats=DecodeStats(accepted_per_position=[0] * (decoder.max_depth if speculating else 0),
                               lossless=request.acceptance == "rejection"))
 

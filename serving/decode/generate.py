@@ -96,9 +96,10 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
 
     on_result(index, result) is called as each one ends; when it returns a prompt (a list of
     token ids), that prompt is decoded too, as index len(prompts so far), at once in the row
-    the finished sequence leaves: a conversation's next turn. Its prefill runs only what it adds to the
-    context that row caches, as far as the new prompt repeats it token for token
-    (BatchEngine.add, `continues`; not for EAGLE drafts, whose head cache would lack it).
+    the finished sequence leaves: a conversation's next turn. Its prefill runs only what it
+    adds to the context that row caches, as far as the new prompt repeats it token for token
+    (BatchEngine.add, `continues`; not when the drafter keeps a head cache, EAGLE's, which
+    would lack it).
     A sequence the engine ends alone (finish_reason "error") raises SequenceFailed: an
     offline job must not keep a reply cut short by a fault. max_prompt_len sizes the KV
     cache (default: the longest of `prompts`); a later prompt longer than that is refused
@@ -111,7 +112,7 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
     if not prompts:
         return []
     max_prompt_len = max(max(map(len, prompts)), max_prompt_len or 0)
-    continuing = on_result is not None and (decoder.drafter is None or decoder.is_medusa)
+    continuing = on_result is not None and not decoder.drafts_from_head_cache
     scheduler = Scheduler(decoder, max_batch_size=max_batch_size,
                           max_cache_len=max_prompt_len + max_new_tokens + decoder.max_tree_nodes,
                           keep_finished=continuing)
