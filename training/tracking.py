@@ -5,8 +5,8 @@ progress bar on a terminal, plain print otherwise); W&B gets the same metrics di
 imported lazily, so `tracking: none` never loads it. A resumed run continues the same W&B
 run: a fresh run generates an id (new_run_id), every checkpoint manifest stores it as
 `wandb_run_id`, and a run resumed from a checkpoint passes the stored id with resume="allow"
-to wandb.init. (A run killed before its first
-checkpoint starts a new W&B run when re-run: nothing of it was kept either.) Offline use
+to wandb.init. (A run killed before its first checkpoint starts a new W&B run when re-run:
+nothing of it was kept either.) Offline use
 follows wandb's own switch (WANDB_MODE=offline); the offline run directory's name ends in
 the id.
 """
