@@ -13,12 +13,9 @@ themselves (four keys' scores per reduction, two keys' values per instruction); 
 and in fp32, plain C loops that the compiler vectorises. 96 SmolLM2 rows at 100-800 keys
 (mean 410), one layer: the bmm path 3.2-4.1 ms, the plain loops 2.0 ms, AVX512-BF16 1.0 ms.
 
-It is C, compiled once per machine by the system C compiler (`cc -O3 -march=native
--fopenmp`) into the specheads cache and called through ctypes, because PyTorch has no op
-for it: an extension built against torch's headers takes a minute to compile, this takes a
-second. It links the libgomp that torch already loaded, so its threads are torch's threads
-(two OpenMP runtimes would spin against each other on a small CPU). Where no compiler is
-found, `available()` is False and heads/cpu_layout.py keeps its bmm path.
+It is C, compiled once per machine and called through ctypes (heads/cpu_kernels.py: PyTorch
+has no op for it). Where no compiler is found, `available()` is False and heads/cpu_layout.py
+keeps its bmm path.
 
 Shapes: q [B, Hkv, G, D] (query head h reads KV head h // group; row g of a KV head is query
 head g // T of its group at token g % T), keys and values [B, Hkv, >= L_b, D] with unit
@@ -32,31 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 
-from specheads.heads import atomic
+from specheads.heads import cpu_kernels
 
-SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-static inline float bf16_load(uint16_t h) { uint32_t x = (uint32_t)h << 16; float f; memcpy(&f, &x, 4); return f; }
-static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch casts */
-    uint32_t x; memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-static inline float f32_load(float f) { return f; }
-static inline float f32_store(float f) { return f; }
+SOURCE = cpu_kernels.BF16_HELPERS + r"""
 
 /* e^x for x <= 0: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor (rel. error ~1e-7) */
 static inline float exp_nonpositive(float x) {
@@ -238,48 +216,21 @@ RAGGED_ATTENTION(ragged_attention_bf16, uint16_t, bf16_load, bf16_store)
 RAGGED_ATTENTION(ragged_attention_f32, float, f32_load, f32_store)
 """
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros")
 DTYPES = (torch.bfloat16, torch.float32)
-LIBRARY = "cpu_attention.so"
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per machine into the specheads cache (keyed by the
-    source, the flags and the compiler); None when there is no C compiler or it fails."""
-    compiler = shutil.which("cc")
-    if compiler is None:
+    """The compiled kernel (heads/cpu_kernels.py), None where it cannot be built."""
+    library = cpu_kernels.compile_library("cpu_attention", SOURCE)
+    if library is None:
         return None
-    key = hashlib.sha256("\n".join([SOURCE, " ".join(FLAGS), os.path.realpath(compiler), _cpu_flags()]).encode())
-    key = key.hexdigest()[:16]
-
-    def build(staging: Path) -> None:
-        (staging / "cpu_attention.c").write_text(SOURCE)
-        subprocess.run([compiler, *FLAGS, str(staging / "cpu_attention.c"), "-o", str(staging / LIBRARY)],
-                       check=True, capture_output=True, text=True)
-
-    try:
-        built = atomic.build_once(atomic.default_cache_dir() / "kernels" / f"cpu-attention-{key}", build)
-    except subprocess.CalledProcessError:
-        return None
-    library = ctypes.CDLL(str(built / LIBRARY))
     for name in ("ragged_attention_bf16", "ragged_attention_f32"):
         function = getattr(library, name)
         function.restype = None
         function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] \
             + [ctypes.c_int64] * 2 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
     return library
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags: -march=native builds for them, so a cache shared with another
-    machine keeps one build per kind of CPU."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def available() -> bool:

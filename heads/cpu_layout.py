@@ -136,9 +136,10 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, num_q_heads, num_new, head_dim = query.shape
-    covered = (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
-               and not dropout and batch * num_new > 1 and not kwargs.get("s_aux")
-               and key.shape[-1] == value.shape[-1])
+    kernel = cpu_attention.supports(query, key, value)
+    masked = attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+    covered = (not dropout and not kwargs.get("s_aux") and key.shape[-1] == value.shape[-1]
+               and (masked and (batch * num_new > 1 or kernel) or attention_mask is None and num_new == 1 and kernel))
     if not covered:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -146,10 +147,11 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scaling is None else scaling
     query_BHGD = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # G = group * T rows per KV head
-    visible_B1TK = attention_mask[..., :num_keys]  # a mask may be longer than the keys, as SDPA allows
-    if cpu_attention.supports(query, key, value):  # each row's own keys, read in place (heads/cpu_attention.py)
-        out_BHGD = cpu_attention.ragged_attention(query_BHGD, key, value, visible_B1TK[:, 0], num_new, scale)
+    if kernel:  # each row's own keys, read in place (heads/cpu_attention.py); no mask: all of them
+        mask_BTK = None if attention_mask is None else attention_mask[:, 0, :, :num_keys]
+        out_BHGD = cpu_attention.ragged_attention(query_BHGD, key, value, mask_BTK, num_new, scale)
         return out_BHGD.view(batch, num_q_heads, num_new, head_dim).transpose(1, 2), None
+    visible_B1TK = attention_mask[..., :num_keys]  # a mask may be longer than the keys, as SDPA allows
     out_BHGD = torch.empty_like(query_BHGD)
     for rows_N, length in _row_buckets(visible_B1TK):
         # bmm reads strided views of the cache through a slow clone, so each bucket's keys and
@@ -244,6 +246,18 @@ class PackedWeights:
         self.swaps = swaps
         self.model = model
         self.plain_attention = plain_attention  # the implementation transformers loaded; None: not swapped
+        self.active = True  # False inside `plain()`
+
+    def unpack(self, which) -> None:
+        """Put the plain `nn.Linear` back for every `PackedLinear` that `which(packed)` selects,
+        and drop its packed copy (heads/cpu_decoder.py holds those weights fused instead)."""
+        kept = []
+        for swap in self.swaps:
+            if which(swap.packed):
+                setattr(swap.parent, swap.name, swap.plain)
+            else:
+                kept.append(swap)
+        self.swaps = kept
 
     @property
     def num_packed(self) -> int:
@@ -258,9 +272,11 @@ class PackedWeights:
             setattr(swap.parent, swap.name, swap.plain)
         if self.plain_attention is not None:
             self.model.set_attn_implementation(self.plain_attention)
+        self.active = False
         try:
             yield
         finally:
+            self.active = True
             for swap in self.swaps:
                 setattr(swap.parent, swap.name, swap.packed)
             if self.plain_attention is not None:

@@ -142,6 +142,11 @@ class TargetAdapter:
 
             if pack_weights is True or packing_pays(self.dtype, self.device):
                 self.packed = pack_linears(model)
+        self.fused = None  # heads/cpu_decoder.FusedDecoder where the packed model has one
+        if self.packed is not None:
+            from specheads.heads.cpu_decoder import FusedDecoder
+
+            self.fused = FusedDecoder.build(model, self.packed)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, pack_weights: bool | str = False,
@@ -201,6 +206,12 @@ class TargetAdapter:
         passed through to the model, which hands them to its attention function (e.g. the
         tree attention's tree_mask= / prefix_len=, see serving/kernels/tree_attention.py).
         """
+        if self.fused is not None and self.packed.active and not self.fused.hooked():
+            logits, taps, cache = self.fused.forward(
+                input_ids, tap_layers, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                **attention_kwargs)
+            return TargetOutput(logits=logits, taps=taps, past_key_values=cache)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -30,8 +30,9 @@ def test_packed_logits_match_the_plain_layout(tiny_llama_dir, dtype):
     packed = TargetAdapter.from_pretrained(tiny_llama_dir, dtype=dtype, pack_weights=True)
     assert plain.layout == "plain" and packed.layout == "packed"
     num_linears = sum(type(m) is nn.Linear for m in plain.model.modules())
-    assert packed.packed.num_packed == num_linears > 0
-    assert not any(type(m) is nn.Linear for m in packed.model.modules())
+    # q, k, v, gate and up run fused (heads/cpu_decoder.py), packed there; the rest packed here.
+    assert packed.packed.num_packed + packed.fused.num_fused == num_linears > 0
+    assert sum(type(m) is nn.Linear for m in packed.model.modules()) == packed.fused.num_fused
     input_ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     expected, got = _logits(plain, input_ids), _logits(packed, input_ids)
     scale = expected.abs().max()
@@ -109,7 +110,7 @@ def attention_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,num_new", [(1, 5), (3, 1), (3, 4)])
+@pytest.mark.parametrize("batch,num_new", [(1, 5), (3, 1), (3, 4), (1, 1)])
 def test_grouped_attention_matches_sdpa(dtype, batch, num_new, attention_path):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -130,6 +131,11 @@ def test_grouped_attention_matches_sdpa(dtype, batch, num_new, attention_path):
     assert got.shape == expected.shape == (batch, num_new, num_q_heads, head_dim)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    if num_new == 1:  # one token, no mask: every key (a decode step over a cache cut to its row)
+        expected, _ = sdpa_attention_forward(module, query, key[:, :, :9], value[:, :, :9], None, scaling=0.25)
+        got, _ = cpu_layout.grouped_attention_forward(module, query, key[:, :, :9], value[:, :, :9], None,
+                                                      scaling=0.25)
+        torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("num_new", [1, 3])

@@ -166,6 +166,26 @@ def test_kernel_path_batched(setup, tiny_llama_dir, kind):
         assert sum(r.stats.accepted_tokens for r in results) > 0
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("kind", ["plain", "medusa-oracle", "eagle3-dynamic", "medusa-oracle-triton"])
+def test_fused_cpu_forward_batched_greedy_equals_hf(setup, tiny_llama_dir, kind):
+    """The packed target runs the fused CPU forward (heads/cpu_decoder.py) in every prefill,
+    draft tap and verify step, with the grouped attention or the tree attention: in fp32 its
+    greedy output is HF's."""
+    target, prompts, references, long = setup
+    packed = TargetAdapter.from_pretrained(tiny_llama_dir, pack_weights=True)
+    assert packed.fused is not None
+    if kind == "medusa-oracle-triton":
+        decoder = SpeculativeDecoder(packed, MultiOracle(packed, long, PROMPT_LENGTHS), DraftTree.from_paths(TREE_PATHS),
+                                     attn_impl="tree", tree_attention_impl="triton")
+    else:
+        decoder = decoders(packed, prompts, long)[kind]
+    tokens, results, _ = run_session(decoder, greedy_requests(prompts))
+    assert tokens == references
+    if kind.startswith("medusa"):
+        assert sum(r.stats.accepted_tokens for r in results) > sum(MAX_NEW) // 2
+
+
 def test_stop_sequences_eos_and_cancel_in_a_batch(setup):
     target, prompts, references, long = setup
     decoder = SpeculativeDecoder(target, MultiOracle(target, long, PROMPT_LENGTHS), DraftTree.from_paths(TREE_PATHS))

@@ -1,0 +1,308 @@
+"""A Llama-family target's forward without transformers' per-module Python, for CPU inference.
+
+On a CPU, a one-token decode step of SmolLM2-135M in bf16 (2 cores) spent about 8 ms in its
+211 linear layers and 7 ms in everything else: some 90 small torch ops a layer (RMSNorm alone
+is seven, RoPE nine) and the `nn.Module` calls, hooks and keyword plumbing around them. The
+linear layers already run packed (heads/cpu_layout.py); the rest is overhead that a CPU pays
+per op, not per byte. `FusedDecoder` runs the same computation with fewer, larger ops:
+
+- q, k and v are one packed linear layer, and so are gate and up (their weights concatenated
+  once, at build, into oneDNN's layout; the separate packed copies are dropped, so memory
+  stays one packed copy of the weights);
+- RMSNorm, RoPE and SiLU-and-multiply are each one call into the C library that also holds
+  the ragged attention kernel (heads/cpu_attention.py), when it is built; torch ops with
+  transformers' own formulas otherwise;
+- no module calls, hooks or output recorders: one Python loop over the layers.
+
+What it keeps from transformers, so that it computes what the model computes: the mask
+(`create_causal_mask` with the model's config, so 2-D padding masks, prepared 4-D masks and
+caches behave as in the model's own forward), the rotary embedding module (RoPE scaling
+types included), the cache's `update` (any transformers `Cache`, the engine's
+TreeStaticCache included), and the attention function that the config names
+(`ALL_ATTENTION_FUNCTIONS`: the grouped CPU attention, the tree attention, or SDPA), which
+receives the caller's attention keyword arguments unchanged.
+
+Which models: Llama, Mistral and Qwen2 causal LMs (SmolLM2 is a Llama) with SiLU MLPs and
+full attention in every layer, with packed linear layers. Anything else (a sliding window,
+another architecture, a PEFT-wrapped or quantized layer) returns None from `build` with the
+reason, and the adapter runs the model's own forward; so does a model with forward hooks
+registered on it (`hooked`), and a model inside `plain_weights()`.
+
+Outputs equal the model's own forward up to summation order: in fp32 within 1e-5 relative,
+in bf16 within bf16 rounding (this path rounds once where transformers rounds twice, in
+RMSNorm and RoPE). Taps follow transformers' `output_hidden_states` numbering: tap 0 is the
+embedding output, tap i the output of layer i - 1, tap num_layers the final normed state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ctypes
+import functools
+
+import torch
+from torch import nn
+
+from specheads.heads import cpu_kernels
+from specheads.heads.cpu_layout import PackedLinear, PackedWeights
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# Rows x columns from which an elementwise kernel spreads over the OpenMP threads (below, the
+# threads' start costs more than the work: one decode token is 576 or 1536 values).
+PARALLEL_ELEMENTS = 32768
+
+# Each kernel rounds where transformers' torch ops round (an op's output in the dtype), so in
+# bf16 it gives transformers' values, not merely close ones.
+SOURCE = cpu_kernels.BF16_HELPERS + r"""
+#define ELEMENTWISE(SUFFIX, T, LOAD, STORE, ROUND)                                                   \
+/* LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), the product rounded to T before the weight. */   \
+void rms_norm_##SUFFIX(const T* x, const T* w, int64_t rows, int n, float eps, T* out) {             \
+    _Pragma("omp parallel for if (rows * n >= PARALLEL)")                                            \
+    for (int64_t r = 0; r < rows; r++) {                                                             \
+        const T* xr = x + r * n; T* o = out + r * n;                                                 \
+        float sum = 0.0f;                                                                            \
+        for (int i = 0; i < n; i++) { const float v = LOAD(xr[i]); sum += v * v; }                  \
+        const float inv = 1.0f / sqrtf(sum / n + eps);                                               \
+        for (int i = 0; i < n; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * inv));            \
+    }                                                                                                \
+}                                                                                                    \
+/* In place on `heads` vectors of `dim` per token: x * cos + rotate_half(x) * sin. */                 \
+static void rope_heads_##SUFFIX(T* x, int heads, int dim, const T* c, const T* s) {                  \
+    const int half = dim / 2;                                                                        \
+    for (int h = 0; h < heads; h++) {                                                                \
+        T* xh = x + (int64_t)h * dim;                                                                \
+        for (int i = 0; i < half; i++) {                                                             \
+            const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                   \
+            xh[i] = STORE(ROUND(x1 * LOAD(c[i])) + ROUND(-x2 * LOAD(s[i])));                         \
+            xh[i + half] = STORE(ROUND(x2 * LOAD(c[i + half])) + ROUND(x1 * LOAD(s[i + half])));     \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+void rope_##SUFFIX(T* q, T* k, int64_t qk_batch, int64_t qk_token, int q_heads, int k_heads,          \
+                   const T* cos, const T* sin, int64_t cs_batch, int64_t cs_token, int batch,        \
+                   int tokens, int dim) {                                                            \
+    _Pragma("omp parallel for if ((int64_t)batch * tokens * (q_heads + k_heads) * dim >= PARALLEL)") \
+    for (int64_t bt = 0; bt < (int64_t)batch * tokens; bt++) {                                       \
+        const int64_t b = bt / tokens, t = bt % tokens;                                              \
+        const T* c = cos + b * cs_batch + t * cs_token; const T* s = sin + b * cs_batch + t * cs_token; \
+        rope_heads_##SUFFIX(q + b * qk_batch + t * qk_token, q_heads, dim, c, s);                    \
+        rope_heads_##SUFFIX(k + b * qk_batch + t * qk_token, k_heads, dim, c, s);                    \
+    }                                                                                                \
+}                                                                                                    \
+/* silu(gate) * up over rows of [gate | up], silu's output rounded to T as torch rounds it. */      \
+void silu_mul_##SUFFIX(const T* gate_up, int64_t rows, int n, T* out) {                              \
+    _Pragma("omp parallel for if (rows * n >= PARALLEL)")                                            \
+    for (int64_t r = 0; r < rows; r++) {                                                             \
+        const T* g = gate_up + r * 2 * n; const T* u = g + n; T* o = out + r * n;                    \
+        for (int i = 0; i < n; i++) {                                                                \
+            const float x = LOAD(g[i]);                                                              \
+            o[i] = STORE(ROUND(x / (1.0f + expf(-x))) * LOAD(u[i]));                                 \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_store, bf16_round)
+ELEMENTWISE(f32, float, f32_load, f32_store, f32_round)
+""".replace("PARALLEL)", f"{PARALLEL_ELEMENTS})")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The elementwise kernels (heads/cpu_kernels.py), None where they cannot be built."""
+    library = cpu_kernels.compile_library("cpu_decoder", SOURCE)
+    if library is None:
+        return None
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for suffix in DTYPES.values():
+        signatures = {"rms_norm": [pointer, pointer, i64, i32, f32, pointer],
+                      "rope": [pointer, pointer, i64, i64, i32, i32, pointer, pointer, i64, i64, i32, i32, i32],
+                      "silu_mul": [pointer, i64, i32, pointer]}
+        for name, argtypes in signatures.items():
+            function = getattr(library, f"{name}_{suffix}")
+            function.restype, function.argtypes = None, argtypes
+    return library
+
+
+def _packed(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([w.detach() for w in weights], dim=0)
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else weight.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
+
+
+@dataclass
+class _Layer:
+    attention: nn.Module  # the model's own attention module (the attention function's `module`)
+    input_norm: torch.Tensor  # [H] RMSNorm weights
+    post_norm: torch.Tensor
+    qkv: torch.Tensor  # packed [(Hq + 2 Hkv) * D, H]
+    qkv_bias: torch.Tensor | None
+    o_proj: PackedLinear
+    gate_up: torch.Tensor  # packed [2 I, H]
+    gate_up_bias: torch.Tensor | None
+    down_proj: PackedLinear
+
+
+def unsupported_reason(model: nn.Module, packed: PackedWeights | None) -> str | None:
+    """Why `FusedDecoder` cannot run `model` (module docstring), or None when it can."""
+    name = type(model).__name__
+    if name not in SUPPORTED_ARCHITECTURES:
+        return f"{name} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    config = model.config
+    if packed is None:
+        return "its linear layers are not packed"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not 'silu'"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return "some layers use sliding-window attention"
+    if name == "MistralForCausalLM" and getattr(config, "sliding_window", None) is not None:
+        return "it uses sliding-window attention"
+    for index, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
+        modules = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+        if not all(isinstance(m, PackedLinear) for m in modules):
+            return f"layer {index} has a linear layer that is not packed (PEFT-wrapped or quantized)"
+    return None
+
+
+class FusedDecoder:
+    """See the module docstring. Build with `FusedDecoder.build(model, packed)`."""
+
+    def __init__(self, model: nn.Module, packed: PackedWeights):
+        config = model.config
+        self.model = model
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.eps = config.rms_norm_eps
+        attention = model.model.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = attention.scaling
+        self.intermediate_size = config.intermediate_size
+        self.layers = []
+        fused = set()
+        for layer in model.model.layers[: self.num_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            gate_up = [mlp.gate_proj, mlp.up_proj]
+            qkv_weight, qkv_bias = _packed([m.weight for m in qkv], [m.bias for m in qkv])
+            gate_up_weight, gate_up_bias = _packed([m.weight for m in gate_up], [m.bias for m in gate_up])
+            self.layers.append(_Layer(attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                      qkv_weight, qkv_bias, attn.o_proj, gate_up_weight, gate_up_bias, mlp.down_proj))
+            fused.update(id(m) for m in qkv + gate_up)
+        # The separate packed copies of the fused layers go: the model's own forward (the
+        # adapter's fallback, and `plain()`) runs those layers unpacked.
+        packed.unpack(lambda module: id(module) in fused)
+        self.num_fused = len(fused)  # linear layers held fused
+        self.norm = model.model.norm.weight
+        self.embed_tokens = model.model.embed_tokens
+        self.rotary_emb = model.model.rotary_emb
+        self.lm_head = model.lm_head
+
+    @classmethod
+    def build(cls, model: nn.Module, packed: PackedWeights | None) -> "FusedDecoder | None":
+        """A fused forward for `model`, or None where `unsupported_reason` names one."""
+        if unsupported_reason(model, packed) is not None:
+            return None
+        return cls(model, packed)
+
+    def hooked(self) -> bool:
+        """Whether forward hooks are registered on the model itself: then the adapter runs the
+        model's own forward, so that the hooks see every call (hooks on submodules are not
+        looked for: that would cost a walk over every module per call)."""
+        return bool(self.model._forward_hooks or self.model._forward_pre_hooks)
+
+    # --- the ops: one C call each where the kernels are built, transformers' torch ops otherwise ---
+
+    def _kernel(self, name: str, x: torch.Tensor):
+        library = _library() if x.device.type == "cpu" and x.dtype in DTYPES else None
+        return None if library is None else getattr(library, f"{name}_{DTYPES[x.dtype]}")
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernel("rms_norm", x)
+        if kernel is None or not x.is_contiguous() or weight.dtype != x.dtype:
+            variance = x.float().pow(2).mean(-1, keepdim=True)  # transformers' LlamaRMSNorm
+            return weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        out = torch.empty_like(x)
+        kernel(x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, out.data_ptr())
+        return out
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    def _rope(self, qkv: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor):
+        """RoPE on the q and k parts of qkv [B, T, (Hq + 2 Hkv) D] -> (q, k) [B, heads, T, D]."""
+        batch, num_new, _ = qkv.shape
+        q_size, kv_size = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_BTHD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim)
+        k_BTHD = qkv[..., q_size:q_size + kv_size].view(batch, num_new, self.num_kv_heads, self.head_dim)
+        kernel = self._kernel("rope", qkv)
+        if kernel is None or not qkv.is_contiguous() or cos_BTD.dtype != qkv.dtype or cos_BTD.stride(-1) != 1 \
+                or sin_BTD.stride() != cos_BTD.stride():
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            return apply_rotary_pos_emb(q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), cos_BTD, sin_BTD)
+        kernel(q_BTHD.data_ptr(), k_BTHD.data_ptr(), qkv.stride(0), qkv.stride(1), self.num_q_heads,
+               self.num_kv_heads, cos_BTD.data_ptr(), sin_BTD.data_ptr(), cos_BTD.stride(0), cos_BTD.stride(1),
+               batch, num_new, self.head_dim)
+        return q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernel("silu_mul", gate_up)
+        if kernel is None or not gate_up.is_contiguous():
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return nn.functional.silu(gate) * up
+        out = gate_up.new_empty(*gate_up.shape[:-1], self.intermediate_size)
+        kernel(gate_up.data_ptr(), out.numel() // self.intermediate_size, self.intermediate_size, out.data_ptr())
+        return out
+
+    # --- the forward --------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, tap_layers: list[int], *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
+                logits_to_keep: int | torch.Tensor = 0, **attention_kwargs):
+        """TargetAdapter.forward's contract -> (logits, taps, cache)."""
+        from transformers.cache_utils import DynamicCache
+        from transformers.masking_utils import create_causal_mask
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+
+        batch, num_new = input_ids.shape
+        hidden = self.embed_tokens(input_ids)
+        cache = past_key_values
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(num_new, device=hidden.device) + past)[None]
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  cache=cache, position_ids=position_ids)
+        cos_BTD, sin_BTD = self.rotary_emb(hidden, position_ids=position_ids)
+        cos_BTD, sin_BTD = cos_BTD.expand(batch, -1, -1), sin_BTD.expand(batch, -1, -1)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        if attend is None:
+            raise ValueError(f"attention implementation {self.config._attn_implementation!r} is not registered")
+        wanted = set(tap_layers)
+        taps = {0: hidden} if 0 in wanted else {}
+        q_size = self.num_q_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            qkv = self._linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+            v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
+            if cache is not None:
+                k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
+            out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
+                                 **attention_kwargs)
+            hidden = layer.o_proj(out_BTHD.reshape(batch, num_new, q_size)).add_(hidden)
+            gate_up = self._linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up, layer.gate_up_bias)
+            hidden = layer.down_proj(self._silu_mul(gate_up)).add_(hidden)
+            if index + 1 in wanted and index + 1 < self.num_layers:
+                taps[index + 1] = hidden
+        hidden = self._rms_norm(hidden, self.norm)
+        taps[self.num_layers] = hidden
+        logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
+        return logits, [taps[t] for t in tap_layers], cache

@@ -1,0 +1,82 @@
+"""Small C kernels for the CPU, compiled once per machine and called through ctypes.
+
+PyTorch has no op for a few things the CPU inference path needs (heads/cpu_attention.py's
+ragged attention; heads/cpu_decoder.py's fused RMSNorm, RoPE and SiLU-and-multiply). An
+extension built against torch's headers takes a minute to compile; a plain C file takes a
+second. `compile_library` builds one with the system C compiler (`cc -O3 -march=native
+-fopenmp`) into the specheads cache, keyed by the source, the flags, the compiler and this
+CPU's feature flags (so a cache shared between machines keeps one build per kind of CPU),
+and returns it loaded, or None where no compiler is found or the build fails: callers then
+keep their torch path.
+
+The library links the libgomp that torch already loaded, so its OpenMP threads are torch's
+threads (two OpenMP runtimes would spin against each other on a small CPU).
+
+`BF16_HELPERS` is C for the sources: bf16 loads and stores (round to nearest even, as torch
+casts) and `*_round`, the rounding that torch applies to each op's output in a dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from specheads.heads import atomic
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros")
+
+BF16_HELPERS = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) { uint32_t x = (uint32_t)h << 16; float f; memcpy(&f, &x, 4); return f; }
+static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch casts */
+    uint32_t x; memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+static inline float f32_round(float f) { return f; }
+"""
+
+
+@functools.cache
+def compile_library(name: str, source: str) -> ctypes.CDLL | None:
+    """`source` built and loaded (module docstring), or None without a working C compiler."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        return None
+    key = hashlib.sha256("\n".join([source, " ".join(FLAGS), os.path.realpath(compiler), cpu_flags()]).encode())
+    library = f"{name}.so"
+
+    def build(staging: Path) -> None:
+        (staging / f"{name}.c").write_text(source)
+        subprocess.run([compiler, *FLAGS, str(staging / f"{name}.c"), "-o", str(staging / library)],
+                       check=True, capture_output=True, text=True)
+
+    try:
+        built = atomic.build_once(atomic.default_cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}", build)
+    except subprocess.CalledProcessError:
+        return None
+    return ctypes.CDLL(str(built / library))
+
+
+@functools.cache
+def cpu_flags() -> str:
+    """This CPU's feature flags: -march=native builds for them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""

@@ -1,0 +1,181 @@
+"""The fused CPU forward (heads/cpu_decoder.py) computes what the model's own forward computes:
+logits, taps and cache, with and without a cache, padding masks, tree masks and
+logits_to_keep, for Llama and Qwen2 (biases), with its C kernels and with their torch
+fallback; its kernels round as transformers' ops do; models it cannot run keep their own
+forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from specheads.heads import cpu_decoder
+from specheads.heads.cpu_decoder import FusedDecoder, unsupported_reason
+from specheads.heads.cpu_layout import pack_linears
+from specheads.heads.target import TargetAdapter
+from specheads.serving.decode.cache import TreeStaticCache
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+# fp32: max |difference| from the model's own forward, relative to the largest |value| (sums
+# in another order). bf16: no worse than the model's own bf16 forward, both measured against
+# its fp32 forward (each rounds differently: the fused projections, the attention kernel), up
+# to BF16_SLACK of the largest |value|.
+FP32_TOLERANCE = 1e-5
+BF16_SLACK = 1e-2
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def ops(request, monkeypatch):
+    """Both ways the fused forward computes its elementwise ops: the C kernels where they
+    build, and transformers' torch formulas."""
+    if request.param == "kernels" and cpu_decoder._library() is None:
+        pytest.skip("no C compiler on this machine")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_decoder, "_library", lambda: None)
+    return request.param
+
+
+def _compare(model_dir, dtype, case) -> None:
+    """`case(target)` -> tensors, run on the model's own forward in fp32 and in `dtype` and on
+    the fused forward in `dtype`; see the tolerances above."""
+    reference = case(TargetAdapter.from_pretrained(model_dir, dtype=torch.float32))
+    own = case(TargetAdapter.from_pretrained(model_dir, dtype=dtype))
+    fused_target = TargetAdapter.from_pretrained(model_dir, dtype=dtype, pack_weights=True)
+    assert fused_target.fused is not None
+    fused = case(fused_target)
+    for want, plain, got in zip(reference, own, fused):
+        assert got.shape == want.shape
+        scale = want.float().abs().max()
+        error = (got.float() - want.float()).abs().max()
+        if dtype == torch.float32:
+            assert error <= FP32_TOLERANCE * scale
+        else:
+            assert error <= 1.5 * (plain.float() - want.float()).abs().max() + BF16_SLACK * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_forward_matches_the_model(arch, dtype, ops, tiny_llama_dir, tiny_qwen2_dir):
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+    def case(target):
+        taps = [0, 1, target.num_layers]
+        with torch.inference_mode():
+            whole = target(ids, taps)  # the whole prompt, no cache
+            cache = DynamicCache(config=target.config)  # a cache: prefill, then two tokens keeping one logit row
+            target(ids[:, :20], [], past_key_values=cache, use_cache=True)
+            cached = target(ids[:, 20:22], [target.num_layers], past_key_values=cache, use_cache=True,
+                            logits_to_keep=1)
+            assert cached.logits.shape == (2, 1, 256) and cached.past_key_values is cache
+            mask = torch.ones_like(ids)  # left padding: a 2-D mask
+            mask[1, :5] = 0
+            padded = target(ids, [], attention_mask=mask).logits
+        return [whole.logits, *whole.taps, cached.logits, cached.taps[0], cache.layers[0].keys,
+                padded[0], padded[1, 5:]]
+
+    _compare(tiny_llama_dir if arch == "llama" else tiny_qwen2_dir, dtype, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_verifies_a_tree_in_the_static_cache(dtype, ops, tiny_llama_dir):
+    """What a verify step passes: a TreeStaticCache, explicit positions and a 4-D tree mask."""
+    prompt = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    tree_ids = torch.randint(3, 256, (1, 4), generator=torch.Generator().manual_seed(6))
+    tree_mask_TT = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    positions = torch.tensor([[12, 13, 13, 14]])
+
+    def case(target):
+        with torch.inference_mode():
+            cache = TreeStaticCache(target.config, max_cache_len=32, batch_size=1)
+            target(prompt, [], past_key_values=cache, use_cache=True)
+            cache.commit()
+            out = target(tree_ids, [1, 2], attention_mask=cache.attention_mask(tree_mask_TT), position_ids=positions,
+                         past_key_values=cache, use_cache=True)
+        return [out.logits, *out.taps]
+
+    _compare(tiny_llama_dir, dtype, case)
+
+
+@pytest.mark.skipif(cpu_decoder._library() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 200])  # 200 x 128 values: the kernels' OpenMP path
+def test_kernels_round_as_transformers_ops_do(dtype, rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(rows)
+    library = cpu_decoder._library()
+    suffix = cpu_decoder.DTYPES[dtype]
+    exact = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+
+    x = (torch.randn(rows, 128, generator=generator) * 3).to(dtype)
+    norm = LlamaRMSNorm(128, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(128, generator=generator).to(dtype)
+    out = torch.empty_like(x)
+    getattr(library, f"rms_norm_{suffix}")(x.data_ptr(), norm.weight.data_ptr(), rows, 128, 1e-5, out.data_ptr())
+    torch.testing.assert_close(out, norm(x).detach(), **exact)
+
+    gate_up = (torch.randn(rows, 256, generator=generator) * 4).to(dtype)
+    out = torch.empty(rows, 128, dtype=dtype)
+    getattr(library, f"silu_mul_{suffix}")(gate_up.data_ptr(), rows, 128, out.data_ptr())
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :128]) * gate_up[:, 128:], **exact)
+
+    batch, tokens, q_heads, k_heads, dim = 2, rows, 4, 2, 16
+    qkv = torch.randn(batch, tokens, (q_heads + 2 * k_heads) * dim, generator=generator).to(dtype)
+    angles = torch.randn(1, tokens, dim // 2, generator=generator).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype).expand(batch, -1, -1), angles.sin().to(dtype).expand(batch, -1, -1)
+    q = qkv[..., :q_heads * dim].view(batch, tokens, q_heads, dim)
+    k = qkv[..., q_heads * dim:(q_heads + k_heads) * dim].view(batch, tokens, k_heads, dim)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    before_v = qkv[..., (q_heads + k_heads) * dim:].clone()
+    getattr(library, f"rope_{suffix}")(q.data_ptr(), k.data_ptr(), qkv.stride(0), qkv.stride(1), q_heads, k_heads,
+                                        cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(1), batch,
+                                        tokens, dim)
+    torch.testing.assert_close(q.transpose(1, 2), want_q, **exact)
+    torch.testing.assert_close(k.transpose(1, 2), want_k, **exact)
+    assert torch.equal(qkv[..., (q_heads + k_heads) * dim:], before_v)  # v is left alone
+
+
+def test_fused_layers_hold_one_packed_copy_and_plain_weights_runs_the_model(tiny_llama_dir, monkeypatch):
+    from torch import nn
+
+    plain = TargetAdapter.from_pretrained(tiny_llama_dir)
+    fused = TargetAdapter.from_pretrained(tiny_llama_dir, pack_weights=True)
+    num_linears = sum(type(m) is nn.Linear for m in plain.model.modules())
+    assert fused.packed.num_packed + fused.fused.num_fused == num_linears
+    attention = fused.model.model.layers[0].self_attn
+    assert type(attention.q_proj) is nn.Linear  # its packed copy is the fused one
+    assert set(fused.model.state_dict()) == set(plain.model.state_dict())
+    ids = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = fused(ids, [2]).logits
+        monkeypatch.setattr(FusedDecoder, "forward", lambda *a, **k: pytest.fail("plain() ran the fused forward"))
+        with fused.plain_weights():  # the model's own forward, as transformers runs it
+            torch.testing.assert_close(fused(ids, [2]).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_models_it_cannot_run_keep_their_own_forward(tiny_llama_dir):
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "mistral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16))
+    model.requires_grad_(False)
+    assert unsupported_reason(model, pack_linears(model)) == "it uses sliding-window attention"
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=1, n_head=2,
+                                                                  vocab_size=64))
+    assert "GPT2LMHeadModel is not one of" in unsupported_reason(gpt2, None)
+    unpacked = TargetAdapter.from_pretrained(tiny_llama_dir)
+    assert unsupported_reason(unpacked.model, None) == "its linear layers are not packed"
+    assert unpacked.fused is None
+
+
+def test_a_model_with_forward_hooks_runs_its_own_forward(tiny_llama_dir):
+    target = TargetAdapter.from_pretrained(tiny_llama_dir, pack_weights=True)
+    calls = []
+    handle = target.model.register_forward_hook(lambda module, args, output: calls.append(output.logits.shape))
+    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        hooked = target(ids, [1]).logits
+        handle.remove()
+        fused = target(ids, [1]).logits
+    assert calls == [(1, 5, 256)]  # the hook saw the first call, the fused forward ran the second
+    torch.testing.assert_close(fused, hooked, atol=1e-4, rtol=1e-4)
