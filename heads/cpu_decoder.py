@@ -56,6 +56,18 @@ PARALLEL_ELEMENTS = 32768
 # Each kernel rounds where transformers' torch ops round (an op's output in the dtype), so in
 # bf16 it gives transformers' values, not merely close ones.
 SOURCE = cpu_kernels.BF16_HELPERS + r"""
+/* e^x as 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor (relative error about 1e-7, as libm's
+   expf), without branches so that the loops around it vectorise (libm's expf does not: it made
+   SiLU 40 us for 4 tokens of SmolLM2). Clamped to [-87, 88], where e^x stays a normal float. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f, n = rintf(t), f = t - n;
+    const float p = 1.0f + f * (0.693147180f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f
+                    + f * (0.00133335581f + f * 0.000154035304f)))));
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return p * scale;
+}
 #define ELEMENTWISE(SUFFIX, T, LOAD, STORE, ROUND)                                                   \
 /* LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), the product rounded to T before the weight. */   \
 void rms_norm_##SUFFIX(const T* x, const T* w, int64_t rows, int n, float eps, T* out) {             \
@@ -98,7 +110,7 @@ void silu_mul_##SUFFIX(const T* gate_up, int64_t rows, int n, T* out) {         
         const T* g = gate_up + r * 2 * n; const T* u = g + n; T* o = out + r * n;                    \
         for (int i = 0; i < n; i++) {                                                                \
             const float x = LOAD(g[i]);                                                              \
-            o[i] = STORE(ROUND(x / (1.0f + expf(-x))) * LOAD(u[i]));                                 \
+            o[i] = STORE(ROUND(x / (1.0f + exp_approx(-x))) * LOAD(u[i]));                                 \
         }                                                                                            \
     }                                                                                                \
 }
