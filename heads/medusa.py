@@ -79,18 +79,25 @@ class MedusaHeads(nn.Module):
         rows = weight[self.token_map.to(weight.device)].to(self.lm_head_weight.dtype)  # [Vd, H]
         self.lm_head_weight.copy_(rows.unsqueeze(0).expand_as(self.lm_head_weight))
 
-    def features(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, H] -> per-head features after the residual blocks [K, B*T, H]."""
+    def features(self, hidden_BTH: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden [B, T, H] -> per-head features after the residual blocks [K, B*T, H]; the
+        first `num_heads` heads only (K = num_heads) when given."""
+        num_heads = self.num_heads if num_heads is None else num_heads
         x_NH = hidden_BTH.reshape(-1, self.hidden_size)
-        x_KNH = x_NH.unsqueeze(0).expand(self.num_heads, -1, -1)
+        x_KNH = x_NH.unsqueeze(0).expand(num_heads, -1, -1)
         for layer in range(self.num_layers):
-            w_KHH = self.block_weight[:, layer]
-            b_K1H = self.block_bias[:, layer].unsqueeze(1)
+            w_KHH = self.block_weight[:num_heads, layer]
+            b_K1H = self.block_bias[:num_heads, layer].unsqueeze(1)
             x_KNH = x_KNH + F.silu(torch.baddbmm(b_K1H, x_KNH, w_KHH.transpose(1, 2)))
         return x_KNH
 
-    def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, H] -> logits over the draft vocab [K, B, T, Vd]."""
+    def forward(self, hidden_BTH: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden [B, T, H] -> logits over the draft vocab [K, B, T, Vd]; the first `num_heads`
+        heads only when given (each head reads only its own weights, so they are exactly the
+        first rows of the full output: a depth-1 tree pays for one head, not all K)."""
         batch, seq = hidden_BTH.shape[:2]
-        logits_KNV = torch.bmm(self.features(hidden_BTH), self.lm_head_weight.transpose(1, 2))
-        return logits_KNV.view(self.num_heads, batch, seq, self.draft_vocab_size)
+        num_heads = self.num_heads if num_heads is None else num_heads
+        if not 1 <= num_heads <= self.num_heads:
+            raise ValueError(f"num_heads must be in [1, {self.num_heads}], got {num_heads}")
+        logits_KNV = torch.bmm(self.features(hidden_BTH, num_heads), self.lm_head_weight[:num_heads].transpose(1, 2))
+        return logits_KNV.view(num_heads, batch, seq, self.draft_vocab_size)

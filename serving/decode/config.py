@@ -53,6 +53,10 @@ class SpeculativeDecoder:
     the measured step costs it decides by, shared by this decoder's engines.
 
     lookup: n-gram lookup drafts from the context (serving/decode/lookup.py), with or without heads.
+
+    On a packed CPU target (heads/cpu_layout.py) the drafters run a copy of the heads whose
+    linear layers are packed too (`packed_for_inference`, weights shared): build the decoder
+    after the heads' weights are final.
     """
 
     def __init__(self, target: TargetAdapter, heads: nn.Module | None = None,
@@ -83,6 +87,10 @@ class SpeculativeDecoder:
         if tree is None:
             tree = DraftTree.default(getattr(heads, "num_heads", DEFAULT_EAGLE_DEPTH)) if heads is not None \
                 else DraftTree.chain(0)
+        if heads is not None and target.packed is not None:  # a CPU inference target: heads packed too
+            from specheads.heads.cpu_layout import packed_for_inference
+
+            heads = packed_for_inference(heads)
         self.target = target
         self.dynamic = dynamic
         self.tree = DraftTree.chain(dynamic.depth) if dynamic is not None else tree  # a dynamic tree's depth

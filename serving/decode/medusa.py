@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specheads.heads.medusa import MedusaHeads
 from specheads.serving.decode.sampling import acceptance_bound
 from specheads.serving.decode.trees import Draft, DraftTree, TreePlan
 
@@ -68,7 +69,10 @@ class MedusaDrafter:
     def draft_tokens(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, H] at the last committed position, root [B] -> (tree tokens [B, T], the
         heads' logits [D, B, V] (V: the draft vocab) the tokens came from)."""
-        logits_KBV = self.heads(hidden_BH[:, None, :])[:self.tree.max_depth, :, 0, :]
+        if isinstance(self.heads, MedusaHeads):  # only the heads the tree reads
+            logits_KBV = self.heads(hidden_BH[:, None, :], num_heads=self.tree.max_depth)[:, :, 0, :]
+        else:
+            logits_KBV = self.heads(hidden_BH[:, None, :])[:self.tree.max_depth, :, 0, :]
         candidates_KBR = logits_KBV.topk(self.num_ranks, dim=-1).indices
         drafted_NB = candidates_KBR[self.head_index, :, self.rank_index]  # [T-1, B]
         if self.draft_ids is not None:

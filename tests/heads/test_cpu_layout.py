@@ -182,3 +182,30 @@ def test_packing_swaps_sdpa_for_grouped_attention_and_plain_restores_it(tiny_lla
     with target.plain_weights():
         assert target.model.config._attn_implementation == "sdpa"
     assert target.model.config._attn_implementation == cpu_layout.CPU_ATTENTION
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_packed_for_inference_share_weights_and_give_the_same_drafts(tiny_llama_dir, dtype):
+    from test_eagle3 import random_head
+
+    from specheads.heads.cpu_layout import packed_for_inference
+
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    head, _ = random_head(target, seed=4)
+    head = head.to(dtype)
+    packed = packed_for_inference(head)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    assert not any(isinstance(m, PackedLinear) for m in head.modules())  # the original still trains
+    originals = dict(head.named_parameters())
+    for name, param in packed.named_parameters():
+        assert param is originals[name]  # shared, not copied
+    assert packed.d2t is head.d2t
+    generator = torch.Generator().manual_seed(0)
+    taps = torch.randn(1, 6, 3 * target.hidden_size, generator=generator).to(dtype)
+    embeds = torch.randn(1, 6, target.hidden_size, generator=generator).to(dtype)
+    positions = torch.arange(6)[None]
+    with torch.no_grad():
+        want = head.logits(head.step(embeds, head.fuse(taps), positions)[0]).float()
+        got = packed.logits(packed.step(embeds, packed.fuse(taps), positions)[0]).float()
+    torch.testing.assert_close(got, want, atol=TOLERANCE[dtype] * want.abs().max(), rtol=0)

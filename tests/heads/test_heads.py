@@ -67,6 +67,10 @@ def test_medusa_heads_are_distinct_and_start_as_target_lm_head(tiny_llama_dir):
         x = x + torch.nn.functional.silu(x @ heads.block_weight[1, layer].T + heads.block_bias[1, layer])
     torch.testing.assert_close(logits[1], x @ heads.lm_head_weight[1].T)
     assert not torch.allclose(logits[1], logits[0])
+    # The first n heads alone (a tree n deep reads no more) are the first n rows, exactly.
+    assert torch.equal(heads(hidden, num_heads=2), logits[:2])
+    with pytest.raises(ValueError, match=r"num_heads must be in \[1, 3\]"):
+        heads(hidden, num_heads=4)
     with pytest.raises(ValueError, match="num_heads"):
         MedusaHeads(32, 64, num_heads=0)
 
