@@ -5,15 +5,17 @@ On a CPU, a one-token decode step of SmolLM2-135M in bf16 (2 cores, through the 
 else, some 90 small torch ops a layer (RMSNorm alone is seven, RoPE nine) and the
 `nn.Module` calls, hooks and keyword plumbing around them. The linear layers already run
 packed (heads/cpu_layout.py); the rest is overhead that a CPU pays per op, not per byte.
-`FusedDecoder` runs the same computation with fewer, larger ops (the step: 10.8 ms):
+`FusedDecoder` runs the same computation with fewer, larger ops (the step: 10.3-10.8 ms;
+this VM's timings move by 10-20% between runs):
 
 - q, k and v are one packed linear layer, and so are gate and up (their weights concatenated
   once, at build, into oneDNN's layout; the separate packed copies are dropped, so memory
   stays one packed copy of the weights);
-- RMSNorm, RoPE and SiLU-and-multiply are each one call into the C library that also holds
-  the ragged attention kernel (heads/cpu_attention.py), when it is built; torch ops with
-  transformers' own formulas otherwise;
-- no module calls, hooks or output recorders: one Python loop over the layers.
+- RMSNorm, RoPE and SiLU-and-multiply are each one C call (heads/cpu_kernels.py builds them,
+  as it builds heads/cpu_attention.py's ragged attention); where no C compiler is found,
+  torch ops with transformers' own formulas;
+- no module calls, hooks or output recorders: one Python loop over the layers, calling the
+  packed GEMMs directly (a `PackedLinear` module call costs about 2 us more than its op).
 
 What it keeps from transformers, so that it computes what the model computes: the mask
 (`create_causal_mask` with the model's config, so 2-D padding masks, prepared 4-D masks and
@@ -149,16 +151,27 @@ def _packed(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> t
 
 
 @dataclass
+class _Kernels:
+    """One dtype's C kernels (SOURCE), looked up once per forward."""
+
+    rms_norm: ctypes._CFuncPtr
+    rope: ctypes._CFuncPtr
+    silu_mul: ctypes._CFuncPtr
+
+
+@dataclass
 class _Layer:
     attention: nn.Module  # the model's own attention module (the attention function's `module`)
     input_norm: torch.Tensor  # [H] RMSNorm weights
     post_norm: torch.Tensor
     qkv: torch.Tensor  # packed [(Hq + 2 Hkv) * D, H]
     qkv_bias: torch.Tensor | None
-    o_proj: PackedLinear
+    o_proj: torch.Tensor  # packed [H, Hq * D], the model's PackedLinear's
+    o_bias: torch.Tensor | None
     gate_up: torch.Tensor  # packed [2 I, H]
     gate_up_bias: torch.Tensor | None
-    down_proj: PackedLinear
+    down_proj: torch.Tensor  # packed [H, I], the model's PackedLinear's
+    down_bias: torch.Tensor | None
 
 
 def unsupported_reason(model: nn.Module, packed: PackedWeights | None) -> str | None:
@@ -207,7 +220,8 @@ class FusedDecoder:
             qkv_weight, qkv_bias = _packed([m.weight for m in qkv], [m.bias for m in qkv])
             gate_up_weight, gate_up_bias = _packed([m.weight for m in gate_up], [m.bias for m in gate_up])
             self.layers.append(_Layer(attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                      qkv_weight, qkv_bias, attn.o_proj, gate_up_weight, gate_up_bias, mlp.down_proj))
+                                      qkv_weight, qkv_bias, attn.o_proj.packed_weight, attn.o_proj.bias,
+                                      gate_up_weight, gate_up_bias, mlp.down_proj.packed_weight, mlp.down_proj.bias))
             fused.update(id(m) for m in qkv + gate_up)
         # The separate packed copies of the fused layers go: the model's own forward (the
         # adapter's fallback, and `plain()`) runs those layers unpacked.
@@ -233,12 +247,17 @@ class FusedDecoder:
 
     # --- the ops: one C call each where the kernels are built, transformers' torch ops otherwise ---
 
-    def _kernel(self, name: str, x: torch.Tensor):
+    @staticmethod
+    def _kernels(x: torch.Tensor) -> "_Kernels | None":
+        """The C kernels for x's dtype, or None (torch ops)."""
         library = _library() if x.device.type == "cpu" and x.dtype in DTYPES else None
-        return None if library is None else getattr(library, f"{name}_{DTYPES[x.dtype]}")
+        if library is None:
+            return None
+        suffix = DTYPES[x.dtype]
+        return _Kernels(*(getattr(library, f"{name}_{suffix}") for name in ("rms_norm", "rope", "silu_mul")))
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        kernel = self._kernel("rms_norm", x)
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, kernels: "_Kernels | None") -> torch.Tensor:
+        kernel = None if kernels is None else kernels.rms_norm
         if kernel is None or not x.is_contiguous() or weight.dtype != x.dtype:
             variance = x.float().pow(2).mean(-1, keepdim=True)  # transformers' LlamaRMSNorm
             return weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
@@ -250,13 +269,13 @@ class FusedDecoder:
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
-    def _rope(self, qkv: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor):
+    def _rope(self, qkv: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, kernels: "_Kernels | None"):
         """RoPE on the q and k parts of qkv [B, T, (Hq + 2 Hkv) D] -> (q, k) [B, heads, T, D]."""
         batch, num_new, _ = qkv.shape
         q_size, kv_size = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q_BTHD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim)
         k_BTHD = qkv[..., q_size:q_size + kv_size].view(batch, num_new, self.num_kv_heads, self.head_dim)
-        kernel = self._kernel("rope", qkv)
+        kernel = None if kernels is None else kernels.rope
         if kernel is None or not qkv.is_contiguous() or cos_BTD.dtype != qkv.dtype or cos_BTD.stride(-1) != 1 \
                 or cos_BTD.shape[-1] != self.head_dim or sin_BTD.stride() != cos_BTD.stride():
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -267,8 +286,8 @@ class FusedDecoder:
                batch, num_new, self.head_dim)
         return q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        kernel = self._kernel("silu_mul", gate_up)
+    def _silu_mul(self, gate_up: torch.Tensor, kernels: "_Kernels | None") -> torch.Tensor:
+        kernel = None if kernels is None else kernels.silu_mul
         if kernel is None or not gate_up.is_contiguous():
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return nn.functional.silu(gate) * up
@@ -305,20 +324,22 @@ class FusedDecoder:
         taps = {0: hidden} if 0 in wanted else {}
         q_size = self.num_q_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        kernels = self._kernels(hidden)
+        linear = self._linear
         for index, layer in enumerate(self.layers):
-            qkv = self._linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+            qkv = linear(self._rms_norm(hidden, layer.input_norm, kernels), layer.qkv, layer.qkv_bias)
             v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
+            q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD, kernels)
             if cache is not None:
                 k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
             out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
                                  **attention_kwargs)
-            hidden = layer.o_proj(out_BTHD.reshape(batch, num_new, q_size)).add_(hidden)
-            gate_up = self._linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up, layer.gate_up_bias)
-            hidden = layer.down_proj(self._silu_mul(gate_up)).add_(hidden)
+            hidden = linear(out_BTHD.reshape(batch, num_new, q_size), layer.o_proj, layer.o_bias).add_(hidden)
+            gate_up = linear(self._rms_norm(hidden, layer.post_norm, kernels), layer.gate_up, layer.gate_up_bias)
+            hidden = linear(self._silu_mul(gate_up, kernels), layer.down_proj, layer.down_bias).add_(hidden)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 taps[index + 1] = hidden
-        hidden = self._rms_norm(hidden, self.norm)
+        hidden = self._rms_norm(hidden, self.norm, kernels)
         taps[self.num_layers] = hidden
         logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
         return logits, [taps[t] for t in tap_layers], cache
