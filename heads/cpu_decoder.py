@@ -60,7 +60,8 @@ DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 PARALLEL_ELEMENTS = 32768
 
 # Each kernel rounds where transformers' torch ops round (an op's output in the dtype), so in
-# bf16 it gives transformers' values, not merely close ones.
+# bf16 it gives transformers' values, not merely close ones (SiLU's exp is an approximation as
+# close as libm's, so a rare value may still round to the neighbouring bf16).
 SOURCE = cpu_kernels.BF16_HELPERS + r"""
 /* e^x as 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor (relative error about 1e-7, as libm's
    expf), without branches so that the loops around it vectorise (libm's expf does not: it made
@@ -116,7 +117,7 @@ void silu_mul_##SUFFIX(const T* gate_up, int64_t rows, int n, T* out) {         
         const T* g = gate_up + r * 2 * n; const T* u = g + n; T* o = out + r * n;                    \
         for (int i = 0; i < n; i++) {                                                                \
             const float x = LOAD(g[i]);                                                              \
-            o[i] = STORE(ROUND(x / (1.0f + exp_approx(-x))) * LOAD(u[i]));                                 \
+            o[i] = STORE(ROUND(x / (1.0f + exp_approx(-x))) * LOAD(u[i]));                           \
         }                                                                                            \
     }                                                                                                \
 }
