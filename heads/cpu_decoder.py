@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from specheads.heads import cpu_kernels
-from specheads.heads.cpu_layout import PackedLinear, PackedWeights
+from specheads.heads.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -127,18 +127,21 @@ ELEMENTWISE(f32, float, f32_load, f32_store, f32_round)
 """.replace("PARALLEL)", f"{PARALLEL_ELEMENTS})")
 
 
+_POINTER, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# The C kernels of SOURCE, each built once per dtype as <name>_<DTYPES suffix>.
+SIGNATURES = {"rms_norm": [_POINTER, _POINTER, _I64, _I32, _F32, _POINTER],
+              "rope": [_POINTER, _POINTER, _I64, _I64, _I32, _I32, _POINTER, _POINTER, _I64, _I64, _I32, _I32, _I32],
+              "silu_mul": [_POINTER, _I64, _I32, _POINTER]}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The elementwise kernels (heads/cpu_kernels.py), None where they cannot be built."""
     library = cpu_kernels.compile_library("cpu_decoder", SOURCE)
     if library is None:
         return None
-    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     for suffix in DTYPES.values():
-        signatures = {"rms_norm": [pointer, pointer, i64, i32, f32, pointer],
-                      "rope": [pointer, pointer, i64, i64, i32, i32, pointer, pointer, i64, i64, i32, i32, i32],
-                      "silu_mul": [pointer, i64, i32, pointer]}
-        for name, argtypes in signatures.items():
+        for name, argtypes in SIGNATURES.items():
             function = getattr(library, f"{name}_{suffix}")
             function.restype, function.argtypes = None, argtypes
     return library
@@ -148,16 +151,24 @@ def _packed(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> t
     weight = torch.cat([w.detach() for w in weights], dim=0)
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else weight.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
+    return pack_weight(weight), bias
 
 
 @dataclass
 class _Kernels:
-    """One dtype's C kernels (SOURCE), looked up once per forward."""
+    """One dtype's C kernels (SIGNATURES)."""
 
     rms_norm: ctypes._CFuncPtr
     rope: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
+
+    @classmethod
+    def find(cls, dtype: torch.dtype, device: torch.device) -> "_Kernels | None":
+        """The kernels for a model in `dtype` on `device`, or None (torch ops)."""
+        library = _library() if device.type == "cpu" and dtype in DTYPES else None
+        if library is None:
+            return None
+        return cls(**{name: getattr(library, f"{name}_{DTYPES[dtype]}") for name in SIGNATURES})
 
 
 @dataclass
@@ -232,6 +243,8 @@ class FusedDecoder:
         self.embed_tokens = model.model.embed_tokens
         self.rotary_emb = model.model.rotary_emb
         self.lm_head = model.lm_head
+        weight = model.lm_head.weight
+        self.kernels = _Kernels.find(weight.dtype, weight.device)
 
     @classmethod
     def build(cls, model: nn.Module, packed: PackedWeights | None) -> "FusedDecoder | None":
@@ -248,17 +261,8 @@ class FusedDecoder:
 
     # --- the ops: one C call each where the kernels are built, transformers' torch ops otherwise ---
 
-    @staticmethod
-    def _kernels(x: torch.Tensor) -> "_Kernels | None":
-        """The C kernels for x's dtype, or None (torch ops)."""
-        library = _library() if x.device.type == "cpu" and x.dtype in DTYPES else None
-        if library is None:
-            return None
-        suffix = DTYPES[x.dtype]
-        return _Kernels(*(getattr(library, f"{name}_{suffix}") for name in ("rms_norm", "rope", "silu_mul")))
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, kernels: "_Kernels | None") -> torch.Tensor:
-        kernel = None if kernels is None else kernels.rms_norm
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        kernel = None if self.kernels is None else self.kernels.rms_norm
         if kernel is None or not x.is_contiguous() or weight.dtype != x.dtype:
             variance = x.float().pow(2).mean(-1, keepdim=True)  # transformers' LlamaRMSNorm
             return weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
@@ -266,17 +270,13 @@ class FusedDecoder:
         kernel(x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, out.data_ptr())
         return out
 
-    @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    def _rope(self, qkv: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor, kernels: "_Kernels | None"):
+    def _rope(self, qkv: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor):
         """RoPE on the q and k parts of qkv [B, T, (Hq + 2 Hkv) D] -> (q, k) [B, heads, T, D]."""
         batch, num_new, _ = qkv.shape
         q_size, kv_size = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q_BTHD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim)
         k_BTHD = qkv[..., q_size:q_size + kv_size].view(batch, num_new, self.num_kv_heads, self.head_dim)
-        kernel = None if kernels is None else kernels.rope
+        kernel = None if self.kernels is None else self.kernels.rope
         if kernel is None or not qkv.is_contiguous() or cos_BTD.dtype != qkv.dtype or cos_BTD.stride(-1) != 1 \
                 or cos_BTD.shape[-1] != self.head_dim or sin_BTD.stride() != cos_BTD.stride():
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -287,8 +287,8 @@ class FusedDecoder:
                batch, num_new, self.head_dim)
         return q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2)
 
-    def _silu_mul(self, gate_up: torch.Tensor, kernels: "_Kernels | None") -> torch.Tensor:
-        kernel = None if kernels is None else kernels.silu_mul
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        kernel = None if self.kernels is None else self.kernels.silu_mul
         if kernel is None or not gate_up.is_contiguous():
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return nn.functional.silu(gate) * up
@@ -325,22 +325,21 @@ class FusedDecoder:
         taps = {0: hidden} if 0 in wanted else {}
         q_size = self.num_q_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        kernels = self._kernels(hidden)
-        linear = self._linear
+        linear = packed_matmul
         for index, layer in enumerate(self.layers):
-            qkv = linear(self._rms_norm(hidden, layer.input_norm, kernels), layer.qkv, layer.qkv_bias)
+            qkv = linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
             v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD, kernels)
+            q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
             if cache is not None:
                 k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
             out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
                                  **attention_kwargs)
             hidden = linear(out_BTHD.reshape(batch, num_new, q_size), layer.o_proj, layer.o_bias).add_(hidden)
-            gate_up = linear(self._rms_norm(hidden, layer.post_norm, kernels), layer.gate_up, layer.gate_up_bias)
-            hidden = linear(self._silu_mul(gate_up, kernels), layer.down_proj, layer.down_bias).add_(hidden)
+            gate_up = linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up, layer.gate_up_bias)
+            hidden = linear(self._silu_mul(gate_up), layer.down_proj, layer.down_bias).add_(hidden)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 taps[index + 1] = hidden
-        hidden = self._rms_norm(hidden, self.norm, kernels)
+        hidden = self._rms_norm(hidden, self.norm)
         taps[self.num_layers] = hidden
         logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
         return logits, [taps[t] for t in tap_layers], cache

@@ -97,6 +97,16 @@ def packing_pays(dtype: torch.dtype, device: str | torch.device) -> bool:
     return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight [out, in] reordered once into oneDNN's layout (module docstring)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_matmul(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ a `pack_weight` weight (+ bias) -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose weight is reordered once into oneDNN's layout (module docstring).
 
@@ -109,11 +119,10 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
-                             persistent=False)
+        self.register_buffer("packed_weight", pack_weight(linear.weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_matmul(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
