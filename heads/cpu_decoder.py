@@ -25,8 +25,9 @@ TreeStaticCache included), and the attention function that the config names
 (`ALL_ATTENTION_FUNCTIONS`: the grouped CPU attention, the tree attention, or SDPA), which
 receives the caller's attention keyword arguments unchanged.
 
-Which models: Llama, Mistral and Qwen2 causal LMs (SmolLM2 is a Llama) with SiLU MLPs and
-full attention in every layer, with packed linear layers. Anything else (a sliding window,
+Which models: Llama, Mistral, Qwen2 and Qwen3 causal LMs (SmolLM2 is a Llama; Qwen3's q and k
+norms are one more C call each, in place before RoPE) with SiLU MLPs and full attention in
+every layer, with packed linear layers. Anything else (a sliding window,
 another architecture, a PEFT-wrapped or quantized layer) returns None from `build` with the
 reason, and the adapter runs the model's own forward; so does a model with forward hooks
 registered on it (`hooked`), and a model inside `plain_weights()`.
@@ -53,7 +54,7 @@ from torch import nn
 from specheads.heads import cpu_kernels
 from specheads.heads.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Rows x columns from which an elementwise kernel spreads over the OpenMP threads (below, the
 # threads' start costs more than the work: one decode token is 576 or 1536 values).
@@ -85,6 +86,19 @@ void rms_norm_##SUFFIX(const T* x, const T* w, int64_t rows, int n, float eps, T
         for (int i = 0; i < n; i++) { const float v = LOAD(xr[i]); sum += v * v; }                  \
         const float inv = 1.0f / sqrtf(sum / n + eps);                                               \
         for (int i = 0; i < n; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * inv));            \
+    }                                                                                                \
+}                                                                                                    \
+/* Qwen3's q_norm / k_norm: the same RMSNorm over each head's `n` values, in place, on `heads`  \
+   vectors per token with `token_stride` elements between tokens (the q or k part of qkv). */      \
+void head_rms_norm_##SUFFIX(T* x, const T* w, int64_t tokens, int64_t token_stride, int heads, int n, \
+                            float eps) {                                                             \
+    _Pragma("omp parallel for if (tokens * heads * n >= PARALLEL)")                                  \
+    for (int64_t r = 0; r < tokens * heads; r++) {                                                   \
+        T* xr = x + (r / heads) * token_stride + (r % heads) * n;                                    \
+        float sum = 0.0f;                                                                            \
+        for (int i = 0; i < n; i++) { const float v = LOAD(xr[i]); sum += v * v; }                  \
+        const float inv = 1.0f / sqrtf(sum / n + eps);                                               \
+        for (int i = 0; i < n; i++) xr[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * inv));           \
     }                                                                                                \
 }                                                                                                    \
 /* In place on `heads` vectors of `dim` per token: x * cos + rotate_half(x) * sin. */                 \
@@ -130,6 +144,7 @@ ELEMENTWISE(f32, float, f32_load, f32_store, f32_round)
 _POINTER, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # The C kernels of SOURCE, each built once per dtype as <name>_<DTYPES suffix>.
 SIGNATURES = {"rms_norm": [_POINTER, _POINTER, _I64, _I32, _F32, _POINTER],
+              "head_rms_norm": [_POINTER, _POINTER, _I64, _I64, _I32, _I32, _F32],
               "rope": [_POINTER, _POINTER, _I64, _I64, _I32, _I32, _POINTER, _POINTER, _I64, _I64, _I32, _I32, _I32],
               "silu_mul": [_POINTER, _I64, _I32, _POINTER]}
 
@@ -159,6 +174,7 @@ class _Kernels:
     """One dtype's C kernels (SIGNATURES)."""
 
     rms_norm: ctypes._CFuncPtr
+    head_rms_norm: ctypes._CFuncPtr
     rope: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
 
@@ -184,6 +200,8 @@ class _Layer:
     gate_up_bias: torch.Tensor | None
     down_proj: torch.Tensor  # packed [H, I], the model's PackedLinear's
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [D] Qwen3's per-head RMSNorm weights of q and k, applied before RoPE
+    k_norm: torch.Tensor | None = None
 
 
 def unsupported_reason(model: nn.Module, packed: PackedWeights | None) -> str | None:
@@ -231,9 +249,12 @@ class FusedDecoder:
             gate_up = [mlp.gate_proj, mlp.up_proj]
             qkv_weight, qkv_bias = _packed([m.weight for m in qkv], [m.bias for m in qkv])
             gate_up_weight, gate_up_bias = _packed([m.weight for m in gate_up], [m.bias for m in gate_up])
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(_Layer(attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                       qkv_weight, qkv_bias, attn.o_proj.packed_weight, attn.o_proj.bias,
-                                      gate_up_weight, gate_up_bias, mlp.down_proj.packed_weight, mlp.down_proj.bias))
+                                      gate_up_weight, gate_up_bias, mlp.down_proj.packed_weight, mlp.down_proj.bias,
+                                      q_norm.weight if q_norm is not None else None,
+                                      k_norm.weight if k_norm is not None else None))
             fused.update(id(m) for m in qkv + gate_up)
         # The separate packed copies of the fused layers go: the model's own forward (the
         # adapter's fallback, and `plain()`) runs those layers unpacked.
@@ -269,6 +290,20 @@ class FusedDecoder:
         out = torch.empty_like(x)
         kernel(x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, out.data_ptr())
         return out
+
+    def _head_norms(self, qkv: torch.Tensor, layer: _Layer) -> None:
+        """Qwen3's q_norm and k_norm, in place on the q and k parts of qkv [B, T, (Hq + 2 Hkv) D]."""
+        kernel = None if self.kernels is None else self.kernels.head_rms_norm
+        batch, num_new, _ = qkv.shape
+        q_size = self.num_q_heads * self.head_dim
+        parts = [(0, self.num_q_heads, layer.q_norm), (q_size, self.num_kv_heads, layer.k_norm)]
+        for start, heads, weight in parts:
+            if kernel is None or not qkv.is_contiguous() or weight.dtype != qkv.dtype:
+                part = qkv[..., start:start + heads * self.head_dim].view(batch, num_new, heads, self.head_dim)
+                part.copy_(self._rms_norm(part, weight))
+                continue
+            kernel(qkv[..., start:].data_ptr(), weight.data_ptr(), batch * num_new, qkv.shape[-1], heads,
+                   self.head_dim, self.eps)
 
     def _rope(self, qkv: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor):
         """RoPE on the q and k parts of qkv [B, T, (Hq + 2 Hkv) D] -> (q, k) [B, heads, T, D]."""
@@ -328,6 +363,8 @@ class FusedDecoder:
         linear = packed_matmul
         for index, layer in enumerate(self.layers):
             qkv = linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+            if layer.q_norm is not None:
+                self._head_norms(qkv, layer)
             v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
             if cache is not None:

@@ -36,7 +36,7 @@ TINY_VOCAB = 256
 
 def make_tiny_model(arch: str, directory: Path, seed: int = 0, vocab_size: int = TINY_VOCAB,
                     hidden_size: int = 64, num_layers: int = 2) -> Path:
-    """Save a randomly initialised tiny causal LM of `arch` ("llama" | "qwen2") to `directory`."""
+    """Save a randomly initialised tiny causal LM of `arch` ("llama", "qwen2", "qwen3") to `directory`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)

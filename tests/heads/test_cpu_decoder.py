@@ -1,6 +1,6 @@
 """The fused CPU forward (heads/cpu_decoder.py) computes what the model's own forward computes:
 logits, taps and cache, with and without a cache, padding masks, tree masks and
-logits_to_keep, for Llama and Qwen2 (biases), with its C kernels and with their torch
+logits_to_keep, for Llama, Qwen2 (biases) and Qwen3 (q/k norms), with its C kernels and with their torch
 fallback; its kernels round as transformers' ops do; models it cannot run keep their own
 forward."""
 
@@ -16,6 +16,8 @@ from specheads.heads.cpu_layout import pack_linears
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.cache import TreeStaticCache
 
+from conftest import make_tiny_model
+
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # fp32: max |difference| from the model's own forward, relative to the largest |value| (sums
 # in another order). bf16: no worse than the model's own bf16 forward, both measured against
@@ -23,6 +25,20 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 # to BF16_SLACK of the largest |value|.
 FP32_TOLERANCE = 1e-5
 BF16_SLACK = 1e-2
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory):
+    """A tiny Qwen3 whose q and k norms have distinct, non-unit weights (they start at ones)."""
+    directory = make_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), seed=2)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(params=["kernels", "torch"])
@@ -55,8 +71,8 @@ def _compare(model_dir, dtype, case) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_forward_matches_the_model(arch, dtype, ops, tiny_llama_dir, tiny_qwen2_dir):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_forward_matches_the_model(arch, dtype, ops, request):
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(3))
 
     def case(target):
@@ -74,7 +90,7 @@ def test_fused_forward_matches_the_model(arch, dtype, ops, tiny_llama_dir, tiny_
         return [whole.logits, *whole.taps, cached.logits, cached.taps[0], cache.layers[0].keys,
                 padded[0], padded[1, 5:]]
 
-    _compare(tiny_llama_dir if arch == "llama" else tiny_qwen2_dir, dtype, case)
+    _compare(request.getfixturevalue(f"tiny_{arch}_dir"), dtype, case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,6 +130,14 @@ def test_kernels_round_as_transformers_ops_do(dtype, rows):
     out = torch.empty_like(x)
     getattr(library, f"rms_norm_{suffix}")(x.data_ptr(), norm.weight.data_ptr(), rows, 128, 1e-5, out.data_ptr())
     torch.testing.assert_close(out, norm(x).detach(), **exact)
+
+    qkv = (torch.randn(rows, 6 * 16, generator=generator) * 3).to(dtype)  # Qwen3's q/k norms, in place
+    head_norm = LlamaRMSNorm(16, eps=1e-6).to(dtype)
+    head_norm.weight.data = torch.randn(16, generator=generator).to(dtype)
+    want = qkv.clone()
+    want[:, :64] = head_norm(qkv[:, :64].view(rows, 4, 16)).detach().view(rows, 64)
+    getattr(library, f"head_rms_norm_{suffix}")(qkv.data_ptr(), head_norm.weight.data_ptr(), rows, 96, 4, 16, 1e-6)
+    torch.testing.assert_close(qkv, want, **exact)  # the rest of the row is left alone
 
     gate_up = (torch.randn(rows, 256, generator=generator) * 4).to(dtype)
     out = torch.empty(rows, 128, dtype=dtype)
