@@ -2,7 +2,8 @@
 how much data their own model needs.
 
     python -m specheads.bench.learning_curve --point 100000=runs/lc-100k/heads:runs/lc-100k/bench.json \
-        --point 300000=runs/lc-300k/heads:runs/lc-300k/bench.json ... [--depths 3] [--out curve.png]
+        --point 300000=runs/lc-300k/heads:runs/lc-300k/bench.json ... [--depths 3] [--out curve.png] \
+        [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N]]
 
 Each point is one training run: TOKENS (the reply tokens it trained on, the x axis), its heads
 directory and, optionally, a `specheads bench --json` report of those heads. From the heads
@@ -13,6 +14,15 @@ bench report: tau on its prompts (serving/decode/stats.alpha_tau, as the bench c
 of the first engine-heads method at the heads directory's own tree. Prints a markdown table
 and, with --out, draws both against TOKENS on a log axis with matplotlib (bench/plot.py's
 object API, written atomically).
+
+Each run's held-out split is its own (a share of its own data), so points trained on
+different data are scored on different texts. `--eval-prompts` scores every point on one
+fixed set as well: the target's own greedy replies to those prompts (Spec-Bench format, with
+the chat template; MT-bench's first turns measure what serving sees), generated once, and
+each heads directory's top-1 per depth on them, by the same rule as the held-out figure (the
+head's first candidate at position t and depth d against the target's argmax at t + d, given
+the target's own previous tokens), over every reply position from the one after the prompt.
+`--series NAME` names the points after it (say, the epochs they trained): one line per series.
 """
 
 from __future__ import annotations
@@ -20,8 +30,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from specheads.bench.plot import OWN_TREE_SOURCES, require_matplotlib
 
@@ -32,6 +44,70 @@ class CurvePoint:
     top1: list[float]  # held-out top-1 per draft depth (depth 1 first)
     tau: float | None  # on the bench report's prompts; None without a report
     label: str  # the heads directory
+    series: str = ""  # --series
+    fixed_top1: list[float] | None = None  # top-1 per depth on --eval-prompts' replies
+
+
+@torch.inference_mode()
+def greedy_reply(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """The target's own greedy continuation of a prompt (its forward, a DynamicCache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    ids = torch.tensor([prompt_ids], device=target.device)
+    tokens: list[int] = []
+    while True:
+        out = target(ids, [], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if tokens[-1] == eos_token_id or len(tokens) == max_new_tokens:
+            return tokens
+        ids = torch.tensor([[tokens[-1]]], device=target.device)
+
+
+def top1_hits(draft_JL: torch.Tensor, want_L: torch.Tensor, prompt_len: int) -> tuple[list[int], list[int]]:
+    """(hits, counts) per depth: draft_JL[j, t] (a target id) against want_L[t + 1 + j], the
+    target's argmax there, for t from prompt_len - 1 (the draft after the prompt) on."""
+    length = want_L.shape[0]
+    hits, counts = [], []
+    for j in range(draft_JL.shape[0]):
+        got, want = draft_JL[j, prompt_len - 1:length - 1 - j], want_L[prompt_len + j:]
+        hits.append(int((got == want).sum()))
+        counts.append(int(want.numel()))
+    return hits, counts
+
+
+@torch.inference_mode()
+def fixed_set_top1(heads, config, target, sequences: list[tuple[list[int], int]], depths: int) -> list[float]:
+    """Top-1 per depth (module docstring) of `heads` over (token ids, prompt length) pairs."""
+    from specheads.heads.eagle3 import next_token_embeddings
+
+    if config.kind == "medusa":
+        depths = min(depths, config.num_heads)  # an EAGLE head unrolls to any depth
+    hits, counts = [0] * depths, [0] * depths
+    for ids, prompt_len in sequences:
+        ids_BL = torch.tensor([ids], device=target.device)
+        out = target(ids_BL, list(config.tap_layers))
+        if config.kind == "medusa":
+            logits_JBLV = heads(out.taps[-1], num_heads=depths)
+        else:
+            logits_JBLV, _ = heads(torch.cat(out.taps, dim=-1), next_token_embeddings(target.embeddings(), ids_BL),
+                                   num_steps=depths)
+        draft_JL = logits_JBLV[:, 0].argmax(-1)
+        to_target = heads.draft_to_target()
+        if to_target is not None:
+            draft_JL = to_target[draft_JL]
+        got, num = top1_hits(draft_JL, out.logits[0].argmax(-1), prompt_len)
+        hits, counts = [h + g for h, g in zip(hits, got)], [c + n for c, n in zip(counts, num)]
+    return [h / c if c else 0.0 for h, c in zip(hits, counts)]
+
+
+def eval_sequences(target, tokenizer, prompts_path: str, limit: int | None, max_new_tokens: int):
+    """(prompt + the target's greedy reply, prompt length) for each prompt of the file."""
+    from specheads.bench.prompts import encode_prompts, load_prompts
+
+    encoded = encode_prompts(tokenizer, load_prompts(prompts_path, limit=limit))
+    return [(p.input_ids + greedy_reply(target, p.input_ids, max_new_tokens, tokenizer.eos_token_id),
+             len(p.input_ids)) for p in encoded]
 
 
 def parse_point(spec: str) -> tuple[int, str, str | None]:
@@ -57,7 +133,7 @@ def bench_tau(report: dict, source: str) -> float:
                      "`specheads bench --heads DIR --json OUT` report")
 
 
-def load_point(num_tokens: int, heads_dir: str, bench_json: str | None) -> CurvePoint:
+def load_point(num_tokens: int, heads_dir: str, bench_json: str | None, series: str = "") -> CurvePoint:
     from specheads.heads.heads_dir import read_heads_config
 
     config = read_heads_config(heads_dir)
@@ -68,15 +144,23 @@ def load_point(num_tokens: int, heads_dir: str, bench_json: str | None) -> Curve
     tau = None
     if bench_json is not None:
         tau = bench_tau(json.loads(Path(bench_json).read_text()), bench_json)
-    return CurvePoint(num_tokens, [float(depth[0]) for depth in accuracy], tau, heads_dir)
+    return CurvePoint(num_tokens, [float(depth[0]) for depth in accuracy], tau, heads_dir, series)
+
+
+def _cells(values: list[float] | None, depths: int) -> list[str]:
+    return [f"{values[d]:.3f}" if values is not None and d < len(values) else "-" for d in range(depths)]
 
 
 def format_table(points: list[CurvePoint], depths: int) -> str:
-    header = "| reply tokens | " + " | ".join(f"top-1 depth {d}" for d in range(1, depths + 1)) + " | tau |"
-    lines = [header, "|" + "---:|" * (depths + 2)]
+    series = any(p.series for p in points)
+    fixed = any(p.fixed_top1 is not None for p in points)
+    header = ["series"] * series + ["reply tokens"] + [f"top-1 depth {d}" for d in range(1, depths + 1)]
+    header += [f"fixed-set top-1 depth {d}" for d in range(1, depths + 1)] * fixed + ["tau"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * series + "---:|" * (len(header) - series)]
     for p in points:
-        top1 = [f"{p.top1[d]:.3f}" if d < len(p.top1) else "-" for d in range(depths)]
-        lines.append(f"| {p.num_tokens:,} | " + " | ".join(top1) + f" | {'-' if p.tau is None else f'{p.tau:.2f}'} |")
+        row = [p.series] * series + [f"{p.num_tokens:,}"] + _cells(p.top1, depths)
+        row += _cells(p.fixed_top1, depths) * fixed + ["-" if p.tau is None else f"{p.tau:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -86,16 +170,33 @@ def render(points: list[CurvePoint], depths: int) -> bytes:
     fig = Figure(figsize=(11, 4.2), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
-    x = [p.num_tokens for p in points]
-    for depth in range(depths):
-        ys = [(p.num_tokens, p.top1[depth]) for p in points if depth < len(p.top1)]
-        left.plot([t for t, _ in ys], [a for _, a in ys], marker="o", label=f"depth {depth + 1}")
-    left.set(xscale="log", ylim=(0, 1), xlabel="training reply tokens", ylabel="held-out top-1",
-             title="Held-out top-1 by draft depth")
-    left.legend()
-    taus = [(p.num_tokens, p.tau) for p in points if p.tau is not None]
-    if taus:
-        right.plot([t for t, _ in taus], [v for _, v in taus], marker="o", color="#d62728")
+    x = sorted({p.num_tokens for p in points})
+    names = list(dict.fromkeys(p.series for p in points))
+    markers = "osD^v"
+    fixed = any(p.fixed_top1 is not None for p in points)
+    for index, name in enumerate(names):
+        group = [p for p in points if p.series == name]
+        marker, prefix = markers[index % len(markers)], f"{name}, " if name else ""
+        for depth in range(depths):
+            colour = f"C{depth}"
+            ys = [(p.num_tokens, p.top1[depth]) for p in group if depth < len(p.top1)]
+            left.plot([t for t, _ in ys], [a for _, a in ys], marker=marker, color=colour,
+                      label=f"{prefix}depth {depth + 1}, held out")
+            ys = [(p.num_tokens, p.fixed_top1[depth]) for p in group
+                  if p.fixed_top1 is not None and depth < len(p.fixed_top1)]
+            if ys:
+                left.plot([t for t, _ in ys], [a for _, a in ys], marker=marker, color=colour, linestyle="--",
+                          label=f"{prefix}depth {depth + 1}, fixed set")
+        taus = [(p.num_tokens, p.tau) for p in group if p.tau is not None]
+        if taus:
+            right.plot([t for t, _ in taus], [v for _, v in taus], marker=marker, color="#d62728",
+                       label=name or None)
+    left.set(xscale="log", ylim=(0, 1), xlabel="training reply tokens", ylabel="top-1",
+             title="Top-1 by draft depth" + (" (dashed: the fixed evaluation set)" if fixed else " (held out)"))
+    left.legend(fontsize="small")
+    taus = [p for p in points if p.tau is not None]
+    if taus and any(names):
+        right.legend()
     right.set(xscale="log", xlabel="training reply tokens", ylabel="tau (tokens per verify step)",
               title="tau on the bench prompts" if taus else "tau (no bench report given)")
     for axis in (left, right):
@@ -106,17 +207,58 @@ def render(points: list[CurvePoint], depths: int) -> bytes:
     return buffer.getvalue()
 
 
+class _SeriesPoint(argparse.Action):
+    """--series NAME and --point SPEC into one list of (series, spec or None), in order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        points = list(getattr(namespace, self.dest, None) or [])
+        series = points[-1][0] if points else ""
+        points.append((value, None) if option_string == "--series" else (series, value))
+        setattr(namespace, self.dest, points)
+
+
+def score_on_fixed_set(points: list[CurvePoint], args) -> list[CurvePoint]:
+    """Every point's top-1 on the target's replies to --eval-prompts (generated once)."""
+    from specheads.heads.heads_dir import load_heads
+    from specheads.runner import load_target_and_tokenizer
+
+    target, tokenizer = load_target_and_tokenizer(args.target, heads=[p.label for p in points], dtype=args.dtype)
+    sequences = eval_sequences(target, tokenizer, args.eval_prompts, args.limit, args.max_new_tokens)
+    scored = []
+    for point in points:
+        heads, config = load_heads(point.label, target.identity, device=target.device, dtype=target.dtype)
+        scored.append(replace(point, fixed_top1=fixed_set_top1(heads, config, target, sequences, args.depths)))
+    return scored
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--point", action="append", required=True, metavar="TOKENS=HEADS_DIR[:BENCH_JSON]",
+    p.add_argument("--point", action=_SeriesPoint, dest="points", required=True,
+                   metavar="TOKENS=HEADS_DIR[:BENCH_JSON]",
                    help="one training run: its reply tokens, heads directory and optional bench report")
+    p.add_argument("--series", action=_SeriesPoint, dest="points", metavar="NAME",
+                   help="the series of the --point flags after it (one line each in the plot)")
     p.add_argument("--depths", type=int, default=3, help="draft depths to show (default 3)")
+    p.add_argument("--eval-prompts", help="also score every point on the target's greedy replies to these "
+                                          "prompts (Spec-Bench jsonl, e.g. MT-bench's)")
+    p.add_argument("--target", help="the target the heads draft for (needed with --eval-prompts)")
+    p.add_argument("--limit", type=int, help="with --eval-prompts: its first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="with --eval-prompts: reply length (default 96)")
+    p.add_argument("--dtype", default="auto", help="with --eval-prompts: the target's dtype, as `specheads bench` "
+                                                   "takes it (default auto: the device's fast dtype)")
     p.add_argument("--out", help="write the PNG here")
     args = p.parse_args(argv)
     if args.depths < 1:
         p.error(f"--depths must be >= 1, got {args.depths}")
+    if args.eval_prompts and not args.target:
+        p.error("--eval-prompts needs --target, the model whose replies the heads are scored on")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
-        points = sorted((load_point(*parse_point(spec)) for spec in args.point), key=lambda q: q.num_tokens)
+        points = sorted((load_point(*parse_point(spec), series=series) for series, spec in args.points
+                         if spec is not None), key=lambda q: (q.series, q.num_tokens))
+        if args.eval_prompts:
+            points = score_on_fixed_set(points, args)
     except (ValueError, FileNotFoundError) as err:
         p.error(str(err))
     print(format_table(points, args.depths))

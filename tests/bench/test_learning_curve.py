@@ -1,14 +1,18 @@
 """The learning curve (bench/learning_curve.py): held-out top-1 read from each heads
-directory's calibration, tau from its bench report at its own tree, a table and a PNG."""
+directory's calibration, tau from its bench report at its own tree, a table and a PNG; with
+--eval-prompts, every point's top-1 on one fixed set of the target's greedy replies, by the
+training loss's own rule; --series groups the points."""
 
 import json
 
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from transformers import AutoTokenizer
+
+from conftest import make_byte_bpe_tokenizer, make_tiny_model
 from specheads.bench import learning_curve
-from specheads.heads.heads_dir import HeadsConfig, save_heads
+from specheads.heads.heads_dir import HeadsConfig, load_heads, save_heads
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
 
@@ -51,3 +55,94 @@ def test_bad_points_are_named(tmp_path):
     with pytest.raises(ValueError, match="no engine-heads method at the heads directory's own tree"):
         learning_curve.bench_tau({"methods": [{"kind": "engine-heads", "tree": {"source": "calibrated"},
                                                "overall": {"tau": 2.0}}]}, "b.json")
+
+
+def test_top1_hits_score_depth_d_at_t_against_the_target_at_t_plus_d():
+    want = torch.arange(10, 20)  # the target's argmax after positions 0..9
+    prompt_len = 4
+    perfect = torch.stack([torch.cat([want[1 + j:], torch.full((1 + j,), -1)]) for j in range(3)])
+    hits, counts = learning_curve.top1_hits(perfect, want, prompt_len)
+    assert hits == counts == [6, 5, 4]  # from t = 3 (the draft right after the prompt) to t = 8 - j
+    off_by_one = torch.stack([torch.cat([want[j:], torch.full((j,), -1)]) for j in range(3)])
+    assert learning_curve.top1_hits(off_by_one, want, prompt_len)[0] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_fixed_set_top1_is_the_training_metric_on_those_replies(kind, tmp_path):
+    """The fixed-set figure equals the training loss's own top-1 (training/losses.py) on the
+    same sequences with the loss mask from the draft after the prompt on."""
+    from transformers import AutoModelForCausalLM
+
+    from specheads.heads.eagle3 import next_token_embeddings
+    from specheads.heads.heads_dir import build_heads, eagle_heads_config
+    from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
+
+    target = TargetAdapter.from_pretrained(make_tiny_model("llama", tmp_path / "target", num_layers=3))
+    prompt = torch.randint(3, 256, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+    reply = learning_curve.greedy_reply(target, prompt, 20, eos_token_id=None)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "target").generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20)
+    assert reply == hf[0, len(prompt):].tolist()  # the target's own greedy reply
+    ids = prompt + reply
+    ids_BL = torch.tensor([ids])
+    mask_BL = torch.zeros(1, len(ids), dtype=torch.bool)
+    mask_BL[:, len(prompt) - 1:] = True
+    for seed in range(50):  # random heads, until one whose first candidates hit the target somewhere
+        torch.manual_seed(seed)
+        if kind == "medusa":
+            config = HeadsConfig(kind="medusa", hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                                 num_heads=3, num_layers=1, tap_layers=[target.num_layers], target=target.identity)
+        else:
+            config = eagle_heads_config(target, num_steps=3, draft_vocab_size=128)
+        heads = build_heads(config).eval()
+        if kind == "eagle3":
+            d2t = torch.arange(128) + 1  # draft id i is target id 2i + 1
+            t2d = torch.zeros(256, dtype=torch.bool)
+            t2d[1::2] = True
+            heads.set_draft_vocab(d2t, t2d)
+        heads.init_lm_heads_from(target.lm_head())
+        if kind == "medusa":  # its blocks start at zero (each head the target's lm_head): make them differ
+            with torch.no_grad():
+                heads.block_weight.normal_(0.0, 0.5)
+        got = learning_curve.fixed_set_top1(heads, config, target, [(ids, len(prompt))], depths=3)
+        with torch.inference_mode():
+            out = target(ids_BL, config.tap_layers)
+            if kind == "medusa":
+                want = medusa_distill_loss(heads(out.taps[-1]), out.logits, mask_BL).head_top1
+            else:
+                logits, _ = heads(torch.cat(out.taps, -1), next_token_embeddings(target.embeddings(), ids_BL), 3)
+                want = eagle_ttt_loss(logits, out.logits, mask_BL, heads.draft_to_target()).head_top1
+        assert got == pytest.approx(want.tolist(), abs=1e-6)
+        if sum(got) > 0:
+            break
+    assert 0 < sum(got) < 3, "no random head hit the target: the comparison above proved little"
+
+
+def test_the_cli_scores_every_point_on_one_fixed_set_per_series(tmp_path, capsys):
+    directory = make_tiny_model("llama", tmp_path / "target")
+    make_byte_bpe_tokenizer(directory, ["def f(x): return x + 1", "the quick brown fox"])
+    target = TargetAdapter.from_pretrained(directory)
+    small = _heads_dir(tmp_path, target, "small", [0.4, 0.2, 0.1])
+    large = _heads_dir(tmp_path, target, "large", [0.7, 0.5, 0.3])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [text]}) + "\n"
+                               for i, text in enumerate(["def f(x):", "the quick", "brown fox"])))
+    out = tmp_path / "curve.png"
+    assert learning_curve.main(["--series", "1 epoch", "--point", f"1000={small}", "--series", "3 epochs",
+                                "--point", f"3000={large}", "--point", f"1000={small}", "--eval-prompts",
+                                str(prompts), "--target", str(directory), "--limit", "2", "--max-new-tokens", "6",
+                                "--dtype", "float32", "--out", str(out)]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [(r[0], r[1]) for r in rows[1:]] == [("| 1 epoch", "1,000"), ("| 3 epochs", "1,000"),
+                                                ("| 3 epochs", "3,000")]
+    sequences = learning_curve.eval_sequences(
+        target, AutoTokenizer.from_pretrained(directory), str(prompts), 2, 6)
+    heads, config = load_heads(large)
+    want = learning_curve.fixed_set_top1(heads, config, target, sequences, 3)
+    assert rows[3][5:8] == [f"{a:.3f}" for a in want]  # held-out columns 2-4, fixed-set 5-7
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_prompts_need_a_target(tmp_path):
+    with pytest.raises(SystemExit):
+        learning_curve.main(["--point", f"1000={tmp_path}", "--eval-prompts", "p.jsonl"])
