@@ -77,28 +77,26 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 #define ELEMENTWISE(SUFFIX, T, LOAD, STORE, ROUND)                                                   \
-/* LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), the product rounded to T before the weight. */   \
+/* LlamaRMSNorm of one row: w * (x * rsqrt(mean(x^2) + eps)), the product rounded to T before the    \
+   weight; o may be x (each output reads only its own input, after the sum). */                      \
+static inline void rms_row_##SUFFIX(const T* x, const T* w, int n, float eps, T* o) {                \
+    float sum = 0.0f;                                                                                \
+    for (int i = 0; i < n; i++) { const float v = LOAD(x[i]); sum += v * v; }                        \
+    const float inv = 1.0f / sqrtf(sum / n + eps);                                                   \
+    for (int i = 0; i < n; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(x[i]) * inv));                  \
+}                                                                                                    \
 void rms_norm_##SUFFIX(const T* x, const T* w, int64_t rows, int n, float eps, T* out) {             \
     _Pragma("omp parallel for if (rows * n >= PARALLEL)")                                            \
-    for (int64_t r = 0; r < rows; r++) {                                                             \
-        const T* xr = x + r * n; T* o = out + r * n;                                                 \
-        float sum = 0.0f;                                                                            \
-        for (int i = 0; i < n; i++) { const float v = LOAD(xr[i]); sum += v * v; }                  \
-        const float inv = 1.0f / sqrtf(sum / n + eps);                                               \
-        for (int i = 0; i < n; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * inv));            \
-    }                                                                                                \
+    for (int64_t r = 0; r < rows; r++) rms_row_##SUFFIX(x + r * n, w, n, eps, out + r * n);          \
 }                                                                                                    \
-/* Qwen3's q_norm / k_norm: the same RMSNorm over each head's `n` values, in place, on `heads`  \
-   vectors per token with `token_stride` elements between tokens (the q or k part of qkv). */      \
+/* Qwen3's q_norm / k_norm: the same RMSNorm over each head's `n` values, in place, on `heads`       \
+   vectors per token with `token_stride` elements between tokens (the q or k part of qkv). */        \
 void head_rms_norm_##SUFFIX(T* x, const T* w, int64_t tokens, int64_t token_stride, int heads, int n, \
                             float eps) {                                                             \
     _Pragma("omp parallel for if (tokens * heads * n >= PARALLEL)")                                  \
     for (int64_t r = 0; r < tokens * heads; r++) {                                                   \
         T* xr = x + (r / heads) * token_stride + (r % heads) * n;                                    \
-        float sum = 0.0f;                                                                            \
-        for (int i = 0; i < n; i++) { const float v = LOAD(xr[i]); sum += v * v; }                  \
-        const float inv = 1.0f / sqrtf(sum / n + eps);                                               \
-        for (int i = 0; i < n; i++) xr[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * inv));           \
+        rms_row_##SUFFIX(xr, w, n, eps, xr);                                                         \
     }                                                                                                \
 }                                                                                                    \
 /* In place on `heads` vectors of `dim` per token: x * cos + rotate_half(x) * sin. */                 \
