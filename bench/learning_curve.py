@@ -48,20 +48,12 @@ class CurvePoint:
     fixed_top1: list[float] | None = None  # top-1 per depth on --eval-prompts' replies
 
 
-@torch.inference_mode()
 def greedy_reply(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
-    """The target's own greedy continuation of a prompt (its forward, a DynamicCache)."""
-    from transformers import DynamicCache
+    """The target's own greedy continuation of a prompt: the engine's plain decoding."""
+    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.generate import generate
 
-    cache = DynamicCache(config=target.config)
-    ids = torch.tensor([prompt_ids], device=target.device)
-    tokens: list[int] = []
-    while True:
-        out = target(ids, [], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        tokens.append(int(out.logits[0, -1].argmax()))
-        if tokens[-1] == eos_token_id or len(tokens) == max_new_tokens:
-            return tokens
-        ids = torch.tensor([[tokens[-1]]], device=target.device)
+    return list(generate(SpeculativeDecoder(target), prompt_ids, max_new_tokens, eos_token_id).tokens)
 
 
 def top1_hits(draft_JL: torch.Tensor, want_L: torch.Tensor, prompt_len: int) -> tuple[list[int], list[int]]:
@@ -77,26 +69,35 @@ def top1_hits(draft_JL: torch.Tensor, want_L: torch.Tensor, prompt_len: int) -> 
 
 
 @torch.inference_mode()
-def fixed_set_top1(heads, config, target, sequences: list[tuple[list[int], int]], depths: int) -> list[float]:
-    """Top-1 per depth (module docstring) of `heads` over (token ids, prompt length) pairs."""
+def fixed_set_top1(heads, config, target, sequences: list[tuple[list[int], int]], depths: int,
+                   target_outputs: dict | None = None) -> list[float]:
+    """Top-1 per depth (module docstring) of `heads` over (token ids, prompt length) pairs.
+
+    target_outputs: a dict shared across calls, so that the target runs once per sequence and
+    tap set however many heads directories are scored on them."""
     from specheads.heads.eagle3 import next_token_embeddings
+
+    target_outputs = {} if target_outputs is None else target_outputs
 
     if config.kind == "medusa":
         depths = min(depths, config.num_heads)  # an EAGLE head unrolls to any depth
     hits, counts = [0] * depths, [0] * depths
-    for ids, prompt_len in sequences:
+    for index, (ids, prompt_len) in enumerate(sequences):
         ids_BL = torch.tensor([ids], device=target.device)
-        out = target(ids_BL, list(config.tap_layers))
+        key = (index, tuple(config.tap_layers))
+        if key not in target_outputs:
+            out = target(ids_BL, list(config.tap_layers))
+            target_outputs[key] = (torch.cat(out.taps, dim=-1), out.logits[0].argmax(-1))
+        taps_BLnH, want_L = target_outputs[key]
         if config.kind == "medusa":
-            logits_JBLV = heads(out.taps[-1], num_heads=depths)
+            logits_JBLV = heads(taps_BLnH, num_heads=depths)
         else:
-            logits_JBLV, _ = heads(torch.cat(out.taps, dim=-1), next_token_embeddings(target.embeddings(), ids_BL),
-                                   num_steps=depths)
+            logits_JBLV, _ = heads(taps_BLnH, next_token_embeddings(target.embeddings(), ids_BL), num_steps=depths)
         draft_JL = logits_JBLV[:, 0].argmax(-1)
         to_target = heads.draft_to_target()
         if to_target is not None:
             draft_JL = to_target[draft_JL]
-        got, num = top1_hits(draft_JL, out.logits[0].argmax(-1), prompt_len)
+        got, num = top1_hits(draft_JL, want_L, prompt_len)
         hits, counts = [h + g for h, g in zip(hits, got)], [c + n for c, n in zip(counts, num)]
     return [h / c if c else 0.0 for h, c in zip(hits, counts)]
 
@@ -224,10 +225,11 @@ def score_on_fixed_set(points: list[CurvePoint], args) -> list[CurvePoint]:
 
     target, tokenizer = load_target_and_tokenizer(args.target, heads=[p.label for p in points], dtype=args.dtype)
     sequences = eval_sequences(target, tokenizer, args.eval_prompts, args.limit, args.max_new_tokens)
-    scored = []
+    scored, target_outputs = [], {}
     for point in points:
         heads, config = load_heads(point.label, target.identity, device=target.device, dtype=target.dtype)
-        scored.append(replace(point, fixed_top1=fixed_set_top1(heads, config, target, sequences, args.depths)))
+        top1 = fixed_set_top1(heads, config, target, sequences, args.depths, target_outputs)
+        scored.append(replace(point, fixed_top1=top1))
     return scored
 
 
