@@ -59,6 +59,9 @@ PARITY_CASES = [(1, 1, 1, 1, 0, 16), (1, 2, 1, 1, 37, 32), (2, 1, 2, 3, 0, 64), 
                 (1, 1, 2, 33, 37, 32), (1, 1, 2, 128, 40, 16)]
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+# SmolLM2-135M's shape (random weights: no checkpoint travels to the device machine).
+SMOLLM2_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0)
 LLAMA_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=256, max_position_embeddings=1024)
 FULL = dict(parity_cases=PARITY_CASES + [(1, 8, 4, 64, 1024, 128)],
@@ -66,11 +69,14 @@ FULL = dict(parity_cases=PARITY_CASES + [(1, 8, 4, 64, 1024, 128)],
             warmup=5, repeats=20, inner=10, rotate_bytes=256 << 20,  # K/V rotated over this much: reads miss L2
             lossless_model=dict(LLAMA_TINY, hidden_size=128, num_hidden_layers=4, vocab_size=512),
             lossless_prompts=8, lossless_new=32, bf16_new=64, bench_model=LLAMA_8B, context=4096,
-            verify_trees=(16, 32, 64), e2e_prompts=4, e2e_prompt_len=128, e2e_new=64, e2e_batch=8)
+            verify_trees=(16, 32, 64), e2e_prompts=4, e2e_prompt_len=128, e2e_new=64, e2e_batch=8,
+            e2e_models={"smollm2-shape": SMOLLM2_SHAPE, "llama-8b-shape": LLAMA_8B},
+            graph_cases=(("smollm2-shape", SMOLLM2_SHAPE, 1024), ("llama-8b-shape", LLAMA_8B, 4096)))
 TINY = dict(parity_cases=PARITY_CASES[:4] + [(1, 8, 4, 4, 40, 128)],
             layer=(8, 2, 32), speed_trees=(1, 4), speed_prefixes=(32,), warmup=0, repeats=1, inner=1, rotate_bytes=0,
             lossless_model=LLAMA_TINY, lossless_prompts=2, lossless_new=8, bf16_new=8, bench_model=LLAMA_TINY,
-            context=32, verify_trees=(4,), e2e_prompts=2, e2e_prompt_len=8, e2e_new=8, e2e_batch=2)
+            context=32, verify_trees=(4,), e2e_prompts=2, e2e_prompt_len=8, e2e_new=8, e2e_batch=2,
+            e2e_models={"tiny": LLAMA_TINY}, graph_cases=(("tiny", LLAMA_TINY, 32),))
 
 
 def peak_bandwidth(device_name: str) -> float | None:
@@ -116,11 +122,12 @@ def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, init_std
     return model.eval().requires_grad_(False)
 
 
-def bench_target(ctx):
-    """The random bf16 target of verify_vs_decode and end_to_end (8B-shaped unless tiny)."""
+def bench_target(ctx, shape: dict | None = None):
+    """A random bf16 target of `shape` (default: verify_vs_decode's, 8B-shaped unless tiny)."""
     from specheads.heads.target import TargetAdapter
 
-    return TargetAdapter(random_llama(ctx.bench_model, ctx.device, torch.bfloat16, init_std=None), "random-llama")
+    model = random_llama(shape or ctx.bench_model, ctx.device, torch.bfloat16, init_std=None)
+    return TargetAdapter(model, "random-llama")
 
 
 def random_prompts(num: int, length: int | None, vocab_size: int, seed: int) -> list[list[int]]:
@@ -311,11 +318,11 @@ def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -
     return rows
 
 
-def section_end_to_end(ctx) -> dict:
+def _end_to_end_rows(ctx, model_name: str, shape: dict) -> list[dict]:
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.trees import DraftTree
 
-    target = bench_target(ctx)
+    target = bench_target(ctx, shape)
     prompts = random_prompts(max(ctx.e2e_prompts, ctx.e2e_batch), ctx.e2e_prompt_len, target.vocab_size, seed=7)
     long = hf_greedy(target.model, prompts, ctx.e2e_new + NUM_HEADS + 2)
     oracle = OracleMedusa(target, [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
@@ -332,14 +339,92 @@ def section_end_to_end(ctx) -> dict:
         target.model.set_attn_implementation("sdpa")
     batched = {name: decoders[name] for name in ("engine-plain", "engine-medusa-oracle")}
     rows += _rate_rows(ctx, target, batched, prompts[:ctx.e2e_batch], ctx.e2e_new, batch=ctx.e2e_batch)
+    return [dict(model=model_name, **row) for row in rows]
+
+
+def section_end_to_end(ctx) -> dict:
+    rows = []
+    for model_name, shape in ctx.e2e_models.items():
+        rows += _end_to_end_rows(ctx, model_name, shape)
+        gc.collect()  # one model at a time on the device
+        torch.cuda.empty_cache()
     return {"rows": rows, "prompt_len": ctx.e2e_prompt_len, "new_tokens": ctx.e2e_new,
-            "note": "random bf16 target, fallback off; 'oracle' heads know HF's greedy continuation "
+            "note": "random bf16 targets of each shape, fallback off; 'oracle' heads know HF's greedy continuation "
                     "(tau's upper bound), 'random' heads are untrained (its lower bound)"}
+
+
+# --- 6. CUDA graphs ---------------------------------------------------------------------
+def _graph_row(ctx, target, cache, num_tree: int, attn: str) -> dict:
+    """One forward of T tokens over a static-shape cache, eager against its CUDA-graph replay.
+    Every input is a device tensor made once, as a captured engine step's would be."""
+    from specheads.serving.kernels.tree_attention import pack_tree_mask
+
+    prefix_len = cache.get_seq_length()
+    tree_mask = random_tree_mask(num_tree, torch.Generator().manual_seed(num_tree)).to(ctx.device)
+    position_ids = cache.position_ids(tree_mask.sum(dim=1) - 1)  # [1, T] committed length + depth
+    tokens = torch.randint(3, target.vocab_size, (1, num_tree), device=ctx.device)
+    kwargs = dict(tree_mask=pack_tree_mask(tree_mask), prefix_len=prefix_len) if attn == "tree" \
+        else dict(attention_mask=cache.attention_mask(tree_mask))
+    call = lambda: target(tokens, [], position_ids=position_ids, past_key_values=cache, use_cache=True,
+                          **kwargs).logits
+    row = dict(attention=attn, T=num_tree, eager_ms=time_ms(call, ctx.device, ctx.warmup, ctx.repeats))
+    if ctx.device.type != "cuda":
+        return dict(row, graph_error="CUDA graphs need a CUDA device")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+            for _ in range(3):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = call()
+        graph.replay()
+        expected = call().float()
+        row["graph_ms"] = time_ms(graph.replay, ctx.device, ctx.warmup, ctx.repeats)
+        row.update(speedup=row["eager_ms"] / row["graph_ms"],
+                   replay_rel_err=((logits.float() - expected).norm() / expected.norm()).item())
+        del graph
+    except Exception as exc:  # what stops a capture is this section's finding
+        row["graph_error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def section_graphs(ctx) -> dict:
+    """Eager against CUDA-graph replay for one target forward (decode T=1 and verify trees)
+    over a static-shape TreeStaticCache at a fixed context, per model shape: what a captured
+    verify step would save in launch and Python time. The tree kernel is captured with its
+    prefix length fixed (an engine would pass it as a device tensor)."""
+    from specheads.serving.decode.cache import TreeStaticCache
+    from specheads.serving.kernels.tree_attention import use_tree_attention
+
+    rows = []
+    for model_name, shape, context in ctx.graph_cases:
+        target = bench_target(ctx, shape)
+        cache = TreeStaticCache(target.model.config, max_cache_len=context + max(ctx.verify_trees) + 1,
+                                static_shape=True)
+        prompt = torch.randint(3, target.vocab_size, (1, context), device=ctx.device)
+        target(prompt, [], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.commit()
+        for attn in ("sdpa", "tree"):
+            if attn == "tree":
+                use_tree_attention(target.model)
+            for num_tree in (1, *ctx.verify_trees):
+                if attn == "tree" and num_tree == 1:
+                    continue  # one token attends through SDPA either way
+                rows.append(dict(model=model_name, context=context, **_graph_row(ctx, target, cache, num_tree, attn)))
+        del target, cache
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"rows": rows, "note": "one forward of the random bf16 target, static-shape cache; eager includes the "
+                                  "Python and launch time that a graph replay removes"}
 
 
 # --- running and reporting --------------------------------------------------------------
 SECTIONS = {"parity": section_parity, "kernel_speed": section_kernel_speed, "lossless": section_lossless,
-            "verify_vs_decode": section_verify_vs_decode, "end_to_end": section_end_to_end}
+            "verify_vs_decode": section_verify_vs_decode, "graphs": section_graphs,
+            "end_to_end": section_end_to_end}
 
 
 def run_section(ctx, name: str) -> dict:

@@ -111,6 +111,13 @@ def test_figures(suite_run):
     assert {row["batch"] for row in end_to_end} == {1, gpu_suite.TINY["e2e_batch"]}
     oracle = [row for row in end_to_end if row["method"] == "engine-medusa-oracle"]
     assert len(oracle) == 2 and all(row["tau"] > 1.5 and row["tokens_per_s"] > 0 for row in oracle)
+    assert {row["model"] for row in end_to_end} == set(gpu_suite.TINY["e2e_models"])
+    graphs = sections["graphs"]["rows"]
+    trees = gpu_suite.TINY["verify_trees"]
+    assert [(row["attention"], row["T"]) for row in graphs] == [("sdpa", t) for t in (1, *trees)] + \
+        [("tree", t) for t in trees]
+    # On the CPU nothing is captured, and each row says why instead of giving a replay time.
+    assert all(row["eager_ms"] > 0 and "graph_ms" not in row and "CUDA" in row["graph_error"] for row in graphs)
 
 
 def test_markdown_holds_every_section(suite_run):
