@@ -1,6 +1,7 @@
 """The GPU suite's kernel sections (bench/gpu_suite.py runs them): the Triton tree-attention
 kernel against its PyTorch reference (parity) and against SDPA (speed), plus the timing
-helpers every section uses. Imports torch and the project's kernel module only.
+helpers every section uses. Imports torch and the project's kernel module (and, to time a
+graph, serving/decode/graphs.py).
 
 Shape legend: B batch, Hq / Hkv query / KV heads, T tree tokens, S prefix keys, D head dim.
 """
@@ -8,6 +9,7 @@ Shape legend: B batch, Hq / Hkv query / KV heads, T tree tokens, S prefix keys, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import time
@@ -44,6 +46,16 @@ def time_ms(fn, device: torch.device, warmup: int, repeats: int, inner: int = 1)
         end.synchronize()
         samples.append(start.elapsed_time(end) / inner)
     return statistics.median(samples)
+
+
+def graph_ms(calls: list, device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds per call of `calls` (zero-argument functions) replayed as one CUDA
+    graph: the kernels' own time, without the Python and launch time of an eager call (which
+    is most of it for one attention layer at batch 1)."""
+    from specheads.serving.decode.graphs import capture
+
+    graph, _ = capture(lambda: [call() for call in calls], device, warmup_runs=1)
+    return time_ms(graph.replay, device, warmup, repeats) / len(calls)
 
 
 def random_tree_mask(num_tree: int, generator: torch.Generator) -> torch.Tensor:
@@ -117,6 +129,10 @@ def _speed_rows(ctx, prefix_len: int, num_tree: int) -> list[dict]:
             try:
                 ms = time_ms(lambda: call(*buffers[next(turn) % num_buffers]), ctx.device, ctx.warmup, ctx.repeats,
                              ctx.inner)
+                if ctx.device.type == "cuda":  # the kernels alone: one graph of a call per buffer (reads miss L2)
+                    row["eager_ms"] = ms
+                    ms = graph_ms([functools.partial(call, *buffers[i % num_buffers])
+                                   for i in range(max(ctx.inner, num_buffers))], ctx.device, ctx.warmup, ctx.repeats)
             except Exception as exc:  # a backend refusing a shape must not lose the other rows
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 continue

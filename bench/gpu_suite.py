@@ -1,28 +1,36 @@
 """The GPU suite: what this project measures and checks on a GPU, in one run of < 10 min.
 
-Five sections, each a function returning its own figures (one that raises records its
+Six sections, each a function returning its own figures (one that raises records its
 error; the others still run; the two kernel sections are in bench/gpu_kernels.py):
 - parity: the Triton tree-attention kernel vs its PyTorch reference in fp32/bf16/fp16, on
   the CPU tests' shapes plus an 8B-shaped layer (32 q / 8 kv heads, head dim 128).
 - kernel_speed: that layer in bf16, T = 1..128 tree tokens at 1k/8k prefix: the kernel vs
-  SDPA with a dense bool mask (and mem-efficient / flash SDPA); ms, GB/s, % of peak HBM.
-- lossless: a tiny random Llama in fp32, the engine (heads, both attention paths) vs HF
-  greedy per prompt; and the bf16 greedy match rate vs HF bf16 greedy.
+  SDPA with a dense bool mask (and mem-efficient / flash SDPA); ms (on a GPU, the kernels
+  alone, replayed as one CUDA graph; eager_ms beside), GB/s, % of peak HBM.
+- lossless: a tiny random Llama in fp32, the engine (heads, both attention paths, CUDA
+  graphs) vs HF greedy per prompt; and the bf16 greedy match rate vs HF bf16 greedy.
 - verify_vs_decode: a random Llama-3.1-8B-shaped bf16 model at 4k context (TreeStaticCache):
-  one verify forward at T = 16/32/64 vs one decode step, and vs the weight-read floor.
-- end_to_end: tokens/s of HF greedy vs the engine without / with heads, batch 1 and 8.
+  one eager verify forward at T = 16/32/64 vs one decode step, and vs the weight-read floor.
+- graphs: one forward, eager vs its CUDA-graph replay over a static-shape cache, for
+  SmolLM2- and 8B-shaped random models (decode and verify, SDPA mask or the kernel).
+- end_to_end: tokens/s of HF greedy vs the engine without / with heads, with and without
+  CUDA graphs, batch 1 and 8, for SmolLM2- and 8B-shaped random models.
 
 It imports torch, triton, transformers and the serving/heads modules that pull no deepspeed,
 fastapi, uvicorn, wandb, datasets or gguf (tests/bench/test_gpu_suite.py runs it with those
-blocked). No CUDA graphs. The first command once a GPU is lent: one device `run` in the
-repo root (no network there, specheads not installed), these two lines joined by `&&`:
+blocked). The first run (2026-11-26, an H200; figures in the README's GPU section) carried
+transformers 5.24 as a wheel and put the package on PYTHONPATH through a folder of links
+(run from outside the repo root, whose specheads/ folder would shadow the package):
 
-    pip install -q --no-deps --no-build-isolation --no-index -e .
-    env -u TRITON_INTERPRET PYTHONUNBUFFERED=1 python -m specheads.bench.gpu_suite --out $OUT
+    mkdir -p /tmp/pkg/specheads && for f in specheads/*; do ln -s $PWD/$f /tmp/pkg/specheads/; done
+    for d in heads training serving data recipes bench; do ln -s $PWD/$d /tmp/pkg/specheads/$d; done
+    cd /tmp && env -u TRITON_INTERPRET PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 \
+        python3 -m specheads.bench.gpu_suite --out $OUT
 
 It writes $OUT/gpu_suite.json and $OUT/gpu_suite.md after every section. `--sections a,b`
 runs a subset; `--tiny` (implied by --device cpu, which sets TRITON_INTERPRET=1) shrinks
-every shape so the suite runs on a CPU in well under a minute.
+every shape so the suite runs on a CPU in well under a minute (CUDA graphs then run their
+static-shape forward uncaptured).
 
 Shape legend: B batch, Hq / Hkv query / KV heads, T tree tokens, S prefix keys, D head dim.
 """
@@ -201,12 +209,17 @@ def lossless_decoders(target, sequences: list[list[int]], prompt_lengths: list[i
     for param in eagle.parameters():
         if param.dim() == 2:
             nn.init.normal_(param, 0.0, 0.3)
+    graphs = "capture" if target.device.type == "cuda" else "eager"  # eager: the same static forward, uncaptured
     return {"plain": SpeculativeDecoder(target, fallback=None),
+            "plain+graphs": SpeculativeDecoder(target, fallback=None, cuda_graphs=graphs),
             "medusa-random": SpeculativeDecoder(target, random_medusa(target), tree, fallback=None),
             "medusa-oracle": SpeculativeDecoder(target, oracle, tree, fallback=None),
             "eagle3-random": SpeculativeDecoder(target, eagle, tree, tap_layers=taps, fallback=None),
             "medusa-oracle+kernel": SpeculativeDecoder(kernel_target, oracle, tree, **kernel),
-            "eagle3-random+kernel": SpeculativeDecoder(kernel_target, eagle, tree, tap_layers=taps, **kernel)}
+            "eagle3-random+kernel": SpeculativeDecoder(kernel_target, eagle, tree, tap_layers=taps, **kernel),
+            "medusa-oracle+kernel+graphs": SpeculativeDecoder(kernel_target, oracle, tree, **kernel, cuda_graphs=graphs),
+            "eagle3-random+kernel+graphs": SpeculativeDecoder(kernel_target, eagle, tree, tap_layers=taps, **kernel,
+                                                              cuda_graphs=graphs)}
 
 
 def _greedy_match(target, prompts: list[list[int]], num_new: int) -> list[dict]:
@@ -279,12 +292,18 @@ def section_verify_vs_decode(ctx) -> dict:
 
 
 # --- 5. end to end ----------------------------------------------------------------------
-def _session_results(decoder, prompts, num_new: int) -> list:
-    """Every prompt admitted at once to a Scheduler and decoded to the end; results in prompt order."""
-    from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
+def _scheduler(decoder, batch: int, prompt_len: int, num_new: int):
+    from specheads.serving.decode.scheduler import Scheduler
 
-    session = Scheduler(decoder, max_batch_size=len(prompts),
-                           max_cache_len=len(prompts[0]) + num_new + decoder.max_tree_nodes + 1)
+    return Scheduler(decoder, max_batch_size=batch, max_cache_len=prompt_len + num_new + decoder.max_tree_nodes + 1)
+
+
+def _session_results(decoder, prompts, num_new: int, session=None) -> list:
+    """Every prompt admitted at once to a Scheduler (`session`, else a new one) and decoded to
+    the end; results in prompt order."""
+    from specheads.serving.decode.scheduler import SequenceRequest
+
+    session = session or _scheduler(decoder, len(prompts), len(prompts[0]), num_new)
     seq_ids = [session.add(SequenceRequest(prompt, num_new)) for prompt in prompts]
     results = {}
     while session.num_active:
@@ -294,14 +313,19 @@ def _session_results(decoder, prompts, num_new: int) -> list:
 
 def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -> list[dict]:
     """tokens/s of HF greedy and of each engine over `prompts` in groups of `batch` (batch 1:
-    the engine's generate; more: a Scheduler), each after a warm-up run."""
+    the engine's generate; more: a Scheduler; CUDA graphs: one Scheduler kept across groups, as
+    a server keeps its engine, so the warm-up run captures), each after a warm-up run."""
     groups, rows = [prompts[i:i + batch] for i in range(0, len(prompts), batch)], []
     for name, make in {"hf-greedy": None, **decoders}.items():
         decoder = make() if make else None  # built in turn: a tree-attention engine switches the model's attention
+        session = _scheduler(decoder, batch, len(prompts[0]), num_new) \
+            if decoder is not None and decoder.cuda_graphs else None
 
         def run(group):
             if decoder is None:
                 return hf_greedy(target.model, group, num_new)
+            if session is not None:
+                return _session_results(decoder, group, num_new, session)
             return [generate(decoder, p, num_new) for p in group] if batch == 1 else \
                 _session_results(decoder, group, num_new)
         run(groups[0])  # warm-up: kernel compile, allocator
@@ -327,17 +351,22 @@ def _end_to_end_rows(ctx, model_name: str, shape: dict) -> list[dict]:
     long = hf_greedy(target.model, prompts, ctx.e2e_new + NUM_HEADS + 2)
     oracle = OracleMedusa(target, [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
     tree, medusa = DraftTree.from_paths(TREE_PATHS), random_medusa(target)
+    graphs = "capture" if ctx.device.type == "cuda" else "eager"
     decoders = {"engine-plain": lambda: SpeculativeDecoder(target, fallback=None),
+                "engine-plain+graphs": lambda: SpeculativeDecoder(target, fallback=None, cuda_graphs=graphs),
                 "engine-medusa-random": lambda: SpeculativeDecoder(target, medusa, tree, fallback=None),
                 "engine-medusa-oracle": lambda: SpeculativeDecoder(target, oracle, tree, fallback=None),
-                # Last: its engine switches the model's attention function (restored below).
+                # Last two: their engines switch the model's attention function (restored below).
                 "engine-medusa-oracle+kernel": lambda: SpeculativeDecoder(target, oracle, tree, fallback=None,
-                                                                          attn_impl="tree")}
+                                                                          attn_impl="tree"),
+                "engine-medusa-oracle+kernel+graphs": lambda: SpeculativeDecoder(
+                    target, oracle, tree, fallback=None, attn_impl="tree", cuda_graphs=graphs)}
     try:
         rows = _rate_rows(ctx, target, decoders, prompts[:ctx.e2e_prompts], ctx.e2e_new, batch=1)
     finally:
         target.model.set_attn_implementation("sdpa")
-    batched = {name: decoders[name] for name in ("engine-plain", "engine-medusa-oracle")}
+    batched = {name: decoders[name] for name in ("engine-plain", "engine-plain+graphs", "engine-medusa-oracle",
+                                                 "engine-medusa-oracle+kernel+graphs")}
     rows += _rate_rows(ctx, target, batched, prompts[:ctx.e2e_batch], ctx.e2e_new, batch=ctx.e2e_batch)
     return [dict(model=model_name, **row) for row in rows]
 
@@ -370,17 +399,10 @@ def _graph_row(ctx, target, cache, num_tree: int, attn: str) -> dict:
     row = dict(attention=attn, T=num_tree, eager_ms=time_ms(call, ctx.device, ctx.warmup, ctx.repeats))
     if ctx.device.type != "cuda":
         return dict(row, graph_error="CUDA graphs need a CUDA device")
+    from specheads.serving.decode.graphs import capture
+
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = call()
-        graph.replay()
+        graph, logits = capture(call, ctx.device)
         expected = call().float()
         row["graph_ms"] = time_ms(graph.replay, ctx.device, ctx.warmup, ctx.repeats)
         row.update(speedup=row["eager_ms"] / row["graph_ms"],
@@ -411,8 +433,6 @@ def section_graphs(ctx) -> dict:
             if attn == "tree":
                 use_tree_attention(target.model)
             for num_tree in (1, *ctx.verify_trees):
-                if attn == "tree" and num_tree == 1:
-                    continue  # one token attends through SDPA either way
                 rows.append(dict(model=model_name, context=context, **_graph_row(ctx, target, cache, num_tree, attn)))
         del target, cache
         gc.collect()

@@ -26,7 +26,7 @@ import json
 import sys
 
 from specheads.errors import EXIT_USER_ERROR, UserError
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP
 
 
 def _add_generate(sub) -> None:
@@ -50,6 +50,7 @@ def _add_generate(sub) -> None:
                    help="also draft up to N tokens by n-gram lookup in the context (0: off; "
                         "default: what `specheads tune` stored in the heads directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
 
 
 def _add_demo(sub) -> None:
@@ -87,12 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
-    from specheads.runner import load_decoder
+    from specheads.runner import cuda_graphs_problem, load_decoder
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.cuda_graphs and cuda_graphs_problem(args.device):
+        raise UserError(cuda_graphs_problem(args.device))
     decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
-                                      trust_remote_code=args.trust_remote_code, lookup_num_tokens=args.lookup)
+                                      trust_remote_code=args.trust_remote_code, lookup_num_tokens=args.lookup,
+                                      cuda_graphs=args.cuda_graphs)
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not prompt_ids:
         raise UserError("--prompt is empty after tokenization; give at least one token of text")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from specheads.errors import UserError
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> None:
@@ -49,10 +49,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's); 1 avoids oversubscription on a shared machine")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
 
 
 def run(args) -> int:
-    from specheads.runner import load_decoder
+    from specheads.runner import cuda_graphs_problem, load_decoder
     from specheads.serving.server.server import serve
     from specheads.serving.server.state import ServeConfig
 
@@ -74,6 +75,8 @@ def run(args) -> int:
                                  ("--lookup", args.lookup, 0)):
         if value is not None and value < minimum:
             raise UserError(f"{flag} must be >= {minimum}, got {value}")
+    if args.cuda_graphs and cuda_graphs_problem(args.device):
+        raise UserError(cuda_graphs_problem(args.device))
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             raise UserError(f"--torch-threads must be >= 1, got {args.torch_threads}")
@@ -91,7 +94,7 @@ def run(args) -> int:
     def loader():
         decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
                                           trust_remote_code=args.trust_remote_code, progress=False,
-                                          lookup_num_tokens=args.lookup)
+                                          lookup_num_tokens=args.lookup, cuda_graphs=args.cuda_graphs)
         if chat_template is None:
             # The same documented fallback that training renders chats with (data/chat.py),
             # so chat requests to a template-less target see the format the heads were trained on.

@@ -20,6 +20,8 @@ SUBCOMMANDS = ["train", "generate", "demo", "bench", "tune", "serve", "export", 
 USER_ERRORS = [
     (["train", "--profile", "cpu", "{tmp}/absent.yaml"], "absent.yaml"),  # a leading option reaches train too
     (["generate", "--target", "{tmp}/t", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "--target", "{tmp}/t", "--prompt", "x", "--cuda-graphs"], "--cuda-graphs needs --device cuda"),
+    (["serve", "--target", "{tmp}/t", "--cuda-graphs"], "--cuda-graphs needs --device cuda"),
     (["demo", "--target", "embedded:tiny", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["demo", "--target", "embedded:tiny", "--recipe", "{tmp}/absent.yaml"], "--recipe"),
     (["bench", "--target", "{tmp}/t", "--max-new-tokens", "0"], "--max-new-tokens"),

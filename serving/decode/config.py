@@ -54,6 +54,12 @@ class SpeculativeDecoder:
 
     lookup: n-gram lookup drafts from the context (serving/decode/lookup.py), with or without heads.
 
+    cuda_graphs: None, or "capture": the engine's cache takes static shapes and every verify
+    forward is a CUDA-graph replay, captured once per shape (serving/decode/graphs.py; the
+    target must be on a CUDA device); "eager": the same static-shape verify run eagerly, on
+    any device (how the CPU tests check what a graph records, and a way to rule the capture
+    out when a GPU run disagrees).
+
     On a packed CPU target (heads/cpu_layout.py) the drafters run a copy of the heads whose
     linear layers are packed too (`packed_for_inference`, weights shared): build the decoder
     after the heads' weights are final.
@@ -63,7 +69,8 @@ class SpeculativeDecoder:
                  tree: DraftTree | DynamicTreeConfig | None = None, tap_layers: list[int] | None = None,
                  attn_impl: str = "sdpa", tree_attention_impl: str | None = None,
                  fallback: FallbackPolicy | None = FallbackPolicy(), entropy_threshold: float | None = None,
-                 lookup: LookupConfig | None = None, step_costs: StepCosts | None = None):
+                 lookup: LookupConfig | None = None, step_costs: StepCosts | None = None,
+                 cuda_graphs: str | None = None):
         if tree is not None and not isinstance(tree, (DraftTree, DynamicTreeConfig)):
             raise TypeError(f"tree must be a DraftTree, a DynamicTreeConfig or None, got {type(tree).__name__}")
         if lookup is not None and not isinstance(lookup, LookupConfig):
@@ -74,6 +81,14 @@ class SpeculativeDecoder:
             raise ValueError(f"attn_impl must be 'sdpa' or 'tree', got {attn_impl!r}")
         if tree_attention_impl not in (None, "torch", "triton"):
             raise ValueError(f"tree_attention_impl must be None, 'torch' or 'triton', got {tree_attention_impl!r}")
+        if cuda_graphs not in (None, "capture", "eager"):
+            raise ValueError(f"cuda_graphs must be None, 'capture' or 'eager', got {cuda_graphs!r}")
+        if cuda_graphs == "capture" and target.device.type != "cuda":
+            raise ValueError(f"cuda_graphs='capture' needs the target on a CUDA device, got {target.device}; "
+                             "cuda_graphs='eager' runs the same static-shape verify without capturing")
+        if cuda_graphs is not None and target.packed is not None:
+            raise ValueError("cuda_graphs needs an unpacked target (a packed CPU target runs its own fused forward); "
+                             "load the target without CPU packing")
         dynamic = tree if isinstance(tree, DynamicTreeConfig) else None
         if dynamic is not None and not is_eagle(heads):
             raise ValueError("a dynamic tree (DynamicTreeConfig) needs EAGLE heads; Medusa heads use a "
@@ -116,6 +131,7 @@ class SpeculativeDecoder:
         self.step_costs = step_costs if step_costs is not None else StepCosts()
         self.attn_impl = attn_impl
         self.tree_attention_impl = tree_attention_impl
+        self.cuda_graphs = cuda_graphs
 
     @property
     def speculates(self) -> bool:

@@ -47,6 +47,7 @@ import torch
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.decode.fallback import Fallback, SpeculationWindow
+from specheads.serving.decode.graphs import VerifyGraphs, bucket
 from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_memory
 from specheads.serving.decode.lookup import NgramIndex
 from specheads.serving.decode.sampling import SamplingParams, make_generator
@@ -122,7 +123,10 @@ class BatchEngine:
         self.target = decoder.target
         self.max_batch_size = max_batch_size
         self.max_cache_len = max_cache_len
-        self.cache = TreeStaticCache(self.target.config, max_cache_len=max_cache_len, batch_size=max_batch_size)
+        self.cache = TreeStaticCache(self.target.config, max_cache_len=max_cache_len, batch_size=max_batch_size,
+                                     static_shape=decoder.cuda_graphs is not None)
+        self.graphs = None if decoder.cuda_graphs is None else \
+            VerifyGraphs(decoder, self.cache, capture=decoder.cuda_graphs == "capture")
         self.rows: list[Sequence] = []  # row i holds rows[i]
         self.fallback = Fallback(decoder.fallback, decoder.step_costs)
         self.lookup_trees = LookupTrees(self.target.device)
@@ -323,8 +327,11 @@ class BatchEngine:
         tokens [T]). A failed forward of several rows is run again row by row, padded alike so
         that the rows commit together; a row that fails alone ends (None)."""
         self.cache.set_rows(0, len(batch))
+        num_nodes = max(draft.plan.num_nodes for draft in drafts)
+        if self.graphs is not None:  # a few tree sizes, so a few graphs
+            num_nodes = bucket(num_nodes, self.decoder.max_tree_nodes)
         try:
-            logits, taps = retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts),
+            logits, taps = retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts, num_nodes, self.graphs),
                                                f"a verify forward of {len(batch)} sequences")
             return list(zip(logits, taps, greedy_tokens(logits)))  # one argmax for the whole batch
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
@@ -333,12 +340,11 @@ class BatchEngine:
             if len(batch) == 1:
                 self._fail(batch[0], err)
                 return [None]
-        num_nodes = max(draft.plan.num_nodes for draft in drafts)
         verified = []
         for row, (seq, draft) in enumerate(zip(batch, drafts)):
             self.cache.set_rows(row, row + 1, pending_written=True)  # the failed forward's entries are dropped
             one = self._guard(seq, lambda: retry_out_of_memory(
-                lambda: verify(self.decoder, self.cache, [draft], num_nodes),
+                lambda: verify(self.decoder, self.cache, [draft], num_nodes, self.graphs),
                 "a verify forward of one sequence"))
             verified.append(None if one is None else (one[0][0], one[1][0], greedy_tokens(one[0][0])))
         self.cache.set_rows(0, len(batch), pending_written=True)

@@ -93,10 +93,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def verify(decoder, cache: TreeStaticCache, drafts: list[Draft],
-           num_nodes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           num_nodes: int | None = None, graphs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """ONE target forward over the cache's active rows, one draft each (a single sequence is a
     batch of one), every tree padded to num_nodes (default: the largest) -> (logits [n, T, V],
-    taps [n, T, nH]). decoder: its target, tap_layers and attention choice."""
+    taps [n, T, nH]). decoder: its target, tap_layers and attention choice. graphs: a
+    serving/decode/graphs.py `VerifyGraphs` that runs the forward (static shapes, CUDA graphs)."""
     num_nodes = num_nodes or max(draft.plan.num_nodes for draft in drafts)
     device = drafts[0].tokens.device
     tokens_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
@@ -107,6 +108,8 @@ def verify(decoder, cache: TreeStaticCache, drafts: list[Draft],
         tokens_nT[index, :size] = draft.tokens
         offsets_nT[index, :size] = draft.plan.position_offsets
         tree_masks[index, :size, :size] = draft.plan.tree_mask
+    if graphs is not None:
+        return graphs.forward(tokens_nT, offsets_nT, tree_masks)
     attention_kwargs, mask = {}, None
     if decoder.attn_impl == "tree" and num_nodes > 1:
         from specheads.serving.kernels.tree_attention import pack_tree_mask

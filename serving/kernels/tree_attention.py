@@ -144,17 +144,23 @@ def _default_split_size(prefix_len: int) -> int:
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    prefix_len: int | list[int] | torch.Tensor, tree_mask: torch.Tensor, scale: float | None = None, impl: str = "triton",
-                   split_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   split_size: int | None = None, out: torch.Tensor | None = None,
+                   max_prefix_len: int | None = None) -> torch.Tensor:
     """Tree attention; see the module docstring.
 
     q [B, Hq, T, D]; k, v [B, Hkv, >= S+T, D]; prefix_len S, an int or one per sequence
-    ([B] list or tensor; a tensor costs one host sync for its max); tree_mask bool [T, T] /
+    ([B] list or tensor; a tensor costs one host sync for its max and its check, unless
+    max_prefix_len gives a bound: then nothing syncs, so a CUDA graph can capture the call,
+    and the caller guarantees 0 <= S <= max_prefix_len); tree_mask bool [T, T] /
     [B, T, T] or packed int32 [T, W] / [B, T, W]. fp32, bf16 or fp16 (fp32 accumulation).
     split_size (triton): prefix keys per program, rounded up to a multiple of SPLIT_MULTIPLE.
     out: optional [B, Hq, T, D] destination of any strides (e.g. a transposed [B, T, Hq, D]).
     -> [B, Hq, T, D] in q's dtype (`out` when given).
     """
-    prefix_lens_B, max_prefix_len = _prefix_lens(prefix_len, q.shape[0], q.device)
+    if max_prefix_len is not None and isinstance(prefix_len, torch.Tensor) and prefix_len.dim() == 1:
+        prefix_lens_B = prefix_len.to(q.device, torch.long)  # the caller's bound: no sync
+    else:
+        prefix_lens_B, max_prefix_len = _prefix_lens(prefix_len, q.shape[0], q.device)
     _check_shapes(q, k, v, max_prefix_len, tree_mask)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
@@ -187,13 +193,15 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            tree_mask: torch.Tensor | None = None,
                            prefix_len: int | list[int] | torch.Tensor | None = None,
-                           tree_attention_impl: str | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                           tree_attention_impl: str | None = None, max_prefix_len: int | None = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, Hq, T, D], key/value [B, Hkv, S+T, D]
     (cache already updated) -> ([B, T, Hq, D], None).
 
     With `tree_mask` the 4-D `attention_mask` is ignored: the tree mask (bool or packed; pack
     it once per step, not per layer) and prefix_len (default: key length - T, right for a
-    DynamicCache; pass it with a preallocated cache) define visibility. Without it: SDPA.
+    DynamicCache; pass it with a preallocated cache) define visibility; max_prefix_len, a
+    bound on a tensor prefix_len, spares the host sync (see `tree_attention`). Without it: SDPA.
     """
     if tree_mask is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -206,7 +214,8 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     prefix_len = key.shape[2] - num_tree if prefix_len is None else prefix_len
     out_BTHD = torch.empty(batch, num_tree, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
     tree_attention(query, key, value, prefix_len, tree_mask, scale=scaling,
-                   impl=tree_attention_impl or _default_impl(query), out=out_BTHD.transpose(1, 2))
+                   impl=tree_attention_impl or _default_impl(query), out=out_BTHD.transpose(1, 2),
+                   max_prefix_len=max_prefix_len)
     return out_BTHD, None
 
 

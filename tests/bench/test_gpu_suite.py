@@ -101,6 +101,9 @@ def test_figures(suite_run):
     assert len(fp32) == len(lossless["bf16_match_rate"]) and all(all(row["identical_per_prompt"]) for row in fp32)
     assert all(0.0 <= rate <= 1.0 for rate in lossless["bf16_match_rate"].values())
     assert next(row for row in fp32 if row["decoder"] == "medusa-oracle+kernel")["tau"] > 1.5
+    # The static-shape verify that CUDA graphs capture (run eagerly on the CPU) is among the lossless rows.
+    assert next(row for row in fp32 if row["decoder"] == "medusa-oracle+kernel+graphs")["tau"] > 1.5
+    assert {"plain+graphs", "eagle3-random+kernel+graphs"} <= {row["decoder"] for row in fp32}
     speed = sections["kernel_speed"]["rows"]
     assert {row["impl"] for row in speed} >= {"triton_tree_kernel", "sdpa_bool_mask"}
     assert all(row["ms"] > 0 and "error" not in row for row in speed)
@@ -111,11 +114,14 @@ def test_figures(suite_run):
     assert {row["batch"] for row in end_to_end} == {1, gpu_suite.TINY["e2e_batch"]}
     oracle = [row for row in end_to_end if row["method"] == "engine-medusa-oracle"]
     assert len(oracle) == 2 and all(row["tau"] > 1.5 and row["tokens_per_s"] > 0 for row in oracle)
+    graphed = [row for row in end_to_end if row["method"] == "engine-medusa-oracle+kernel+graphs"]
+    assert [row["batch"] for row in graphed] == [1, gpu_suite.TINY["e2e_batch"]]
+    assert all(row["tau"] > 1.5 and row["identical_to_hf"] == 1.0 for row in graphed)
     assert {row["model"] for row in end_to_end} == set(gpu_suite.TINY["e2e_models"])
     graphs = sections["graphs"]["rows"]
     trees = gpu_suite.TINY["verify_trees"]
     assert [(row["attention"], row["T"]) for row in graphs] == [("sdpa", t) for t in (1, *trees)] + \
-        [("tree", t) for t in trees]
+        [("tree", t) for t in (1, *trees)]
     # On the CPU nothing is captured, and each row says why instead of giving a replay time.
     assert all(row["eager_ms"] > 0 and "graph_ms" not in row and "CUDA" in row["graph_error"] for row in graphs)
 
