@@ -84,6 +84,24 @@ def test_a_batch_of_unequal_rows_shares_one_static_forward(setup):
     assert (0, 2, 11) in graphs.graphs  # both rows, the whole tree, in one forward
 
 
+def test_rows_leaving_mid_decode_keep_the_others_lossless(setup):
+    """A cancelled row moves the last row into its place (TreeStaticCache.move_row): the
+    remaining rows' graphs read the moved lengths from the same device tensor."""
+    target, cases = setup
+    tree = DraftTree.from_paths(TREE_PATHS)
+    scheduler = Scheduler(SpeculativeDecoder(target, cases[2].oracle(target, corrupt), tree, fallback=None,
+                                             cuda_graphs="eager"), max_batch_size=3, max_cache_len=96)
+    ids = [scheduler.add(SequenceRequest(case.prompt, NUM_NEW)) for case in cases[:3]]
+    scheduler.step()
+    scheduler.step()
+    assert scheduler.cancel(ids[0]) is not None  # row 0 leaves; row 2 moves into it
+    results = {}
+    while scheduler.num_active:
+        results.update({update.seq_id: update.result for update in scheduler.step() if update.finished})
+    for seq_id, case in zip(ids[1:], cases[1:3]):
+        assert results[seq_id].tokens == case.reference
+
+
 def test_bucket_pads_to_powers_of_two_up_to_the_largest_tree():
     assert [bucket(n, 15) for n in (1, 2, 3, 5, 8, 9, 15)] == [1, 2, 4, 8, 8, 15, 15]
     assert bucket(16, 16) == 16
