@@ -174,6 +174,9 @@ class TrainConfig(Section):
     # CPU need ZeRO-3. Trades GPU memory for PCIe traffic (see training/ds_config.py).
     offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO 1-3: keep optimizer state on the CPU")
     offload_params: Literal["none", "cpu"] = Field("none", description="ZeRO-3: keep partitioned parameters on the CPU")
+    skip_repeated_ngram: NonNegativeInt = Field(
+        0, description="0 = off; n >= 2: a loss token that ends an n-gram seen earlier in its block carries no "
+                       "loss (serving's n-gram lookup drafts those; training/steps.py)")
 
 
 class WandbConfig(Section):
@@ -232,6 +235,9 @@ class Recipe(Section):
 def check_combinations(recipe: Recipe) -> None:
     """Values that are fine alone but not together; the message names both keys."""
     train = recipe.train
+    if train.skip_repeated_ngram == 1:
+        raise RecipeError("train.skip_repeated_ngram: 1 would drop every token seen before; use 0 (off) or an "
+                          "n-gram length >= 2 (6 in the EAGLE-3 recipes)")
     if train.offload_optimizer != "none" and train.zero_stage == 0:
         raise RecipeError(f"train.offload_optimizer: {train.offload_optimizer!r} needs ZeRO, but train.zero_stage "
                           "is 0; set train.zero_stage to 1, 2 or 3, or train.offload_optimizer: none")

