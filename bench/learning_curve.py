@@ -78,7 +78,7 @@ def fixed_set_top1(heads, config, target, sequences: list[tuple[list[int], int]]
     from specheads.heads.eagle3 import next_token_embeddings
 
     target_outputs = {} if target_outputs is None else target_outputs
-
+    to_target = heads.draft_to_target()  # draft id -> target id; None: the heads draft target ids
     if config.kind == "medusa":
         depths = min(depths, config.num_heads)  # an EAGLE head unrolls to any depth
     hits, counts = [0] * depths, [0] * depths
@@ -94,7 +94,6 @@ def fixed_set_top1(heads, config, target, sequences: list[tuple[list[int], int]]
         else:
             logits_JBLV, _ = heads(taps_BLnH, next_token_embeddings(target.embeddings(), ids_BL), num_steps=depths)
         draft_JL = logits_JBLV[:, 0].argmax(-1)
-        to_target = heads.draft_to_target()
         if to_target is not None:
             draft_JL = to_target[draft_JL]
         got, num = top1_hits(draft_JL, want_L, prompt_len)

@@ -92,8 +92,8 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.cuda_graphs and cuda_graphs_problem(args.device):
-        raise UserError(cuda_graphs_problem(args.device))
+    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
+        raise UserError(problem)
     decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
                                       trust_remote_code=args.trust_remote_code, lookup_num_tokens=args.lookup,
                                       cuda_graphs=args.cuda_graphs)

@@ -78,8 +78,8 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens.
     cuda_graphs: verify through captured CUDA graphs and the tree-attention kernel (a CUDA
     device only; on an H200 a SmolLM2-shaped forward went from 30 ms eager to 3.1 ms)."""
-    if cuda_graphs and cuda_graphs_problem(device):
-        raise ValueError(cuda_graphs_problem(device))
+    if cuda_graphs and (problem := cuda_graphs_problem(device)):
+        raise ValueError(problem)
     from specheads.heads.heads_dir import load_heads
     from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
     from specheads.serving.decode.lookup import LookupConfig

@@ -75,8 +75,8 @@ def run(args) -> int:
                                  ("--lookup", args.lookup, 0)):
         if value is not None and value < minimum:
             raise UserError(f"{flag} must be >= {minimum}, got {value}")
-    if args.cuda_graphs and cuda_graphs_problem(args.device):
-        raise UserError(cuda_graphs_problem(args.device))
+    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
+        raise UserError(problem)
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             raise UserError(f"--torch-threads must be >= 1, got {args.torch_threads}")
