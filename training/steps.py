@@ -31,8 +31,9 @@ def repeated_ngram_mask(input_ids_BT: torch.Tensor, n: int) -> torch.Tensor:
     Those are the tokens that serving's n-gram lookup drafts for free (a reply that loops, a
     later turn that repeats an earlier one). `train.skip_repeated_ngram` drops them from the
     loss: on SmolLM2's 1.8M-token chat data (46% of the loss tokens), the EAGLE-3 CPU recipe at
-    400 steps went from 0.333 to 0.355 depth-1 top-1 on MT-bench replies and from 0.428 to 0.436
-    on held-out data counting every token (README, "Repeated n-grams out of the loss")."""
+    1400 steps went from 0.584 to 0.606 depth-1 acceptance on MT-bench and from tau 2.00 to 2.13
+    on a 15-node tree, while held-out top-1, which counts the repeats too, fell from 0.577 to
+    0.540 (README, "Repeated n-grams out of the loss")."""
     repeated = torch.zeros(input_ids_BT.shape, dtype=torch.bool)
     for row, ids in enumerate(input_ids_BT.tolist()):
         seen = set()
