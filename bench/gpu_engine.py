@@ -32,6 +32,25 @@ def merged_stats(results):
     return functools.reduce(DecodeStats.merge, (result.stats for result in results), DecodeStats())
 
 
+def graphs_mode(device: torch.device) -> str:
+    """The engines' cuda_graphs setting: capture on a GPU; elsewhere "eager", the same
+    static-shape forward uncaptured."""
+    return "capture" if device.type == "cuda" else "eager"
+
+
+def spread_weights(module: nn.Module, std: float) -> None:
+    """Every 2-D weight drawn from N(0, std): a random model less tie-prone than its init."""
+    for param in module.parameters():
+        if param.dim() == 2:
+            nn.init.normal_(param, 0.0, std)
+
+
+def free_device_memory() -> None:
+    """Drop what the last model left, so the next (an 8B one) fits; a no-op without CUDA."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def built_on(device: torch.device, dtype: torch.dtype):
     """Build modules on `device` in `dtype`: an 8B model never exists on the CPU or in fp32."""
@@ -53,9 +72,8 @@ def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, init_std
     with built_on(device, dtype):
         model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                                              pad_token_id=0))
-    for param in model.parameters():
-        if param.dim() == 2 and init_std is not None:
-            nn.init.normal_(param, 0.0, init_std)
+    if init_std is not None:
+        spread_weights(model, init_std)
     return model.eval().requires_grad_(False)
 
 
@@ -135,10 +153,8 @@ def lossless_decoders(target, sequences: list[list[int]], prompt_lengths: list[i
     with built_on(target.device, target.dtype):
         eagle = Eagle3Head(target.hidden_size, target.vocab_size, target.vocab_size, text.num_attention_heads,
                            text.num_key_value_heads, text.intermediate_size, num_taps=3).eval()
-    for param in eagle.parameters():
-        if param.dim() == 2:
-            nn.init.normal_(param, 0.0, 0.3)
-    graphs = "capture" if target.device.type == "cuda" else "eager"  # eager: the same static forward, uncaptured
+    spread_weights(eagle, 0.3)
+    graphs = graphs_mode(target.device)
     return {"plain": SpeculativeDecoder(target, fallback=None),
             "plain+graphs": SpeculativeDecoder(target, fallback=None, cuda_graphs=graphs),
             "medusa-random": SpeculativeDecoder(target, random_medusa(target), tree, fallback=None),
@@ -220,7 +236,8 @@ def section_verify_vs_decode(ctx) -> dict:
         for num_tree in (1, *ctx.verify_trees):
             ms = time_ms(forward_call(ctx, target, cache, num_tree, attn), ctx.device, max(1, ctx.warmup // 2),
                          max(1, ctx.repeats // 2))
-            decode_ms = ms if num_tree == 1 else decode_ms
+            if num_tree == 1:  # first in the loop: the decode step the trees are compared to
+                decode_ms = ms
             rows.append(dict(attention=attn, T=num_tree, ms=ms, ratio_to_decode=ms / decode_ms))
     # A decode step reads every weight but the input embedding (one row of it).
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -292,7 +309,7 @@ def _end_to_end_rows(ctx, model_name: str, shape: dict) -> list[dict]:
     long = hf_greedy(target.model, prompts, ctx.e2e_new + NUM_HEADS + 2)
     oracle = OracleMedusa(target, [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
     tree, medusa = DraftTree.from_paths(TREE_PATHS), random_medusa(target)
-    graphs = "capture" if ctx.device.type == "cuda" else "eager"
+    graphs = graphs_mode(ctx.device)
     decoders = {"engine-plain": lambda: SpeculativeDecoder(target, fallback=None),
                 "engine-plain+graphs": lambda: SpeculativeDecoder(target, fallback=None, cuda_graphs=graphs),
                 "engine-medusa-random": lambda: SpeculativeDecoder(target, medusa, tree, fallback=None),
@@ -316,8 +333,7 @@ def section_end_to_end(ctx) -> dict:
     rows = []
     for model_name, shape in ctx.e2e_models.items():
         rows += _end_to_end_rows(ctx, model_name, shape)
-        gc.collect()  # one model at a time on the device
-        torch.cuda.empty_cache()
+        free_device_memory()  # one model at a time on the device
     return {"rows": rows, "prompt_len": ctx.e2e_prompt_len, "new_tokens": ctx.e2e_new,
             "note": "random bf16 targets of each shape, fallback off; 'oracle' heads know HF's greedy continuation "
                     "(tau's upper bound), 'random' heads are untrained (its lower bound)"}
@@ -361,7 +377,6 @@ def section_graphs(ctx) -> dict:
             for num_tree in (1, *ctx.verify_trees):
                 rows.append(dict(model=model_name, context=context, **_graph_row(ctx, target, cache, num_tree, attn)))
         del target, cache
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_device_memory()
     return {"rows": rows, "note": "one forward of the random bf16 target, static-shape cache; eager includes the "
                                   "Python and launch time that a graph replay removes"}

@@ -39,7 +39,6 @@ Shape legend: B batch, Hq / Hkv query / KV heads, T tree tokens, S prefix keys, 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -50,7 +49,8 @@ from types import SimpleNamespace
 import torch
 
 from specheads.heads import atomic
-from specheads.bench.gpu_engine import section_end_to_end, section_graphs, section_lossless, section_verify_vs_decode
+from specheads.bench.gpu_engine import (free_device_memory, section_end_to_end, section_graphs, section_lossless,
+                                        section_verify_vs_decode)
 from specheads.bench.gpu_kernels import section_kernel_speed, section_parity
 
 PEAK_HBM = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))  # bytes/s
@@ -104,8 +104,7 @@ def run_section(ctx, name: str) -> dict:
     except Exception as exc:  # a section's failure is its result; the others still run
         record = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     record["seconds"] = time.perf_counter() - begin
-    gc.collect()  # the 8B model of one section is gone before the next builds its own
-    torch.cuda.empty_cache()  # a no-op without CUDA
+    free_device_memory()  # the 8B model of one section is gone before the next builds its own
     return record
 
 
