@@ -46,7 +46,7 @@ from pathlib import Path
 from specheads.data.chat_text import FOLLOW_UPS, PASSAGES, RAG_QUESTIONS, SLOTS, TEMPLATES, THIRD_TURNS
 
 EMBEDDED_CHAT = "embedded:chat"
-CHAT_DATA_VERSION = 3  # bump when the prompts or their generation change: cached replies are rebuilt
+CHAT_DATA_VERSION = 4  # bump when the prompts or their generation change: cached replies are rebuilt
 
 
 def normalize(text: str) -> str:
@@ -179,11 +179,13 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
 
 def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int = 96,
                         seed: int = 0, dtype: str = "auto", self_instruct_fraction: float = 0.0,
-                        cache_dir: str | Path | None = None, log=print) -> Path:
+                        self_instruct_temperature: float = 0.0, cache_dir: str | Path | None = None,
+                        log=print) -> Path:
     """The `embedded:chat` data of a target: `num_prompts` prompts (build_prompts; with
-    self_instruct_fraction > 0 up to that share written by the target itself:
-    data/self_instruct.py) with the target's own greedy replies (data/regenerate.py, in `dtype`:
-    "auto" is the device's fast dtype), as OpenAI-messages JSON lines in the specheads cache;
+    self_instruct_fraction > 0 up to that share written by the target itself, greedily or
+    sampled at self_instruct_temperature: data/self_instruct.py) with the target's own greedy
+    replies (data/regenerate.py, in `dtype`: "auto" is the device's fast dtype), as
+    OpenAI-messages JSON lines in the specheads cache;
     generated on first use, resumed if interrupted, then reused."""
     from specheads.data.regenerate import _target_fingerprint, regenerate
     from specheads.data.tiny_target import default_cache_dir
@@ -194,7 +196,8 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     resolved = str(resolve_dtype(dtype)).removeprefix("torch.")
     settings = {"version": CHAT_DATA_VERSION, "target": _target_fingerprint(target_path), "num": num_prompts,
                 "max_new_tokens": max_new_tokens, "seed": seed, "dtype": resolved,
-                "self_instruct_fraction": self_instruct_fraction}
+                "self_instruct_fraction": self_instruct_fraction,
+                "self_instruct_temperature": self_instruct_temperature}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     directory = Path(cache_dir or default_cache_dir()) / "chat" / f"{Path(target_path).name}-{key}"
     replies, done = directory / "replies.jsonl", directory / "done.json"
@@ -206,7 +209,8 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
                 from specheads.data.self_instruct import mixed_prompts
 
                 records, _ = mixed_prompts(num_prompts, target_path, self_instruct_fraction=self_instruct_fraction,
-                                           seed=seed, batch_size=batch_size, dtype=resolved, log=log)
+                                           seed=seed, temperature=self_instruct_temperature,
+                                           batch_size=batch_size, dtype=resolved, log=log)
                 write_records(prompts, records)
             elif not prompts.exists():
                 write_prompts(prompts, num_prompts, seed=seed)

@@ -119,12 +119,15 @@ def _stop_ids(target, tokenizer) -> list[int]:
     return ids
 
 
-def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                         on_reply=None, follow_up=None, max_prompt_len: int | None = None) -> list[list[int]]:
+def target_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                         on_reply=None, follow_up=None, max_prompt_len: int | None = None,
+                         sampling=None) -> list[list[int]]:
     """The target's greedy continuation (token ids, cut before the first stop token) of each
-    token-id prompt. target: a heads/target.py TargetAdapter (load_generation_target). The
-    engine decodes them with continuous batching, batch_size sequences per target forward
-    (serving/decode/generate.generate_many); on_reply(num_tokens) as each one ends.
+    token-id prompt, or a sampled one where `sampling` (one serving SamplingParams or None per
+    prompt, as generate_many takes it) says so. target: a heads/target.py TargetAdapter
+    (load_generation_target). The engine decodes them with continuous batching, batch_size
+    sequences per target forward (serving/decode/generate.generate_many); on_reply(num_tokens)
+    as each one ends.
     follow_up(index, continuation) may return one more prompt, decoded as soon as a row is
     free (its continuation is appended to the result); max_prompt_len bounds those."""
     from specheads.serving.decode.config import SpeculativeDecoder
@@ -141,7 +144,8 @@ def greedy_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
         return follow_up(index, cut(result)) if follow_up is not None else None
 
     results = generate_many(SpeculativeDecoder(target, fallback=None), prompts, max_new_tokens, stop_ids,
-                            max_batch_size=batch_size, on_result=finished, max_prompt_len=max_prompt_len)
+                            max_batch_size=batch_size, on_result=finished, max_prompt_len=max_prompt_len,
+                            sampling=sampling)
     return [cut(result) for result in results]
 
 
@@ -178,7 +182,7 @@ def generate_replies(target, tokenizer, prompts: list[list[int]], max_new_tokens
                      on_reply=None) -> list[str]:
     """Greedy replies (text) to token-id prompts."""
     return [tokenizer.decode(ids, skip_special_tokens=True).strip()
-            for ids in greedy_continuations(target, tokenizer, prompts, max_new_tokens, batch_size, on_reply)]
+            for ids in target_continuations(target, tokenizer, prompts, max_new_tokens, batch_size, on_reply)]
 
 
 def _user_turns(record) -> list[str] | None:
@@ -371,7 +375,7 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     prompts = [prompt for job in jobs for _, prompt in job.first_prompts]
     if prompts:
         longest = max(job.longest_prompt(max_new_tokens) for job in jobs if not job.done)
-        greedy_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size, meter.reply,
+        target_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size, meter.reply,
                              follow_up=replied, max_prompt_len=longest)
     writer.close()
     meter.close()
@@ -432,7 +436,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
         start = rng.randrange(0, len(doc) - length + 1)
         prompts.append(doc[start:start + length])
     meter = ReplyMeter(num_records, "distill: target greedy continuations", progress)
-    continuations = greedy_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size,
+    continuations = target_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size,
                                          on_reply=meter.reply)
     meter.close()
     records = [prompt + continuation for prompt, continuation in zip(prompts, continuations)]

@@ -7,8 +7,11 @@ Template prompts (data/chat_prompts.py) are regular; prompts the target writes a
 the way the target (and the users it was tuned on) phrase requests. For each kind of
 request (KIND_STYLES) and a subject of that kind, the target is asked, through its chat
 template, "Write one question a user might ask an assistant about X, in the style of a
-<kind>"; its greedy reply (the serving engine's batched decoding, data/regenerate.py's
-greedy_continuations), first line only, is a candidate. Candidates then pass
+<kind>"; its reply (the serving engine's batched decoding, data/regenerate.py's
+target_continuations), first line only, is a candidate. Greedy replies give one candidate
+per kind x subject x instruction (3753 in all), which caps what a seed can add; at a
+temperature above 0 each is sampled with its own seed and the plan may repeat
+instructions, so more data means more prompts. Candidates then pass
 `filter_candidates`: length bounds, English-looking, ends like a question or request, not an
 evaluation prompt (MT-bench, shipped in bench/prompts, plus any files given) nor one's first
 60 characters, and distinct after normalize() from every prompt kept so far. Every rejected
@@ -55,15 +58,19 @@ KIND_STYLES = {  # kind -> (the style the instruction names, the subjects it is 
 }
 SELF_INSTRUCT = "self-instruct/"  # category prefix of the prompts the target wrote
 MIN_CHARS, MAX_CHARS, MIN_WORDS = 15, 400, 4
+TOP_P = 0.95  # sampled self-instruct: the tail of a small model's distribution is mostly noise
 REQUEST_WORDS = {"write", "explain", "describe", "give", "list", "tell", "summarize", "summarise", "translate",
                  "compare", "create", "suggest", "help", "show", "make", "calculate", "solve", "find", "imagine",
                  "pretend", "act", "draft", "compose", "recommend", "provide", "outline", "design", "plan",
                  "extract", "identify", "discuss", "analyze", "analyse", "please", "can", "could", "would", "i"}
 PREFIX = re.compile(r"^\s*(?:(?:\d+[.)]|[-*])\s*)?(?:(?:user\s+)?(?:question|request|q)\s*:\s*)?", re.IGNORECASE)
 QUOTED = re.compile(r"[\"“]([^\"“”]{%d,})[\"”]?" % 15)  # a quoted message, maybe unterminated (cut off)
+# the last two rows: phrases that sampled answers (a temperature above 0) leaked past the others
 ASSISTANT_VOICE = ("i'm here to", "i am here to", "i'm ready to", "i'm happy to", "i'm thrilled", "i'd be happy",
                    "i'll do my best", "what a wonderful", "what a great", "here's a", "here is a", "as an ai",
-                   "how can i help", "how can i assist")
+                   "how can i help", "how can i assist",
+                   "i'm an ai", "i am an ai", "i'm a chatbot", "i am a chatbot", "as a chatbot", "i'm sorry for",
+                   "i'm sorry, but", "what a fantastic")
 ECHO_PHRASES = ("user might ask", "ask an assistant about", "ask a chatbot about", "send to an ai assistant")
 REJECT_REASONS = ("empty", "too short", "too long", "not English", "echoes the instruction", "assistant voice", "not a question or request",
                   "evaluation prompt", "duplicate", "over the self-instruct share")
@@ -134,41 +141,61 @@ def filter_candidates(candidates: list[tuple[str, str]], eval_turns: list[str],
     return kept, rejected
 
 
-def plan(num: int, seed: int) -> list[tuple[str, str]]:
-    """num (kind, instruction) pairs drawn without replacement from kinds x subjects x INSTRUCTIONS."""
+def plan(num: int, seed: int, *, repeat: bool = False) -> list[tuple[str, str]]:
+    """num (kind, instruction) pairs drawn without replacement from kinds x subjects x INSTRUCTIONS,
+    at most the whole space; with `repeat` (sampled answers differ), past the space's size
+    another pass over it, in another order, and so on until num."""
     space = [(kind, instruction.format(subject=subject, style=style))
              for kind, (style, subjects) in KIND_STYLES.items() for subject in subjects for instruction in INSTRUCTIONS]
-    return random.Random(seed).sample(space, min(num, len(space)))
+    rng = random.Random(seed)
+    drawn = rng.sample(space, min(num, len(space)))
+    while repeat and len(drawn) < num:
+        drawn += rng.sample(space, min(num - len(drawn), len(space)))
+    return drawn
 
 
 def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *, max_new_tokens: int = 64,
-                        batch_size: int = 64, dtype: str = "auto", device: str = "cpu") -> list[tuple[str, str]]:
-    """The target's greedy answer to each (kind, instruction), cleaned: -> (kind, candidate) pairs."""
+                        batch_size: int = 64, dtype: str = "auto", device: str = "cpu", temperature: float = 0.0,
+                        seed: int = 0) -> list[tuple[str, str]]:
+    """The target's answer to each (kind, instruction), cleaned: -> (kind, candidate) pairs.
+    Greedy at temperature 0; above it, sampled (top-p TOP_P), the i-th answer with its own
+    seed drawn from `seed`, so a seed gives the same candidates on a rerun."""
     from specheads.data.chat import ensure_chat_template, generation_prompt_ids
-    from specheads.data.regenerate import greedy_continuations, load_generation_target
+    from specheads.data.regenerate import load_generation_target, target_continuations
     from specheads.data.text import load_tokenizer
+    from specheads.serving.decode.sampling import SamplingParams
 
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise ValueError(f"self-instruct temperature must be a number in [0, 2] (0 = greedy), got {temperature!r}")
     tokenizer = load_tokenizer(target_path)
     ensure_chat_template(tokenizer)
     target = load_generation_target(target_path, dtype=dtype, device=device)
     prompts = [generation_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for _, text in instructions]
-    replies = greedy_continuations(target, tokenizer, prompts, max_new_tokens, batch_size)
+    sampling = None
+    if temperature > 0:
+        rng = random.Random(f"self-instruct sampling {seed}")
+        sampling = [SamplingParams(temperature=temperature, top_p=TOP_P, seed=rng.getrandbits(63)) for _ in prompts]
+    replies = target_continuations(target, tokenizer, prompts, max_new_tokens, batch_size, sampling=sampling)
     return [(kind, clean(tokenizer.decode(ids, skip_special_tokens=True)))
             for (kind, _), ids in zip(instructions, replies)]
 
 
 def mixed_prompts(num: int, target_path: str, *, self_instruct_fraction: float = 0.5, seed: int = 0,
                   follow_up_fraction: float = 0.5, third_turn_fraction: float = 0.5, eval_paths=(),
-                  log=print, **generation) -> tuple[list[dict], Counter]:
+                  temperature: float = 0.0, log=print, **generation) -> tuple[list[dict], Counter]:
     """num records (chat_prompts' shape), about self_instruct_fraction of them written by the target
     (as many as pass the filter, at most that share), the rest from the templates; -> (records,
-    rejected counts). generation: generate_candidates' keyword arguments."""
+    rejected counts). temperature: generate_candidates' (0, greedy: at most one candidate per
+    kind x subject x instruction, so the share is capped: SmolLM2 gave 989 where 6000 prompts
+    asked for 1200; above 0 the plan repeats them and every answer is drawn anew).
+    generation: generate_candidates' other keyword arguments."""
     if not 0 <= self_instruct_fraction <= 1:
         raise ValueError(f"self_instruct_fraction must be in [0, 1], got {self_instruct_fraction}")
     wanted = round(num * self_instruct_fraction)
     templates = build_prompts(num, seed, follow_up_fraction, third_turn_fraction)
     # About a third of a small target's answers pass the filter (SmolLM2-135M), hence 4x as many asked.
-    candidates = generate_candidates(target_path, plan(4 * wanted, seed), **generation) if wanted else []
+    candidates = generate_candidates(target_path, plan(4 * wanted, seed, repeat=temperature > 0),
+                                     temperature=temperature, seed=seed, **generation) if wanted else []
     kept, rejected = filter_candidates(candidates, evaluation_turns(eval_paths),
                                        {normalize(r["turns"][0]) for r in templates})
     if len(kept) > wanted:

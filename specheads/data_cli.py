@@ -1,6 +1,7 @@
 """`specheads data ...`: data preparation commands.
 
-    specheads data prompts --output FILE [--num N] [--seed S] [--self-instruct --target T [--self-instruct-fraction F]]
+    specheads data prompts --output FILE [--num N] [--seed S] [--self-instruct --target T
+        [--self-instruct-fraction F] [--self-instruct-temperature X]]
     specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
@@ -37,6 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="with --self-instruct: " + TARGET_HELP)
     p.add_argument("--self-instruct-fraction", type=float, default=0.2,
                    help="with --self-instruct: the largest share of prompts the target writes")
+    p.add_argument("--self-instruct-temperature", type=float, default=0.0,
+                   help="with --self-instruct: 0 = greedy (one prompt at most per kind x subject x instruction); "
+                        "above 0, sampled with seeds drawn from --seed, so the share is not capped")
     p.add_argument("--eval-prompts", action="append", default=[],
                    help="question.jsonl whose turns must not appear (MT-bench is always checked); repeatable")
     p.add_argument("--batch-size", type=int, default=96, help="with --self-instruct: sequences per forward")
@@ -103,7 +107,8 @@ def _prompts(args) -> int:
                                self_instruct_fraction=args.self_instruct_fraction, seed=args.seed,
                                follow_up_fraction=args.follow_up_fraction,
                                third_turn_fraction=args.third_turn_fraction, eval_paths=args.eval_prompts,
-                               batch_size=args.batch_size, dtype=args.dtype, device=args.device)
+                               temperature=args.self_instruct_temperature, batch_size=args.batch_size,
+                               dtype=args.dtype, device=args.device)
     path = write_records(args.output, records)
     print(f"prompts: wrote {len(records)} prompt records to {path}")
     return 0

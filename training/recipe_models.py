@@ -67,6 +67,8 @@ PositiveNumber = Annotated[float, Field(gt=0), BeforeValidator(_as_float), Expec
 NonNegativeNumber = Annotated[float, Field(ge=0), BeforeValidator(_as_float), Expected("a number >= 0")]
 Fraction = Annotated[float, Field(gt=0, lt=1), BeforeValidator(_as_float), Expected("a number in (0, 1)")]
 FractionOrZero = Annotated[float, Field(ge=0, lt=1), BeforeValidator(_as_float), Expected("a number in [0, 1)")]
+Temperature = Annotated[float, Field(ge=0, le=2), BeforeValidator(_as_float),
+                        Expected("a number in [0, 2] (0 = greedy)")]
 NonEmptyStr = Annotated[NonBlank, Expected("a non-empty string")]
 OptionalStr = Annotated[NonBlank | None, Expected("a string or null")]
 Split = Annotated[str, Field(pattern=SPLIT_PATTERN), Expected(SPLIT_TEXT)]
@@ -132,6 +134,10 @@ class DataConfig(Section):
     chat_self_instruct_fraction: FractionOrZero = Field(0.0, description="embedded:chat: the share of prompts the "
                                                         "target writes itself (data/self_instruct.py), filtered; "
                                                         "0 = templates only")
+    chat_self_instruct_temperature: Temperature = Field(0.0, description="embedded:chat: 0 = the target writes its "
+                                                        "prompts greedily (at most one per kind x subject x "
+                                                        "instruction); above 0 they are sampled (seeded), so their "
+                                                        "number is not capped")
     text_field: NonEmptyStr = "text"
     tokenizer: OptionalStr = Field(None, description="tokenizer path or hub id; null = the target's")
     seq_len: PositiveInt = 256

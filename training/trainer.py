@@ -199,7 +199,8 @@ def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
         return recipe
     replies = str(self_distilled_chat(target_path, recipe.data.chat_prompts, recipe.data.chat_max_new_tokens,
                                       seed=recipe.train.seed,
-                                      self_instruct_fraction=recipe.data.chat_self_instruct_fraction))
+                                      self_instruct_fraction=recipe.data.chat_self_instruct_fraction,
+                                      self_instruct_temperature=recipe.data.chat_self_instruct_temperature))
     data = recipe.data.replace(**{name: replies for name in ("source", "eval_source")
                                   if getattr(recipe.data, name) == EMBEDDED_CHAT})
     return recipe.replace(data=data)

@@ -88,11 +88,13 @@ class DecodeStream:
 
 def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
                   eos_token_id: int | list[int] | None = None, *, max_batch_size: int = 32,
-                  on_result=None, max_prompt_len: int | None = None) -> list[GenerationResult]:
+                  on_result=None, max_prompt_len: int | None = None,
+                  sampling: list[SamplingParams | None] | None = None) -> list[GenerationResult]:
     """Decode many prompts with continuous batching (serving/decode/scheduler.py): up to
     max_batch_size sequences share each target forward, and a finished sequence's row takes
     the next prompt at once. -> one GenerationResult per prompt, in prompt order; each is
-    what `generate` gives that prompt alone (greedy).
+    what `generate` gives that prompt alone (greedy, or with sampling[i] for prompt i: give
+    each a seed for a reproducible draw; None is greedy).
 
     on_result(index, result) is called as each one ends; when it returns a prompt (a list of
     token ids), that prompt is decoded too, as index len(prompts so far), at once in the row
@@ -111,6 +113,9 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
         raise ValueError(f"max_new_tokens and max_batch_size must be >= 1, got {max_new_tokens} and {max_batch_size}")
     if not prompts:
         return []
+    if sampling is not None and len(sampling) != len(prompts):
+        raise ValueError(f"sampling must give one SamplingParams (or None) per prompt: {len(sampling)} for "
+                         f"{len(prompts)} prompts")
     max_prompt_len = max(max(map(len, prompts)), max_prompt_len or 0)
     continuing = on_result is not None and not decoder.drafts_from_head_cache
     scheduler = Scheduler(decoder, max_batch_size=max_batch_size,
@@ -121,7 +126,8 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
     unread, index_of = iter(range(len(seen))), {}
 
     def admit(index: int, continues: int | None = None) -> None:
-        index_of[scheduler.add(SequenceRequest(seen[index], max_new_tokens, eos_token_id), continues)] = index
+        params = sampling[index] if sampling is not None and index < len(sampling) else None  # follow-ups: greedy
+        index_of[scheduler.add(SequenceRequest(seen[index], max_new_tokens, eos_token_id, params), continues)] = index
 
     while True:
         while scheduler.has_capacity:

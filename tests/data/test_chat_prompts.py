@@ -98,6 +98,9 @@ def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monke
     assert [m["messages"][0]["content"] for m in lines] == [p["turns"][0] for p in build_prompts(4)]
     mixed = self_distilled_chat(str(target_dir), 4, 4, self_instruct_fraction=0.5, cache_dir=cache, log=lambda _: None)
     assert mixed != replies and len(mixed.read_text().splitlines()) == 4  # the tiny target's own prompts are filtered
+    sampled = self_distilled_chat(str(target_dir), 4, 4, self_instruct_fraction=0.5, self_instruct_temperature=1.0,
+                                  cache_dir=cache, log=lambda _: None)
+    assert sampled not in (replies, mixed) and len(sampled.read_text().splitlines()) == 4
 
     def no_second_generation(*args, **kwargs):
         raise AssertionError("the cached replies were generated again")
@@ -109,7 +112,9 @@ def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monke
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(cache))
     recipe = load_recipe(ROOT / "recipes" / "smollm2-135m-eagle3.yaml", profile="cpu")
-    for fraction, cached in ((0.0, replies), (0.5, mixed)):  # the recipe's self-instruct share picks the entry
-        data = recipe.data.replace(chat_prompts=4, chat_max_new_tokens=4, chat_self_instruct_fraction=fraction)
+    for fraction, temperature, cached in ((0.0, 0.0, replies), (0.5, 0.0, mixed), (0.5, 1.0, sampled)):
+        # the recipe's self-instruct share and temperature pick the entry
+        data = recipe.data.replace(chat_prompts=4, chat_max_new_tokens=4, chat_self_instruct_fraction=fraction,
+                                   chat_self_instruct_temperature=temperature)
         assert _materialize_chat_source(recipe.replace(data=data), str(target_dir)).data.source \
             == str(cached)

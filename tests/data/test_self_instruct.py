@@ -36,6 +36,9 @@ def test_every_reject_reason_is_counted():
                                           "Give me three tips for learning the guitar."]
     assert rejected == {reason: (2 if reason == "duplicate" else 1) for reason in REJECT_REASONS[:-1]}
     assert len(kept) + sum(rejected.values()) == len(candidates)
+    for text in ("I'm an AI designed to assist with math. Can you give me a problem?",  # seen in sampled answers
+                 "I'm sorry, but as a chatbot I can't accept that. Could you rephrase it?"):
+        assert self_instruct.reject_reason(text, set(), set(), set()) == "assistant voice"
 
 
 def test_clean_takes_the_quoted_message_or_the_first_line():
@@ -69,6 +72,39 @@ def test_self_instruct_generates_with_the_tiny_target(tmp_path):
     num_kept = sum(r["category"].startswith("self-instruct/") for r in records)
     assert len(records) == 6 and num_kept + sum(rejected.values()) == 12  # 4 x 3 asked, every one accounted for
     assert f"{num_kept} of 12 generated prompts kept" in logs[0]
+
+
+def test_the_plan_repeats_instructions_only_for_sampled_answers():
+    space = len(self_instruct.plan(10**6, seed=0))  # every kind x subject x instruction, once
+    assert space == sum(len(subjects) for _, subjects in self_instruct.KIND_STYLES.values()) * 3
+    assert self_instruct.plan(10, seed=0) == self_instruct.plan(10, seed=0, repeat=True)  # the same first draws
+    repeated = self_instruct.plan(space + 50, seed=0, repeat=True)
+    assert len(repeated) == space + 50 and len(set(repeated)) == space  # a second pass, in another order
+    assert repeated[:space] == self_instruct.plan(space, seed=0)
+
+
+def test_sampled_self_instruct_draws_anew_and_is_deterministic_for_a_seed(tmp_path):
+    from test_server_support import build_tiny_setup
+
+    target_dir, _ = build_tiny_setup(tmp_path)
+    one = self_instruct.plan(1, seed=0) * 6  # the same instruction six times
+
+    def candidates(**kw):
+        return [text for _, text in self_instruct.generate_candidates(str(target_dir), one, max_new_tokens=8,
+                                                                      batch_size=6, **kw)]
+
+    assert len(set(candidates())) == 1  # greedy: one answer per instruction
+    sampled = candidates(temperature=1.0, seed=0)
+    assert len(set(sampled)) > 1 and sampled == candidates(temperature=1.0, seed=0)
+    assert sampled != candidates(temperature=1.0, seed=1)
+    with pytest.raises(ValueError, match=r"temperature must be a number in \[0, 2\] \(0 = greedy\), got -1"):
+        candidates(temperature=-1)
+    logs = []
+    records, rejected = mixed_prompts(6, str(target_dir), self_instruct_fraction=0.5, temperature=1.0,
+                                      max_new_tokens=8, batch_size=12, log=logs.append)
+    assert len(records) == 6 == len({normalize(r["turns"][0]) for r in records})
+    num_kept = sum(r["category"].startswith("self-instruct/") for r in records)
+    assert num_kept + sum(rejected.values()) == 12 and f"{num_kept} of 12 generated prompts kept" in logs[0]
 
 
 @pytest.fixture

@@ -70,6 +70,8 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
     (MINIMAL + "data:\n  eval_fraction: 1.5\n", "data.eval_fraction: expected a number in (0, 1), got 1.5"),
     (MINIMAL + "data:\n  chat_self_instruct_fraction: 1\n",
      "data.chat_self_instruct_fraction: expected a number in [0, 1), got 1"),
+    (MINIMAL + "data:\n  chat_self_instruct_temperature: 2.5\n",
+     "data.chat_self_instruct_temperature: expected a number in [0, 2] (0 = greedy), got 2.5"),
     (MINIMAL + "train: 5\n", "train: expected a mapping of keys to values, got 5"),
     ("heads:\n  num_heads: 2\n", "target: required section is missing"),
     ("target:\n  dtype: float32\n", "target.name_or_path: required"),

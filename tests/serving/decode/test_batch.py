@@ -393,6 +393,24 @@ def test_generate_many_gives_each_prompt_its_own_greedy_output_in_order(setup):
         generate_many(SpeculativeDecoder(target), prompts, 4, max_batch_size=0)
 
 
+def test_generate_many_samples_a_prompt_as_it_would_alone(setup):
+    """sampling[i] decodes prompt i as `generate` samples it alone with the same seed; None is greedy."""
+    from specheads.serving.decode.generate import generate_many
+    from specheads.serving.decode.sampling import SamplingParams
+
+    target, prompts, references, _ = setup
+    decoder = SpeculativeDecoder(target)
+    sampling = [SamplingParams(temperature=1.0, seed=11), None, SamplingParams(temperature=1.0, seed=12)]
+    results = generate_many(decoder, prompts[:3], 8, max_batch_size=2, sampling=sampling)
+    assert results[1].tokens == references[1][:8]  # greedy
+    for i in (0, 2):
+        assert results[i].tokens == generate(decoder, prompts[i], 8, sampling=sampling[i]).tokens
+    assert results[0].tokens != generate_many(decoder, prompts[:1], 8, sampling=[
+        SamplingParams(temperature=1.0, seed=13)])[0].tokens  # another seed, another draw
+    with pytest.raises(ValueError, match="one SamplingParams \\(or None\\) per prompt: 1 for 3 prompts"):
+        generate_many(decoder, prompts[:3], 4, sampling=sampling[:1])
+
+
 def test_generate_many_continues_a_conversation_in_its_row(setup):
     """A follow-up that repeats its turn's context prefills only what it adds, and decodes
     what it would alone; one that departs from the context early keeps only what they share."""
