@@ -121,18 +121,25 @@ def _stop_ids(target, tokenizer) -> list[int]:
 
 def target_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
                          on_reply=None, follow_up=None, max_prompt_len: int | None = None,
-                         sampling=None) -> list[list[int]]:
+                         temperature: float = 0.0, top_p: float = 1.0,
+                         seeds: list[int] | None = None) -> list[list[int]]:
     """The target's greedy continuation (token ids, cut before the first stop token) of each
-    token-id prompt, or a sampled one where `sampling` (one serving SamplingParams or None per
-    prompt, as generate_many takes it) says so. target: a heads/target.py TargetAdapter
+    token-id prompt; at a temperature above 0, a sampled one (top_p; prompt i with seeds[i],
+    so that a rerun draws the same). target: a heads/target.py TargetAdapter
     (load_generation_target). The engine decodes them with continuous batching, batch_size
     sequences per target forward (serving/decode/generate.generate_many); on_reply(num_tokens)
     as each one ends.
     follow_up(index, continuation) may return one more prompt, decoded as soon as a row is
     free (its continuation is appended to the result); max_prompt_len bounds those."""
     from specheads.serving.decode.config import SpeculativeDecoder
-    from specheads.serving.decode.generate import generate_many
+    from specheads.serving.decode.generate import SamplingParams, generate_many
 
+    sampling = None
+    if temperature > 0:
+        if seeds is None or len(seeds) != len(prompts):
+            raise ValueError(f"sampled continuations need one seed per prompt: got "
+                             f"{'none' if seeds is None else len(seeds)} for {len(prompts)} prompts")
+        sampling = [SamplingParams(temperature=temperature, top_p=top_p, seed=seed) for seed in seeds]
     stop_ids = _stop_ids(target, tokenizer)
 
     def cut(result) -> list[int]:

@@ -163,7 +163,6 @@ def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *
     from specheads.data.chat import ensure_chat_template, generation_prompt_ids
     from specheads.data.regenerate import load_generation_target, target_continuations
     from specheads.data.text import load_tokenizer
-    from specheads.serving.decode.sampling import SamplingParams
 
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
         raise ValueError(f"self-instruct temperature must be a number in [0, 2] (0 = greedy), got {temperature!r}")
@@ -171,11 +170,10 @@ def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *
     ensure_chat_template(tokenizer)
     target = load_generation_target(target_path, dtype=dtype, device=device)
     prompts = [generation_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for _, text in instructions]
-    sampling = None
-    if temperature > 0:
-        rng = random.Random(f"self-instruct sampling {seed}")
-        sampling = [SamplingParams(temperature=temperature, top_p=TOP_P, seed=rng.getrandbits(63)) for _ in prompts]
-    replies = target_continuations(target, tokenizer, prompts, max_new_tokens, batch_size, sampling=sampling)
+    rng = random.Random(f"self-instruct sampling {seed}")
+    seeds = [rng.getrandbits(63) for _ in prompts] if temperature > 0 else None
+    replies = target_continuations(target, tokenizer, prompts, max_new_tokens, batch_size, temperature=temperature,
+                                   top_p=TOP_P, seeds=seeds)
     return [(kind, clean(tokenizer.decode(ids, skip_special_tokens=True)))
             for (kind, _), ids in zip(instructions, replies)]
 
