@@ -74,6 +74,7 @@ class Method:
     kind: str  # hf-greedy | engine-plain | engine-heads | engine-lookup | engine-heads+lookup | hf-prompt-lookup | hf-assisted
     generate: Callable[[list[int], int], PromptRun]  # (prompt ids, max_new_tokens) -> PromptRun
     tree: dict | None = None  # engine-heads: {"source", "num_nodes", "num_draft_nodes", "max_depth"}
+    decoder: object = None  # the engine methods' SpeculativeDecoder
 
 
 def _streamer_cls():
@@ -145,7 +146,7 @@ def engine_method(name: str, kind: str, decoder, eos_token_id: int | None, tree:
                          fell_back=stats.fallback, lookup_accepted=stats.lookup_accepted,
                          speculative_steps=stats.speculative_steps)
 
-    return Method(name, kind, generate, tree)
+    return Method(name, kind, generate, tree, decoder)
 
 
 def tree_info(tree, source: str) -> dict:
@@ -341,21 +342,26 @@ def heads_label(heads_config, path: str | None, taken: set[str]) -> str:
     return label
 
 
-def engine_kwargs(fallback: bool) -> dict:
+def engine_kwargs(fallback: bool, cuda_graphs: str | None = None) -> dict:
     """SpeculativeDecoder kwargs: fallback=False keeps every step speculative (measures the
-    heads and tree themselves); True keeps the engine's default per-request fallback policy."""
-    return {} if fallback else {"fallback": None}
+    heads and tree themselves); True keeps the engine's default per-request fallback policy.
+    cuda_graphs ("capture" on a GPU, "eager" for the same static-shape path uncaptured) verifies
+    through the tree-attention kernel, as `generate --cuda-graphs` and `serve --cuda-graphs` do."""
+    graphs = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs, "attn_impl": "tree"}
+    return graphs if fallback else {"fallback": None, **graphs}
 
 
 def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tuple] | None = None,
                  tree_nodes: list[int] | None = None, eos_token_id: int | None = None,
                  prompt_lookup_num_tokens: int = 10, lookup_num_tokens: int = 10, draft_model=None,
-                 fallback: bool = True) -> list[Method]:
+                 fallback: bool = True, cuda_graphs: str | None = None) -> list[Method]:
     """Every method the bench runs on `target` (a TargetAdapter), hf-greedy first.
 
     heads_list: [(label, heads module, HeadsConfig), ...] to bench side by side (method names
     `engine-<label>[...]`); `heads`/`heads_config` is the one-directory shorthand (names
     `engine-heads[...]`). fallback=False: the engine never switches a request to plain decoding.
+    cuda_graphs: every engine method verifies through CUDA graphs and the kernel (engine_kwargs);
+    the HF methods stay as transformers runs them.
     lookup_num_tokens > 0 adds the engine's n-gram lookup alone (`engine-lookup[N]`) and with
     each heads directory's first tree (`engine-<label>+lookup[...]`)."""
     from specheads.serving.decode.config import SpeculativeDecoder
@@ -364,7 +370,8 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens > 0 else None
 
     methods = [hf_method(REFERENCE, "hf-greedy", target, eos_token_id),
-               engine_method("engine-plain", "engine-plain", SpeculativeDecoder(target), eos_token_id)]
+               engine_method("engine-plain", "engine-plain",
+                             SpeculativeDecoder(target, **engine_kwargs(True, cuda_graphs)), eos_token_id)]
     if heads_list and heads is not None:
         raise ValueError("pass heads/heads_config or heads_list, not both")
     groups = list(heads_list or [])
@@ -382,13 +389,15 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
                 if any(m.name == name for m in methods):
                     continue
                 decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers, lookup=with_lookup,
-                                             entropy_threshold=info.get("entropy_threshold"), **engine_kwargs(fallback))
+                                             entropy_threshold=info.get("entropy_threshold"),
+                                             **engine_kwargs(fallback, cuda_graphs))
                 methods.append(engine_method(name, method_kind, decoder, eos_token_id,
                                              dict(info, heads=label, head_kind=config.kind,
                                                   lookup_num_tokens=lookup_num_tokens if with_lookup else 0)))
     if lookup is not None:
         methods.append(engine_method(f"engine-lookup[{lookup_num_tokens}]", "engine-lookup",
-                                     SpeculativeDecoder(target, lookup=lookup, **engine_kwargs(fallback)), eos_token_id))
+                                     SpeculativeDecoder(target, lookup=lookup, **engine_kwargs(fallback, cuda_graphs)),
+                                     eos_token_id))
     if prompt_lookup_num_tokens > 0:
         methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target,
                                  eos_token_id, prompt_lookup_num_tokens=prompt_lookup_num_tokens))

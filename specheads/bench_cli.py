@@ -3,7 +3,7 @@
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
                     [--json OUT.json] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D] [--device D]
-                    [--llama-cpp DIR [--llama-cpp-draft-max N]]
+                    [--cuda-graphs] [--llama-cpp DIR [--llama-cpp-draft-max N]]
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
 each, through the target tokenizer's chat template when it has one, else raw text.
@@ -31,6 +31,7 @@ llama.cpp-plain. See bench/llama_cpp.py. JSON: "llama_cpp":
 JSON (--json), schema "specheads.bench/1":
     {"schema": "specheads.bench/1",
      "config": {"target", "heads", "prompts", "max_new_tokens", "num_prompts", "device",
+                "cuda_graphs",       # --cuda-graphs: every engine method verified through graphs + kernel
                 "dtype",             # what every method ran in ("auto" resolved), HF baselines included
                 "dtype_requested",   # --dtype as given
                 "layout",            # "packed" | "plain": the engine's linear weights (heads/cpu_layout.py)
@@ -72,7 +73,7 @@ import json
 import sys
 
 from specheads.errors import UserError
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP, cuda_graphs_problem
 
 
 def int_list(text: str, option: str, example: str) -> list[int]:
@@ -115,6 +116,8 @@ def add_parser(subparsers) -> None:
                    help="never let the engine switch a request to plain decoding (measures the heads themselves)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP + " (every engine method; the HF "
+                   "methods run as transformers does)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--llama-cpp", metavar="DIR", help="also bench llama.cpp (plain, n-gram, drafting with the EAGLE-3 "
                    "heads) from the llama-server in DIR, DIR/bin or DIR/build/bin")
@@ -131,6 +134,8 @@ def run(args) -> int:
                         ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0 (0: skip that method), got {value}")
+    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
+        raise ValueError(problem)
     tree_nodes = [n for text in args.tree_nodes for n in int_list(text, "--tree-nodes", "8,16,32")]
     heads_dirs = [part for text in args.heads for part in text.split(",") if part.strip()]
     if tree_nodes and not heads_dirs:
@@ -181,12 +186,13 @@ def run(args) -> int:
         draft_model.to(args.device).eval()
     encoded = encode_prompts(tokenizer, prompts)
     config = {"target": args.target, "heads": heads_dirs or None, "prompts": args.prompts or "default",
-              "dtype_requested": args.dtype, "device": args.device,
+              "dtype_requested": args.dtype, "device": args.device, "cuda_graphs": args.cuda_graphs,
               "chat_template": bool(getattr(tokenizer, "chat_template", None)),
               "torch": torch.__version__, "transformers": transformers.__version__}
     report = run_bench(target, encoded, args.max_new_tokens, config=config, warmup=not args.no_warmup,
                        log=lambda msg: print(msg, file=sys.stderr, flush=True), heads_list=heads_list,
                        tree_nodes=tree_nodes, fallback=not args.no_fallback,
+                       cuda_graphs="capture" if args.cuda_graphs else None,
                        eos_token_id=tokenizer.eos_token_id,
                        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                        lookup_num_tokens=args.lookup_num_tokens, draft_model=draft_model,

@@ -25,6 +25,7 @@ USER_ERRORS = [
     (["demo", "--target", "embedded:tiny", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["demo", "--target", "embedded:tiny", "--recipe", "{tmp}/absent.yaml"], "--recipe"),
     (["bench", "--target", "{tmp}/t", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["bench", "--target", "{tmp}/t", "--cuda-graphs"], "--cuda-graphs needs --device cuda"),
     (["tune", "--target", "{tmp}/t", "--heads", "{tmp}/h", "--budget-s", "0"], "--budget-s"),
     (["serve", "--target", "{tmp}/t", "--port", "70000"], "--port"),
     (["export", "--out", "{tmp}/out"], "HEADS_DIR"),

@@ -116,6 +116,27 @@ def test_run_bench_python_api(bench_setup, tmp_path):
     assert imread(write_plots(report, tmp_path / "plots.png")).shape[1] > 1000
 
 
+def test_run_bench_cuda_graphs_path_is_lossless(bench_setup):
+    """--cuda-graphs builds every engine method on the graph path (static cache, kernel verify);
+    "eager" runs that path uncaptured on a CPU, and fp32 stays token-identical to HF greedy."""
+    from specheads.bench.harness import make_methods
+
+    _, heads_dir, target = bench_setup
+    heads, config = load_heads(heads_dir, target=target.identity)
+    methods = make_methods(target, heads=heads, heads_config=config, eos_token_id=None, prompt_lookup_num_tokens=0,
+                           lookup_num_tokens=3, fallback=False, cuda_graphs="eager")
+    engines = [m for m in methods if m.kind.startswith("engine")]
+    assert [m.kind for m in engines] == ["engine-plain", "engine-heads", "engine-heads+lookup", "engine-lookup"]
+    assert all(m.decoder.cuda_graphs == "eager" and m.decoder.attn_impl == "tree" for m in engines)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [EncodedPrompt(i, "a", torch.randint(3, 512, (5,), generator=gen).tolist()) for i in range(2)]
+    report = run_bench(target, prompts, 8, heads=heads, heads_config=config, eos_token_id=None, warmup=False,
+                       prompt_lookup_num_tokens=0, lookup_num_tokens=3, fallback=False, cuda_graphs="eager")
+    assert [m["name"] for m in report["methods"]] == [m.name for m in methods]
+    for m in report["methods"]:
+        assert m["overall"]["identical"], m["name"]
+
+
 def test_bench_cli_json(bench_setup, tmp_path, capsys):
     from specheads import bench_cli
 
