@@ -161,13 +161,13 @@ class TreeStaticLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
-    def gather_(self, batch_index: int, src_A: torch.Tensor, dst_A: torch.Tensor) -> None:
-        """In place: slots dst_A of sequence batch_index <- slots src_A (read before written)."""
+    def gather_(self, rows_M: torch.Tensor, src_M: torch.Tensor, dst_M: torch.Tensor) -> None:
+        """In place, M entries at once: slot dst_M[m] of row rows_M[m] <- slot src_M[m] of the
+        same row (every source read before any is written)."""
         if not self.is_initialized:
             return
         for buffer in (self.keys, self.values):
-            rows = buffer[batch_index]  # [H, M, D], a view of the buffer
-            rows.index_copy_(1, dst_A, rows.index_select(1, src_A))
+            buffer[rows_M, :, dst_M] = buffer[rows_M, :, src_M]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Lengths are shared: `TreeStaticCache.crop` changes them once for every layer."""
@@ -289,13 +289,18 @@ class TreeStaticCache(Cache):
         self.lengths.host[src] = 0
         self._sync_device_lens()
 
-    def commit(self, accepted_node_indices: torch.Tensor | Sequence | None = None) -> None:
+    def commit(self, accepted_node_indices: torch.Tensor | Sequence | None = None, *,
+               num_kept: Sequence[int] | None = None) -> None:
         """Keep the accepted pending entries, in path order, right after the committed ones.
 
         accepted_node_indices: None keeps all pending entries as they are (no copy); a [A]
         long tensor or list (offsets into the last forward's T entries, root first) for
-        B = 1 or for the same path in every sequence; a [B, A] tensor; or a length-B list of
-        [A_b] tensors, one path per sequence (lengths may differ).
+        B = 1 or for the same path in every sequence; a [B, A] tensor; or a length-B list
+        with one entry per sequence: an [A_b] tensor or list (lengths may differ), or None,
+        which keeps that sequence's first num_kept[b] pending entries where they are (default
+        all): a plain step, or a path that accepted only its root. Nothing moves for those,
+        and a GPU is spared the copies. The entries that do move, in every sequence, move in
+        one gather per buffer and layer.
         """
         num_pending = self.lengths.num_pending
         start, num_rows = self.lengths.start, self.lengths.stop - self.lengths.start
@@ -308,24 +313,34 @@ class TreeStaticCache(Cache):
             per_sequence = list(accepted_node_indices)
         else:
             per_sequence = [accepted_node_indices] * num_rows
-        if len(per_sequence) != num_rows:
-            raise ValueError(f"commit got {len(per_sequence)} accepted paths for batch size {num_rows}")
+        if len(per_sequence) != num_rows or (num_kept is not None and len(num_kept) != num_rows):
+            kept = "" if num_kept is None else f" and {len(num_kept)} kept counts"
+            raise ValueError(f"commit got {len(per_sequence)} accepted paths{kept} for batch size {num_rows}")
         device = self.lengths.device_lens.device
-        for batch_index, accepted in enumerate(per_sequence, start=start):
-            start = self.lengths.host[batch_index]
+        moves = []  # (row, its committed length, accepted offsets on the device)
+        for row, (batch_index, accepted) in enumerate(zip(range(start, start + num_rows), per_sequence)):
             if accepted is None:
-                self.lengths.host[batch_index] = start + num_pending
-                continue
-            accepted_A = torch.as_tensor(accepted, dtype=torch.long, device=device)
-            num_accepted = int(accepted_A.shape[0])
+                num_accepted, accepted_A = num_pending if num_kept is None else num_kept[row], None
+            else:
+                accepted_A = torch.as_tensor(accepted, dtype=torch.long, device=device)
+                num_accepted = int(accepted_A.shape[0])
             if num_accepted > num_pending:
                 raise ValueError(f"commit of {num_accepted} nodes for sequence {batch_index}, but the last "
                                  f"forward wrote only {num_pending} pending entries")
-            if not _in_place(accepted_A):  # a plain step or a chain's prefix is where it belongs already
-                dst_A = torch.arange(start, start + num_accepted, device=device)
-                for layer in self.layers:
-                    layer.gather_(batch_index, start + accepted_A, dst_A)
-            self.lengths.host[batch_index] = start + num_accepted
+            if accepted_A is not None and not _in_place(accepted_A):  # a chain's prefix is where it belongs
+                moves.append((batch_index, self.lengths.host[batch_index], accepted_A))
+            self.lengths.host[batch_index] += num_accepted
+        if moves:
+            rows, dst, offsets = [], [], []
+            for row, length, accepted_A in moves:
+                num_accepted = int(accepted_A.shape[0])
+                rows += [row] * num_accepted
+                dst += range(length, length + num_accepted)
+                offsets += [length] * num_accepted
+            src_M = torch.cat([accepted_A for _, _, accepted_A in moves]) + torch.tensor(offsets, device=device)
+            rows_M, dst_M = torch.tensor(rows, device=device), torch.tensor(dst, device=device)
+            for layer in self.layers:
+                layer.gather_(rows_M, src_M, dst_M)
         self._sync_device_lens()
 
     def crop(self, max_length: int) -> None:

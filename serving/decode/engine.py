@@ -52,8 +52,14 @@ from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_mem
 from specheads.serving.decode.lookup import NgramIndex
 from specheads.serving.decode.sampling import SamplingParams, make_generator
 from specheads.serving.decode.stats import DecodeStats, GenerationResult
-from specheads.serving.decode.steps import DecodeState, Outcome, accept, emit, greedy_tokens, prefill, verify
+from specheads.serving.decode.steps import (DecodeState, Outcome, accept, emit, greedy_tokens, prefill, prefill_many,
+                                            verify)
 from specheads.serving.decode.trees import Draft, LookupTrees
+
+
+# At most this many padded prompt tokens go into one prefill forward of several new sequences
+# (BatchEngine.add_many): its attention mask and index tensors grow with rows x P^2.
+PREFILL_GROUP_TOKENS = 32768
 
 
 @dataclass
@@ -206,6 +212,49 @@ class BatchEngine:
         seq.stats.prefill_reused_tokens = reuse
         return list(seq.tokens)
 
+    def add_many(self, seqs: list[Sequence], join: bool = True) -> list[list[int]]:
+        """Prefill several checked sequences into the next free rows, in groups of at most
+        PREFILL_GROUP_TOKENS padded prompt tokens, one forward per group (steps.prefill_many);
+        -> each one's first token. What `add` does for each, at the cost of one forward on a
+        GPU. An error in a group's prefill leaves the batch with the groups before it and is
+        raised to the caller."""
+        if len(self.rows) + len(seqs) > self.max_batch_size:
+            raise RuntimeError(f"{len(seqs)} more sequences do not fit the batch ({len(self.rows)} of "
+                               f"{self.max_batch_size} rows taken)")
+        groups, group = [], []
+        for seq in seqs:
+            longest = max([int(seq.prompt_1P.shape[1])] + [int(s.prompt_1P.shape[1]) for s in group])
+            if group and longest * (len(group) + 1) > PREFILL_GROUP_TOKENS:
+                groups.append(group)
+                group = []
+            group.append(seq)
+        groups += [group] if group else []
+        for group in groups:
+            if len(group) == 1:
+                self.add(group[0], join)
+                continue
+            first, start = len(self.rows), self.clock()
+            with torch.inference_mode():  # the buffers are inference tensors
+                for row in range(first, first + len(group)):
+                    self.cache.truncate_row(row, 0)
+                self.cache.set_rows(first, first + len(group))
+                try:
+                    states = prefill_many(self.target, [seq.prompt_1P[0].tolist() for seq in group],
+                                          self.decoder.tap_layers, self.cache, [seq.sampling for seq in group],
+                                          [seq.generator for seq in group])
+                except BaseException:
+                    for row in range(first, first + len(group)):
+                        self.cache.truncate_row(row, 0)
+                    raise
+            seconds = (self.clock() - start) / len(group)
+            for seq, state in zip(group, states):
+                seq.state, seq.joined = state, join
+                self.rows.append(seq)
+                seq.finish_reason = emit(seq.tokens, state.root.tolist(), seq.max_new_tokens, seq.eos_ids,
+                                         seq.stop_sequences)
+                seq.stats.prefill_s = seconds
+        return [list(seq.tokens) for seq in seqs]
+
     def reusable_prefix(self, done: Sequence, seq: Sequence) -> int:
         """How many of done's cached positions seq's prompt can keep: the context both start
         with, short of seq's last prompt token (a prefill needs one). ValueError for a running
@@ -253,9 +302,9 @@ class BatchEngine:
                                                              seq.acceptance)
                         for seq, draft, one in zip(batch, drafts, verified)]
             # commit: each row keeps its accepted entries (a failed row its root alone: that
-            # sequence has ended, the entry is never read)
-            self.cache.commit([self.decoder.plain_plan.root_only if outcome is None else outcome.nodes
-                               for outcome in outcomes])
+            # sequence has ended, the entry is never read); a root alone stays where it is
+            self.cache.commit([None if outcome is None or len(outcome.emitted) == 1 else outcome.nodes
+                               for outcome in outcomes], num_kept=[1] * len(outcomes))
             return self._record(batch, drafts, outcomes, head_caches, self.clock() - start)
 
     def _decoding(self) -> list[Sequence]:
@@ -324,8 +373,9 @@ class BatchEngine:
 
     def _verify(self, batch: list[Sequence], drafts: list[Draft]) -> list[tuple | None]:
         """ONE forward over rows [0, n) -> per sequence (logits [T, V], taps [T, nH], greedy
-        tokens [T]). A failed forward of several rows is run again row by row, padded alike so
-        that the rows commit together; a row that fails alone ends (None)."""
+        tokens [T], the root's greedy token on the host). A failed forward of several rows is
+        run again row by row, padded alike so that the rows commit together; a row that fails
+        alone ends (None)."""
         self.cache.set_rows(0, len(batch))
         num_nodes = max(draft.plan.num_nodes for draft in drafts)
         if self.graphs is not None:  # a few tree sizes, so a few graphs
@@ -333,7 +383,8 @@ class BatchEngine:
         try:
             logits, taps = retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts, num_nodes, self.graphs),
                                                f"a verify forward of {len(batch)} sequences")
-            return list(zip(logits, taps, greedy_tokens(logits)))  # one argmax for the whole batch
+            greedy = greedy_tokens(logits)  # one argmax for the whole batch, its roots read in one sync
+            return list(zip(logits, taps, greedy, greedy[:, 0].tolist()))
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
             if is_fatal(err):
                 raise
@@ -346,7 +397,8 @@ class BatchEngine:
             one = self._guard(seq, lambda: retry_out_of_memory(
                 lambda: verify(self.decoder, self.cache, [draft], num_nodes, self.graphs),
                 "a verify forward of one sequence"))
-            verified.append(None if one is None else (one[0][0], one[1][0], greedy_tokens(one[0][0])))
+            greedy = None if one is None else greedy_tokens(one[0][0])
+            verified.append(None if one is None else (one[0][0], one[1][0], greedy, int(greedy[0])))
         self.cache.set_rows(0, len(batch), pending_written=True)
         return verified
 
@@ -370,7 +422,9 @@ class BatchEngine:
     def _advance(seq: Sequence, draft: Draft, outcome: Outcome, head_cache, seconds: float) -> None:
         """One sequence after its committed step: its next decode state, its stats, its output."""
         state = seq.state
-        hidden, next_tokens = outcome.hidden, torch.cat([draft.tokens[outcome.nodes[1:]], outcome.root])
+        hidden = outcome.hidden
+        next_tokens = outcome.root if len(outcome.emitted) == 1 else \
+            torch.cat([draft.tokens[outcome.nodes[1:]], outcome.root])  # a plain step: no device op
         if seq.keep_head_rows and not draft.heads_drafted:  # the EAGLE head covers these rows on its next run
             hidden, next_tokens = torch.cat([state.hidden, hidden]), torch.cat([state.next_tokens, next_tokens])
         seq.state = DecodeState(cache=state.cache, prefix_len=state.prefix_len + int(outcome.nodes.shape[0]),

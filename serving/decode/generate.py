@@ -89,7 +89,8 @@ class DecodeStream:
 def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
                   eos_token_id: int | list[int] | None = None, *, max_batch_size: int = 32,
                   on_result=None, max_prompt_len: int | None = None,
-                  sampling: list[SamplingParams | None] | None = None) -> list[GenerationResult]:
+                  sampling: list[SamplingParams | None] | None = None,
+                  prefill_group: int | None = None) -> list[GenerationResult]:
     """Decode many prompts with continuous batching (serving/decode/scheduler.py): up to
     max_batch_size sequences share each target forward, and a finished sequence's row takes
     the next prompt at once. -> one GenerationResult per prompt, in prompt order; each is
@@ -105,7 +106,15 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
     A sequence the engine ends alone (finish_reason "error") raises SequenceFailed: an
     offline job must not keep a reply cut short by a fault. max_prompt_len sizes the KV
     cache (default: the longest of `prompts`); a later prompt longer than that is refused
-    with a ValueError."""
+    with a ValueError.
+
+    prefill_group: admit new prompts (follow-ups too) only once this many rows are free (or
+    nothing is left to wait for), with one prefill forward for the group
+    (BatchEngine.add_many); a follow-up then prefills its whole context in a new row rather
+    than continuing its finished row. That pays where a forward costs its launches more
+    than its tokens: on a GPU, where an eager forward of SmolLM2 costs about 23 ms whatever
+    it holds. Default: max_batch_size // 8 on a GPU; 1 on a CPU (each prompt prefilled
+    alone, as soon as a row is free; a follow-up continues its row)."""
     from specheads.serving.decode.faults import SequenceFailed
     from specheads.serving.decode.scheduler import Scheduler
 
@@ -117,7 +126,11 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
         raise ValueError(f"sampling must give one SamplingParams (or None) per prompt: {len(sampling)} for "
                          f"{len(prompts)} prompts")
     max_prompt_len = max(max(map(len, prompts)), max_prompt_len or 0)
-    continuing = on_result is not None and not decoder.drafts_from_head_cache
+    if prefill_group is None:
+        prefill_group = max(1, max_batch_size // 8) if decoder.target.device.type == "cuda" else 1
+    if not 1 <= prefill_group <= max_batch_size:
+        raise ValueError(f"prefill_group must be in [1, max_batch_size={max_batch_size}], got {prefill_group}")
+    continuing = on_result is not None and not decoder.drafts_from_head_cache and prefill_group == 1
     scheduler = Scheduler(decoder, max_batch_size=max_batch_size,
                           max_cache_len=max_prompt_len + max_new_tokens + decoder.max_tree_nodes,
                           keep_finished=continuing)
@@ -125,16 +138,29 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
     results: list[GenerationResult | None] = [None] * len(seen)
     unread, index_of = iter(range(len(seen))), {}
 
-    def admit(index: int, continues: int | None = None) -> None:
+    def request(index: int) -> SequenceRequest:
         params = sampling[index] if sampling is not None and index < len(sampling) else None  # follow-ups: greedy
-        index_of[scheduler.add(SequenceRequest(seen[index], max_new_tokens, eos_token_id, params), continues)] = index
+        return SequenceRequest(seen[index], max_new_tokens, eos_token_id, params)
 
+    def admit(index: int, continues: int | None = None) -> None:
+        index_of[scheduler.add(request(index), continues)] = index
+
+    waiting: list[int] = []  # follow-ups to admit (prefill_group > 1), before any unread prompt
     while True:
-        while scheduler.has_capacity:
-            index = next(unread, None)
-            if index is None:
-                break
-            admit(index)
+        free = scheduler.max_batch_size - scheduler.num_active
+        if prefill_group == 1:
+            while scheduler.has_capacity:
+                index = next(unread, None)
+                if index is None:
+                    break
+                admit(index)
+        elif free >= prefill_group or not scheduler.num_active:
+            while len(waiting) < free and (index := next(unread, None)) is not None:
+                waiting.append(index)
+            group, waiting = waiting[:free], waiting[free:]
+            if group:
+                for index, seq_id in zip(group, scheduler.add_many([request(index) for index in group])):
+                    index_of[seq_id] = index
         if not scheduler.num_active:
             return results
         for update in scheduler.step():
@@ -148,6 +174,9 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
             if follow_up is not None:
                 seen.append(list(follow_up))
                 results.append(None)
-                admit(len(seen) - 1, update.seq_id if continuing else None)
+                if prefill_group > 1:
+                    waiting.append(len(seen) - 1)
+                else:
+                    admit(len(seen) - 1, update.seq_id if continuing else None)
             elif continuing:
                 scheduler.release(update.seq_id)

@@ -10,9 +10,10 @@ the device lengths, so no shape or host value changes between steps). Inside the
 everything comes from device tensors: the tree tokens, position offsets and tree masks are
 copied into the graph's own input buffers before each replay; positions and the attention
 mask (or, with the tree-attention kernel, its prefix lengths with max_cache_len - T as the
-bound) come from the cache's device lengths, which it updates in place. A graph is captured
-the first time its shape is seen, after two eager warm-up runs on a side stream (Triton's
-compile, cuBLAS's workspace); all graphs share one memory pool.
+bound) come from the cache's device lengths, which it updates in place. A shape is captured
+the third time it is seen (the first two run the same forward eagerly: a draining batch
+meets most row counts only a few times), after two eager warm-up runs on a side stream
+(Triton's compile, cuBLAS's workspace); all graphs share one memory pool.
 
 What replay skips and the engine does instead: the cache's host bookkeeping (its pending
 count, set here) and its capacity check (BatchEngine.check sizes every request to the cache).
@@ -34,6 +35,7 @@ import torch
 from specheads.serving.decode.cache import TreeStaticCache
 
 WARMUP_RUNS = 2  # eager runs before a capture: the first compiles Triton kernels and sets up cuBLAS
+CAPTURE_AFTER = 3  # a verify shape is captured the third time it is seen (VerifyGraphs.forward)
 
 
 def bucket(num_nodes: int, max_nodes: int) -> int:
@@ -72,6 +74,7 @@ class _Graph:
     logits_nTV: torch.Tensor | None = None
     taps_nTH: torch.Tensor | None = None
     graph: object | None = None  # torch.cuda.CUDAGraph when captured
+    seen: int = 0  # verifies of this shape so far
 
 
 class VerifyGraphs:
@@ -100,23 +103,32 @@ class VerifyGraphs:
                 tree_masks_nTT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify the cache's active rows -> (logits [n, T, V], taps [n, T, nH]). The logits
         live in the graph's buffer until the next replay of that shape; the taps are a copy
-        (a decode state keeps them)."""
+        (a decode state keeps them). A shape is captured the CAPTURE_AFTER-th time it is seen;
+        before that it runs eagerly, the same static-shape forward: a batch that drains row by
+        row (an offline job's end) meets each row count a few times only, and a capture costs
+        about three eager forwards and a buffer of logits."""
         cache = self.cache
         num_rows, num_nodes = tokens_nT.shape
         key = (cache.lengths.start, num_rows, num_nodes)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._build(tokens_nT, offsets_nT, tree_masks_nTT)
+            entry = self.graphs[key] = _Graph(tokens_nT.clone(), offsets_nT.clone(), tree_masks_nTT.clone())
         else:
             entry.tokens_nT.copy_(tokens_nT)
             entry.offsets_nT.copy_(offsets_nT)
             entry.tree_masks_nTT.copy_(tree_masks_nTT)
-            if entry.graph is not None:
-                entry.graph.replay()
-            else:
-                entry.logits_nTV, entry.taps_nTH = self._run(entry)
+        entry.seen += 1
+        if entry.graph is not None:
+            entry.graph.replay()
+            logits_nTV, taps_nTH = entry.logits_nTV, entry.taps_nTH
+        elif self.capture and entry.seen >= CAPTURE_AFTER:
+            # Warm-up writes the same pending entries the captured run will: the next commit keeps them.
+            entry.graph, (entry.logits_nTV, entry.taps_nTH) = capture(lambda: self._run(entry), self.device, self.pool)
+            logits_nTV, taps_nTH = entry.logits_nTV, entry.taps_nTH
+        else:
+            logits_nTV, taps_nTH = self._run(entry)
         cache.lengths.num_pending = num_nodes  # what `update` would have recorded
-        return entry.logits_nTV, entry.taps_nTH.clone()
+        return logits_nTV, taps_nTH.clone()
 
     def _run(self, entry: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward a graph records: every input a device tensor, every shape fixed."""
@@ -135,11 +147,3 @@ class VerifyGraphs:
                              past_key_values=cache, use_cache=True, **kwargs)
         return out.logits, torch.cat(out.taps, dim=-1)
 
-    def _build(self, tokens_nT, offsets_nT, tree_masks_nTT) -> _Graph:
-        entry = _Graph(tokens_nT.clone(), offsets_nT.clone(), tree_masks_nTT.clone())
-        if not self.capture:
-            entry.logits_nTV, entry.taps_nTH = self._run(entry)
-            return entry
-        # Warm-up writes the same pending entries the captured run will: the next commit keeps them.
-        entry.graph, (entry.logits_nTV, entry.taps_nTH) = capture(lambda: self._run(entry), self.device, self.pool)
-        return entry

@@ -95,9 +95,32 @@ class Scheduler:
         finally:
             if done is not None and done in self.engine.rows:  # the prefill failed: the row is still done's
                 self.engine.remove(done)
-        self._first.append((seq.seq_id, first))
-        self._sequences[seq.seq_id] = seq
+        self._admit([seq], [first])
         return seq.seq_id
+
+    def add_many(self, requests: list[SequenceRequest]) -> list[int]:
+        """Admit several new sequences, their prefills batched (BatchEngine.add_many); -> their
+        seq_ids. Bad requests raise ValueError before any is admitted; a prefill that fails
+        raises SequenceFailed, with the sequences of the groups before it admitted."""
+        if len(self._sequences) + len(self._kept) + len(requests) > self.max_batch_size:
+            raise RuntimeError(f"{len(requests)} more sequences do not fit the batch ({self.max_batch_size} "
+                               f"sequences); wait for some to finish")
+        seqs = [self.engine.check(request, next(self._ids)) for request in requests]
+        try:
+            firsts = self.engine.add_many(seqs, join=False)
+        except Exception as err:  # noqa: BLE001 - valid requests the engine failed on: never a refusal
+            if is_fatal(err):
+                raise
+            admitted = [seq for seq in seqs if seq in self.engine.rows]
+            self._admit(admitted, [list(seq.tokens) for seq in admitted])
+            raise SequenceFailed(describe(err)) from err
+        self._admit(seqs, firsts)
+        return [seq.seq_id for seq in seqs]
+
+    def _admit(self, seqs: list, firsts: list[list[int]]) -> None:
+        for seq, first in zip(seqs, firsts):
+            self._first.append((seq.seq_id, first))
+            self._sequences[seq.seq_id] = seq
 
     def release(self, seq_id: int) -> None:
         """Free the row of a kept finished sequence (keep_finished)."""

@@ -85,6 +85,48 @@ def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[
                        hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]))
 
 
+@torch.inference_mode()
+def prefill_many(target: TargetAdapter, prompts: list[list[int]], tap_layers: list[int], cache: TreeStaticCache,
+                 samplings: list[SamplingParams | None], generators: list[torch.Generator | None]) -> list[DecodeState]:
+    """Several prompts in ONE forward, one into each of the cache's active rows, which must be
+    empty -> each prompt's state, as `prefill` gives it alone (up to fp ties between batch
+    shapes). On a GPU a forward costs its launches more than its tokens, so one forward for
+    a group of new sequences costs about what one sequence's does.
+
+    The prompts are left-padded to the longest (P): a padding token sees only itself, and
+    prompt token j sits at position j and sees prompt tokens 0..j (the verify step's tree
+    mask and position offsets, for a chain). So every prompt's last token is the forward's
+    last, and only that position's logits are made. The commit then moves each prompt's
+    entries to the front of its row."""
+    num_rows, longest = len(prompts), max(map(len, prompts))
+    tokens_nP = torch.zeros(num_rows, longest, dtype=torch.long)
+    offsets_nP = torch.zeros(num_rows, longest, dtype=torch.long)
+    masks_nPP = torch.eye(longest, dtype=torch.bool).repeat(num_rows, 1, 1)
+    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    for row, prompt in enumerate(prompts):
+        pad = longest - len(prompt)
+        tokens_nP[row, pad:] = torch.tensor(prompt)
+        offsets_nP[row, pad:] = torch.arange(len(prompt))
+        masks_nPP[row, pad:, pad:] = causal[:len(prompt), :len(prompt)]
+    device = target.device
+    tokens_nP, offsets_nP = tokens_nP.to(device), offsets_nP.to(device)
+    out = target(tokens_nP, tap_layers, attention_mask=cache.attention_mask(masks_nPP.to(device)),
+                 position_ids=cache.position_ids(offsets_nP), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.commit([torch.arange(longest - len(prompt), longest) for prompt in prompts])
+    logits_nV = out.logits[:, -1]
+    roots = greedy_tokens(logits_nV)
+    hidden_nPH = torch.cat(out.taps, dim=-1)
+    states = []
+    for row, (prompt, sampling, generator) in enumerate(zip(prompts, samplings, generators)):
+        root = roots[row:row + 1]
+        if sampling is not None and not sampling.is_greedy:
+            root = torch.multinomial(target_probs(logits_nV[row:row + 1], sampling), 1, generator=generator)[0]
+        pad = longest - len(prompt)
+        states.append(DecodeState(cache=cache, prefix_len=len(prompt), root=root, hidden=hidden_nPH[row, pad:],
+                                  next_tokens=torch.cat([tokens_nP[row, pad + 1:], root])))
+    return states
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The target's argmax over the vocab (last dim), as transformers' greedy search takes it:
     on fp32 logits (the cast from bf16 is exact; a bf16 argmax on a CPU is ~10x slower), the
@@ -100,14 +142,21 @@ def verify(decoder, cache: TreeStaticCache, drafts: list[Draft],
     serving/decode/graphs.py `VerifyGraphs` that runs the forward (static shapes, CUDA graphs)."""
     num_nodes = num_nodes or max(draft.plan.num_nodes for draft in drafts)
     device = drafts[0].tokens.device
-    tokens_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
-    offsets_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
-    tree_masks = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(len(drafts), -1, -1).clone()
-    for index, draft in enumerate(drafts):  # padding nodes see only themselves
-        size = draft.plan.num_nodes
-        tokens_nT[index, :size] = draft.tokens
-        offsets_nT[index, :size] = draft.plan.position_offsets
-        tree_masks[index, :size, :size] = draft.plan.tree_mask
+    plan = drafts[0].plan
+    if plan.num_nodes == num_nodes and all(draft.plan is plan for draft in drafts):
+        # one tree for every row (plain steps, a static tree): no copy per row
+        tokens_nT = torch.stack([draft.tokens for draft in drafts])
+        offsets_nT = plan.position_offsets.expand(len(drafts), -1)
+        tree_masks = plan.tree_mask.expand(len(drafts), -1, -1)
+    else:
+        tokens_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
+        offsets_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
+        tree_masks = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(len(drafts), -1, -1).clone()
+        for index, draft in enumerate(drafts):  # padding nodes see only themselves
+            size = draft.plan.num_nodes
+            tokens_nT[index, :size] = draft.tokens
+            offsets_nT[index, :size] = draft.plan.position_offsets
+            tree_masks[index, :size, :size] = draft.plan.tree_mask
     if graphs is not None:
         return graphs.forward(tokens_nT, offsets_nT, tree_masks)
     attention_kwargs, mask = {}, None
@@ -128,15 +177,18 @@ def verify(decoder, cache: TreeStaticCache, drafts: list[Draft],
 
 
 def accept(draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor, target_tokens_T: torch.Tensor,
-           sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
-           acceptance: str = "rejection") -> Outcome:
+           root_token: int | None = None, sampling: SamplingParams | None = None,
+           generator: torch.Generator | None = None, acceptance: str = "rejection") -> Outcome:
     """One sequence's accepted path from its verify logits (padding rows past its tree ignored).
-    target_tokens_T: greedy_tokens(logits_TV) (the engine takes it for the whole batch at once)."""
+    target_tokens_T: greedy_tokens(logits_TV) (the engine takes it for the whole batch at once);
+    root_token: target_tokens_T[0] already read to the host (the engine reads the whole
+    batch's in one device sync; a plain step then needs none of its own)."""
     plan = draft.plan
     if sampling is None or sampling.is_greedy:
         target_tokens_T = target_tokens_T[:plan.num_nodes]
         if plan.num_nodes == 1:  # a plain step: the target's token
-            return Outcome(nodes=plan.root_only, root=target_tokens_T, emitted=target_tokens_T.tolist(),
+            return Outcome(nodes=plan.root_only, root=target_tokens_T,
+                           emitted=target_tokens_T.tolist() if root_token is None else [root_token],
                            hidden=hidden_TH[:1])
         nodes = plan.accept_greedy(draft.tokens, target_tokens_T)
         root = target_tokens_T[nodes[-1:]]

@@ -458,3 +458,55 @@ def test_a_medusa_conversation_continues_after_a_step_cut_by_max_new_tokens(setu
     for index, (prompt, context_len) in follow_ups.items():
         assert results[index].stats.prefill_reused_tokens == context_len  # every token it emitted has its entry
         assert results[index].tokens == hf_greedy(target, prompt, 4)
+
+
+@pytest.mark.parametrize("kind", ["plain", "medusa-oracle", "eagle3-dynamic"])
+def test_grouped_prefills_give_each_prompt_and_follow_up_its_own_output(setup, kind, monkeypatch):
+    """prefill_group > 1 (a GPU's default): new prompts and follow-ups wait for that many free
+    rows, then prefill together in one left-padded forward; a follow-up prefills its whole
+    context in a new row. Every output is still the target's greedy output for it alone."""
+    import specheads.serving.decode.engine as engine_module
+    from specheads.serving.decode.generate import generate_many
+
+    target, prompts, references, long = setup
+    groups = []
+
+    def spy(target, group, *args):
+        groups.append([len(prompt) for prompt in group])
+        return prefill_many(target, group, *args)
+
+    prefill_many = engine_module.prefill_many
+    monkeypatch.setattr(engine_module, "prefill_many", spy)
+    follow_ups = {}
+
+    def next_turn(index, result):
+        if index >= len(prompts) or index % 2:
+            return None
+        follow_ups[len(prompts) + len(follow_ups)] = prompts[index] + result.tokens + [5, 6]
+        return follow_ups[len(prompts) + len(follow_ups) - 1]
+
+    results = generate_many(decoders(target, prompts, long)[kind], prompts, 5, max_batch_size=4,
+                            on_result=next_turn, max_prompt_len=64, prefill_group=2)
+    assert [result.tokens for result in results[:len(prompts)]] == [reference[:5] for reference in references]
+    assert len(follow_ups) == 3 and len(results) == len(prompts) + 3
+    for index, prompt in follow_ups.items():
+        assert results[index].tokens == hf_greedy(target, prompt, 5)
+        assert results[index].stats.prefill_reused_tokens == 0
+    # The first four rows in one forward (left-padded to 17); then two follow-ups first, with the
+    # last two prompts; the last follow-up, alone at the end, in a prefill of its own.
+    assert groups == [PROMPT_LENGTHS[:4], [10, 15] + PROMPT_LENGTHS[4:]]
+
+
+def test_grouped_prefills_sample_as_alone_and_refuse_a_bad_group_size(setup):
+    from specheads.serving.decode.generate import generate_many
+    from specheads.serving.decode.sampling import SamplingParams
+
+    target, prompts, references, _ = setup
+    decoder = SpeculativeDecoder(target)
+    sampling = [SamplingParams(temperature=1.0, seed=11), None, SamplingParams(temperature=1.0, seed=12)]
+    results = generate_many(decoder, prompts[:3], 8, max_batch_size=3, sampling=sampling, prefill_group=3)
+    assert results[1].tokens == references[1][:8]
+    for i in (0, 2):
+        assert results[i].tokens == generate(decoder, prompts[i], 8, sampling=sampling[i]).tokens
+    with pytest.raises(ValueError, match="prefill_group must be in \\[1, max_batch_size=3\\], got 4"):
+        generate_many(decoder, prompts[:3], 4, max_batch_size=3, prefill_group=4)

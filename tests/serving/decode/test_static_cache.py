@@ -217,3 +217,28 @@ def test_refuses_sliding_window_layers(tiny_qwen2_dir):
     config.layer_types = ["sliding_attention"] + ["full_attention"] * (config.num_hidden_layers - 1)
     with pytest.raises(NotImplementedError, match="layer 0 is a 'sliding_attention' layer"):
         TreeStaticCache(config, max_cache_len=16)
+
+
+@torch.inference_mode()
+def test_kept_rows_stay_and_moved_rows_match_explicit_paths(target):
+    """commit with None and num_kept for some rows keeps their first pending entries where they
+    are; the other rows' paths move in one gather. The buffers equal a twin cache's that
+    committed every row's path explicitly."""
+    prompts_3P = torch.cat([_random_tokens(PROMPT_LEN, seed, target.vocab_size) for seed in (0, 7, 9)])
+    tree_tokens_3T = torch.cat([_random_tokens(TREE.num_nodes, seed, target.vocab_size) for seed in (1, 2, 3)])
+    caches = []
+    for paths, num_kept in (([None, torch.tensor([0, 2, 5]), None], [3, 1, 1]),
+                            ([torch.tensor([0, 1, 2]), torch.tensor([0, 2, 5]), torch.tensor([0])], None)):
+        cache = TreeStaticCache(target.config, max_cache_len=32, batch_size=3)
+        target(prompts_3P, [], past_key_values=cache, use_cache=True)
+        cache.commit()
+        _verify_tree(target, cache, tree_tokens_3T)
+        cache.commit(paths, num_kept=num_kept)
+        caches.append(cache)
+    assert caches[0].seq_lens == caches[1].seq_lens == [PROMPT_LEN + 3, PROMPT_LEN + 3, PROMPT_LEN + 1]
+    for mine, twin in zip(caches[0].layers, caches[1].layers):
+        for row, length in enumerate(caches[1].seq_lens):
+            torch.testing.assert_close(mine.keys[row, :, :length], twin.keys[row, :, :length], rtol=0, atol=0)
+            torch.testing.assert_close(mine.values[row, :, :length], twin.values[row, :, :length], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="3 accepted paths and 2 kept counts for batch size 3"):
+        caches[0].commit([None] * 3, num_kept=[1, 1])
