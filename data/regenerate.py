@@ -122,7 +122,8 @@ def _stop_ids(target, tokenizer) -> list[int]:
 def target_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
                          on_reply=None, follow_up=None, max_prompt_len: int | None = None,
                          temperature: float = 0.0, top_p: float = 1.0,
-                         seeds: list[int] | None = None) -> list[list[int]]:
+                         seeds: list[int] | None = None, cuda_graphs: str | None = None,
+                         prefill_group: int | None = None) -> list[list[int]]:
     """The target's greedy continuation (token ids, cut before the first stop token) of each
     token-id prompt; at a temperature above 0, a sampled one (top_p; prompt i with seeds[i],
     so that a rerun draws the same). target: a heads/target.py TargetAdapter
@@ -130,7 +131,11 @@ def target_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
     sequences per target forward (serving/decode/generate.generate_many); on_reply(num_tokens)
     as each one ends.
     follow_up(index, continuation) may return one more prompt, decoded as soon as a row is
-    free (its continuation is appended to the result); max_prompt_len bounds those."""
+    free (its continuation is appended to the result); max_prompt_len bounds those.
+    cuda_graphs: "capture" replays every decode step's forward from a CUDA graph
+    (serving/decode/graphs.py; a CUDA target), "eager" runs the same static-shape forward.
+    prefill_group: new rows wait for a group this large, prefilled in one forward
+    (generate_many; None: its default, grouped on a GPU only)."""
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.generate import SamplingParams, generate_many
 
@@ -150,9 +155,10 @@ def target_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
             on_reply(len(result.tokens))
         return follow_up(index, cut(result)) if follow_up is not None else None
 
-    results = generate_many(SpeculativeDecoder(target, fallback=None), prompts, max_new_tokens, stop_ids,
+    graphs = dict(cuda_graphs=cuda_graphs, attn_impl="tree") if cuda_graphs else {}
+    results = generate_many(SpeculativeDecoder(target, fallback=None, **graphs), prompts, max_new_tokens, stop_ids,
                             max_batch_size=batch_size, on_result=finished, max_prompt_len=max_prompt_len,
-                            sampling=sampling)
+                            sampling=sampling, prefill_group=prefill_group)
     return [cut(result) for result in results]
 
 
@@ -176,13 +182,15 @@ class ReplyMeter:
         self.bar.close()
 
 
-def load_generation_target(target: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
+def load_generation_target(target: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
+                           pack_weights: bool | str = "auto"):
     """The target as the engine generates with it: the device's fast dtype ("auto"), linear
-    weights packed where that pays (heads/cpu_layout.py)."""
+    weights packed where that pays (heads/cpu_layout.py; not for CUDA graphs' static shapes:
+    pack_weights=False)."""
     from specheads.heads.target import TargetAdapter
 
     return TargetAdapter.from_pretrained(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                         pack_weights="auto")
+                                         pack_weights=pack_weights)
 
 
 def generate_replies(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
@@ -337,13 +345,15 @@ class _InOrderWriter:
 def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path: str | None = None,
                batch_size: int = 96, max_new_tokens: int = 256, dtype: str = "auto", device: str = "cpu",
                trust_remote_code: bool = False, max_batches: int | None = None, log=print,
-               progress_bar: bool = True) -> Progress:
+               progress_bar: bool = True, cuda_graphs: str | None = None,
+               prefill_group: int | None = None) -> Progress:
     """Regenerate `input_path` into `output_path`, resuming a previous run; -> the progress so far.
 
     The replies are decoded by the engine with up to batch_size sequences per forward, in
     `dtype` ("auto": the device's fast dtype), every record in one continuous batch (a row
     never waits for a batch of records to drain); lines are written batch_size records at a
     time. max_batches stops after that many batches of records (a later call continues).
+    cuda_graphs, prefill_group: as in target_continuations.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise DataError(f"batch size and max new tokens must be >= 1, got {batch_size} and {max_new_tokens}")
@@ -357,7 +367,8 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
         log(f"regenerate: resuming at record {progress.next_record}")
     tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
     ensure_chat_template(tokenizer)
-    generator = load_generation_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    generator = load_generation_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                       pack_weights=False if cuda_graphs else "auto")
     stop = len(records) if max_batches is None else min(len(records), progress.next_record + max_batches * batch_size)
     jobs = [_Job(index, records[index], tokenizer) for index in range(progress.next_record, stop)]
     to_come = sum(job.max_replies for job in jobs)  # at most
@@ -383,7 +394,8 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     if prompts:
         longest = max(job.longest_prompt(max_new_tokens) for job in jobs if not job.done)
         target_continuations(generator, tokenizer, prompts, max_new_tokens, batch_size, meter.reply,
-                             follow_up=replied, max_prompt_len=longest)
+                             follow_up=replied, max_prompt_len=longest, cuda_graphs=cuda_graphs,
+                             prefill_group=prefill_group)
     writer.close()
     meter.close()
     log(f"regenerate: {progress.summary()}")

@@ -4,6 +4,7 @@
         [--self-instruct-fraction F] [--self-instruct-temperature X]]
     specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
+                              [--device cuda [--cuda-graphs]]
     specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
 
 `add_parser(subparsers)` registers the "data" command on the top-level parser and
@@ -18,7 +19,7 @@ import argparse
 import sys
 
 from specheads.errors import EXIT_USER_ERROR
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -68,6 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (rerun continues)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
     p.add_argument("--trust-remote-code", action="store_true")
 
     p = sub.add_parser("cache", help="cache target hidden states + logits over packed blocks (safetensors shards)")
@@ -129,11 +131,14 @@ def _report(args) -> int:
 
 def _regenerate(args) -> int:
     from specheads.data.regenerate import regenerate
-    from specheads.runner import resolve_target_name
+    from specheads.runner import cuda_graphs_problem, resolve_target_name
 
+    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
+        raise ValueError(problem)
     progress = regenerate(resolve_target_name(args.target), args.input, args.output, tokenizer_path=args.tokenizer,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-                          device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches)
+                          device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches,
+                          cuda_graphs="capture" if args.cuda_graphs else None)
     print(f"regenerate: {args.output}: {progress.summary()}")
     return 0
 
