@@ -192,13 +192,15 @@ def _resolve_target(name_or_path: str) -> str:
 
 def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
     """data.source embedded:chat -> the cached file of the target's own chat replies, generated
-    here on first use (every rank waits on the same lock; data/chat_prompts.py)."""
+    here on first use, on this rank's training device (every rank waits on the same lock;
+    data/chat_prompts.py)."""
     from specheads.data.chat_prompts import EMBEDDED_CHAT, self_distilled_chat
+    from specheads.training.distributed import train_device
 
     if EMBEDDED_CHAT not in (recipe.data.source, recipe.data.eval_source):
         return recipe
     replies = str(self_distilled_chat(target_path, recipe.data.chat_prompts, recipe.data.chat_max_new_tokens,
-                                      seed=recipe.train.seed,
+                                      seed=recipe.train.seed, device=train_device(),
                                       self_instruct_fraction=recipe.data.chat_self_instruct_fraction,
                                       self_instruct_temperature=recipe.data.chat_self_instruct_temperature))
     data = recipe.data.replace(**{name: replies for name in ("source", "eval_source")

@@ -5,9 +5,10 @@ requests around it for a server.
 Every sequence owns a row of one `TreeStaticCache` (serving/decode/cache.py); the decoding
 sequences are rows [0, n), kept contiguous (a leaving sequence's row is refilled by moving
 the last row into it). A sequence joins with its own prefill forward (its row alone),
-which yields its first token; one that continues a finished sequence's context (the next
-turn of a conversation) takes over that row and prefills only what it adds. From the next
-step on it takes part in the batched step:
+which yields its first token, or with a group of new sequences in one left-padded forward
+(`add_many`: on a GPU a forward costs its launches more than its tokens); one that
+continues a finished sequence's context (the next turn of a conversation) takes over that
+row and prefills only what it adds. From the next step on it takes part in the batched step:
 
     draft -> verify -> accept -> commit -> record
 
@@ -221,13 +222,14 @@ class BatchEngine:
         if len(self.rows) + len(seqs) > self.max_batch_size:
             raise RuntimeError(f"{len(seqs)} more sequences do not fit the batch ({len(self.rows)} of "
                                f"{self.max_batch_size} rows taken)")
-        groups, group = [], []
+        groups, group, longest = [], [], 0
         for seq in seqs:
-            longest = max([int(seq.prompt_1P.shape[1])] + [int(s.prompt_1P.shape[1]) for s in group])
-            if group and longest * (len(group) + 1) > PREFILL_GROUP_TOKENS:
+            length = int(seq.prompt_1P.shape[1])
+            if group and max(longest, length) * (len(group) + 1) > PREFILL_GROUP_TOKENS:
                 groups.append(group)
-                group = []
+                group, longest = [], 0
             group.append(seq)
+            longest = max(longest, length)
         groups += [group] if group else []
         for group in groups:
             if len(group) == 1:

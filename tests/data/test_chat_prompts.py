@@ -109,6 +109,18 @@ def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monke
     assert self_distilled_chat(str(target_dir), 4, 4, cache_dir=cache, log=lambda _: None) == replies
     with pytest.raises(AssertionError, match="generated again"):  # other settings: another cache entry
         self_distilled_chat(str(target_dir), 5, 4, cache_dir=cache, log=lambda _: None)
+    # On a GPU (as a GPU rank's trainer asks): replies from CUDA graphs, 512 sequences a forward.
+    asked = {}
+
+    def record(*args, **kwargs):
+        asked.update(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(regenerate_module, "regenerate", record)
+    with pytest.raises(RuntimeError, match="recorded"):
+        self_distilled_chat(str(target_dir), 6, 4, cache_dir=cache, device="cuda", log=lambda _: None)
+    assert (asked["device"], asked["cuda_graphs"], asked["batch_size"], asked["dtype"]) == \
+        ("cuda", "capture", 512, "bfloat16")
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(cache))
     recipe = load_recipe(ROOT / "recipes" / "smollm2-135m-eagle3.yaml", profile="cpu")

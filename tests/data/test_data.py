@@ -293,6 +293,12 @@ def test_regenerate_turns_records_into_multi_turn_conversations_with_the_targets
             prompt = generation_prompt_ids(tokenizer, messages[:turn])
             assert generate_replies(model, tokenizer, [prompt], 6, 1) == [messages[turn]["content"]]
     assert len(lines[0]) + progress.num_empty_ended * 2 >= 4 and 3 in lines
+    # A GPU's way, run on the CPU: every step's forward in static shapes (what CUDA graphs
+    # capture), new rows prefilled in groups, a next turn's whole context prefilled anew.
+    again = tmp_path / "again.jsonl"
+    regenerate(str(target_512), str(source), str(again), tokenizer_path=str(chat_tok), batch_size=3,
+               max_new_tokens=6, dtype="float32", log=lambda _: None, cuda_graphs="eager", prefill_group=2)
+    assert again.read_bytes() == output.read_bytes()
 
 
 def test_regenerate_resumes_after_an_interruption_without_duplicates(chat_tok, target_512, tmp_path):
@@ -334,6 +340,8 @@ def test_regenerate_cli_and_its_user_errors(chat_tok, target_512, tmp_path, caps
     argv[argv.index(str(output))] = str(foreign)
     assert data_cli.run(parser.parse_args(argv)) == 2
     assert "exists without foreign.jsonl.progress.json" in capsys.readouterr().err
+    assert data_cli.run(parser.parse_args(argv + ["--cuda-graphs"])) == 2
+    assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- feature cache
