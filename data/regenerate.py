@@ -26,16 +26,20 @@ data/chat_prompts.py writes them), become whole conversations: each reply is con
 the target's own earlier replies (multi-turn self-distillation), and a conversation's next
 turn is decoded as soon as its previous reply ends, in the same row: its prefill runs only
 the new user turn, the conversation so far already being in that row's KV cache (as far as
-the re-rendered conversation repeats the generated tokens). A reply that comes out
-empty ends its conversation before that turn (counted); a conversation left without any
-reply is skipped as "empty reply".
+the re-rendered conversation repeats the generated tokens). On a GPU, new rows and next
+turns wait for a group of free rows and are prefilled together, whole, in one forward
+(generate_many's prefill_group), and `--cuda-graphs` replays each decode step. A reply
+that comes out empty ends its conversation before that turn (counted); a conversation left
+without any reply is skipped as "empty reply".
 
-Resumable: output lines are appended in input order, --batch-size records at a time once
-every record before them is done (flushed and fsynced), then OUTPUT.progress.json is
-replaced atomically with the next input record, the output's byte length and those
-records' counts. A rerun truncates the output to that length (dropping a partial
-trailing line or a batch written after the last progress update) and continues, so an
-interrupted run never duplicates or loses a record.
+Resumable: output lines are appended in input order, WRITE_EVERY (64) records at a time (or
+--batch-size, if smaller) once every record before them is done, flushed and fsynced; then
+OUTPUT.progress.json is replaced atomically with the next input record, the output's byte
+length and those records' counts. A rerun truncates the output to that length (dropping a
+partial trailing line or a batch written after the last progress update) and continues, so
+an interrupted run never duplicates or loses a record. It loses work: its unfinished
+records, the finished ones after the first of those, and fewer than WRITE_EVERY before it
+are made again.
 """
 
 from __future__ import annotations
@@ -77,6 +81,12 @@ class Progress:
             reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(self.skipped.items()))
             text += f"; skipped {sum(self.skipped.values())} ({reasons})"
         return text
+
+
+# Finished records are written (and fsynced) this many at a time: at 512 rows on a GPU a
+# batch-sized write left up to 511 finished records unwritten (a stopped run there lost
+# 1,340 finished replies, these and those behind unfinished records).
+WRITE_EVERY = 64
 
 
 def progress_path(output: Path) -> Path:
@@ -351,8 +361,9 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
 
     The replies are decoded by the engine with up to batch_size sequences per forward, in
     `dtype` ("auto": the device's fast dtype), every record in one continuous batch (a row
-    never waits for a batch of records to drain); lines are written batch_size records at a
-    time. max_batches stops after that many batches of records (a later call continues).
+    never waits for a batch of records to drain); lines are written min(batch_size,
+    WRITE_EVERY) records at a time. max_batches stops after that many batches of batch_size
+    records (a later call continues).
     cuda_graphs, prefill_group: as in target_continuations.
     """
     if batch_size < 1 or max_new_tokens < 1:
@@ -374,7 +385,7 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     to_come = sum(job.max_replies for job in jobs)  # at most
     meter = ReplyMeter(progress.num_turns + to_come, "regenerate: the target's replies", progress_bar,
                        initial=progress.num_turns)
-    writer = _InOrderWriter(output, progress, batch_size)
+    writer = _InOrderWriter(output, progress, min(batch_size, WRITE_EVERY))
     slots = [(job, turn) for job in jobs for turn, _ in job.first_prompts]  # prompt k -> (its job, turn)
 
     def replied(index: int, tokens: list[int]) -> list[int] | None:
