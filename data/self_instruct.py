@@ -159,7 +159,8 @@ def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *
                         seed: int = 0) -> list[tuple[str, str]]:
     """The target's answer to each (kind, instruction), cleaned: -> (kind, candidate) pairs.
     Greedy at temperature 0; above it, sampled (top-p TOP_P), the i-th answer with its own
-    seed drawn from `seed`, so a seed gives the same candidates on a rerun."""
+    seed drawn from `seed`, so a seed gives the same candidates on a rerun. On a CUDA device
+    the decode steps replay CUDA graphs, as `data regenerate --cuda-graphs` does."""
     from specheads.data.chat import ensure_chat_template, generation_prompt_ids
     from specheads.data.regenerate import load_generation_target, target_continuations
     from specheads.data.text import load_tokenizer
@@ -173,7 +174,8 @@ def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *
     rng = random.Random(f"self-instruct sampling {seed}")
     seeds = [rng.getrandbits(63) for _ in prompts] if temperature > 0 else None
     replies = target_continuations(target, tokenizer, prompts, max_new_tokens, batch_size, temperature=temperature,
-                                   top_p=TOP_P, seeds=seeds)
+                                   top_p=TOP_P, seeds=seeds,
+                                   cuda_graphs="capture" if target.device.type == "cuda" else None)
     return [(kind, clean(tokenizer.decode(ids, skip_special_tokens=True)))
             for (kind, _), ids in zip(instructions, replies)]
 

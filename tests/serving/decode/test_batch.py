@@ -504,9 +504,11 @@ def test_grouped_prefills_sample_as_alone_and_refuse_a_bad_group_size(setup):
     target, prompts, references, _ = setup
     decoder = SpeculativeDecoder(target)
     sampling = [SamplingParams(temperature=1.0, seed=11), None, SamplingParams(temperature=1.0, seed=12)]
-    results = generate_many(decoder, prompts[:3], 8, max_batch_size=3, sampling=sampling, prefill_group=3)
-    assert results[1].tokens == references[1][:8]
-    for i in (0, 2):
-        assert results[i].tokens == generate(decoder, prompts[i], 8, sampling=sampling[i]).tokens
+    # Also through the static-shape verify that CUDA graphs capture (self-instruct's path on a GPU).
+    for grouped in (decoder, SpeculativeDecoder(target, cuda_graphs="eager", attn_impl="tree")):
+        results = generate_many(grouped, prompts[:3], 8, max_batch_size=3, sampling=sampling, prefill_group=3)
+        assert results[1].tokens == references[1][:8]
+        for i in (0, 2):
+            assert results[i].tokens == generate(decoder, prompts[i], 8, sampling=sampling[i]).tokens
     with pytest.raises(ValueError, match="prefill_group must be in \\[1, max_batch_size=3\\], got 4"):
         generate_many(decoder, prompts[:3], 4, max_batch_size=3, prefill_group=4)
