@@ -318,7 +318,8 @@ class TreeStaticCache(Cache):
             raise ValueError(f"commit got {len(per_sequence)} accepted paths{kept} for batch size {num_rows}")
         device = self.lengths.device_lens.device
         moves = []  # (row, its committed length, accepted offsets on the device)
-        for row, (batch_index, accepted) in enumerate(zip(range(start, start + num_rows), per_sequence)):
+        for row, accepted in enumerate(per_sequence):
+            batch_index = start + row
             if accepted is None:
                 num_accepted, accepted_A = num_pending if num_kept is None else num_kept[row], None
             else:

@@ -241,8 +241,8 @@ class BatchEngine:
                     self.cache.truncate_row(row, 0)
                 self.cache.set_rows(first, first + len(group))
                 try:
-                    states = prefill_many(self.target, [seq.prompt_1P[0].tolist() for seq in group],
-                                          self.decoder.tap_layers, self.cache, [seq.sampling for seq in group],
+                    states = prefill_many(self.target, [seq.prompt_1P for seq in group], self.decoder.tap_layers,
+                                          self.cache, [seq.sampling for seq in group],
                                           [seq.generator for seq in group])
                 except BaseException:
                     for row in range(first, first + len(group)):

@@ -86,43 +86,45 @@ def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[
 
 
 @torch.inference_mode()
-def prefill_many(target: TargetAdapter, prompts: list[list[int]], tap_layers: list[int], cache: TreeStaticCache,
+def prefill_many(target: TargetAdapter, prompts_1P: list[torch.Tensor], tap_layers: list[int], cache: TreeStaticCache,
                  samplings: list[SamplingParams | None], generators: list[torch.Generator | None]) -> list[DecodeState]:
-    """Several prompts in ONE forward, one into each of the cache's active rows, which must be
-    empty -> each prompt's state, as `prefill` gives it alone (up to fp ties between batch
-    shapes). On a GPU a forward costs its launches more than its tokens, so one forward for
-    a group of new sequences costs about what one sequence's does.
+    """Several prompts ([1, P_i] on the target's device) in ONE forward, one into each of the
+    cache's active rows, which must be empty -> each prompt's state, as `prefill` gives it
+    alone (up to fp ties between batch shapes). On a GPU a forward costs its launches more
+    than its tokens, so one forward for a group of new sequences costs about what one
+    sequence's does.
 
     The prompts are left-padded to the longest (P): a padding token sees only itself, and
     prompt token j sits at position j and sees prompt tokens 0..j (the verify step's tree
     mask and position offsets, for a chain). So every prompt's last token is the forward's
     last, and only that position's logits are made. The commit then moves each prompt's
     entries to the front of its row."""
-    num_rows, longest = len(prompts), max(map(len, prompts))
-    tokens_nP = torch.zeros(num_rows, longest, dtype=torch.long)
+    lengths = [int(prompt.shape[1]) for prompt in prompts_1P]
+    num_rows, longest = len(lengths), max(lengths)
+    device = target.device
+    tokens_nP = torch.stack([torch.nn.functional.pad(prompt[0], (longest - length, 0))
+                             for prompt, length in zip(prompts_1P, lengths)])
     offsets_nP = torch.zeros(num_rows, longest, dtype=torch.long)
     masks_nPP = torch.eye(longest, dtype=torch.bool).repeat(num_rows, 1, 1)
     causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-    for row, prompt in enumerate(prompts):
-        pad = longest - len(prompt)
-        tokens_nP[row, pad:] = torch.tensor(prompt)
-        offsets_nP[row, pad:] = torch.arange(len(prompt))
-        masks_nPP[row, pad:, pad:] = causal[:len(prompt), :len(prompt)]
-    device = target.device
-    tokens_nP, offsets_nP = tokens_nP.to(device), offsets_nP.to(device)
+    for row, length in enumerate(lengths):
+        pad = longest - length
+        offsets_nP[row, pad:] = torch.arange(length)
+        masks_nPP[row, pad:, pad:] = causal[:length, :length]
+    offsets_nP = offsets_nP.to(device)
     out = target(tokens_nP, tap_layers, attention_mask=cache.attention_mask(masks_nPP.to(device)),
                  position_ids=cache.position_ids(offsets_nP), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache.commit([torch.arange(longest - len(prompt), longest) for prompt in prompts])
+    cache.commit([torch.arange(longest - length, longest) for length in lengths])
     logits_nV = out.logits[:, -1]
     roots = greedy_tokens(logits_nV)
     hidden_nPH = torch.cat(out.taps, dim=-1)
     states = []
-    for row, (prompt, sampling, generator) in enumerate(zip(prompts, samplings, generators)):
+    for row, (length, sampling, generator) in enumerate(zip(lengths, samplings, generators)):
         root = roots[row:row + 1]
         if sampling is not None and not sampling.is_greedy:
             root = torch.multinomial(target_probs(logits_nV[row:row + 1], sampling), 1, generator=generator)[0]
-        pad = longest - len(prompt)
-        states.append(DecodeState(cache=cache, prefix_len=len(prompt), root=root, hidden=hidden_nPH[row, pad:],
+        pad = longest - length
+        states.append(DecodeState(cache=cache, prefix_len=length, root=root, hidden=hidden_nPH[row, pad:],
                                   next_tokens=torch.cat([tokens_nP[row, pad + 1:], root])))
     return states
 
