@@ -157,13 +157,15 @@ def build_on_meta(recipe: Recipe, config):
 
     from specheads.heads.heads_dir import build_heads
     from specheads.heads.target import TargetAdapter, freeze
-    from specheads.training.trainer import _heads_config
+    from specheads.training.trainer import _heads_config, initial_heads
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(recipe.target.dtype),
                                                  trust_remote_code=recipe.target.trust_remote_code)
     target = TargetAdapter(freeze(model), recipe.target.name_or_path)
     heads_config = _heads_config(recipe, target)  # the trainer's own: same taps, sizes, draft vocab
+    if recipe.heads.init_from is not None:
+        initial_heads(recipe.heads.init_from, heads_config, head_kind(recipe.heads), check_only=True)
     with torch.device("meta"):
         heads = build_heads(heads_config)
     return target, heads, heads_config

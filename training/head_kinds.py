@@ -5,7 +5,8 @@ A head kind owns what differs between the kinds in training: the heads config it
 target, whether its heads take a draft vocab, how the target's taps become the heads' inputs
 (`inputs`), the loss of the heads' output (`loss`), and the draft logits its held-out accuracy
 is measured on (`draft_logits`, training/calibrate.py). Everything that calls them (the step,
-the feature sources, calibration) is the same for every kind.
+the feature sources, calibration) is the same for every kind. Its `shape_keys` are the config
+fields besides every kind's that shape its weights (checked when a run starts from trained heads).
 
     Medusa   inputs: the final hidden state [B, T, H]; K heads -> logits [K, B, T, Vd];
              loss: medusa_distill_loss (training/losses.py)
@@ -36,6 +37,8 @@ class MedusaKind:
     """K Medusa heads on the target's final hidden state; head k at t predicts token t+k+2."""
 
     name = "medusa"
+    # Config fields, beyond every kind's, that shape the weights -> the recipe key setting each.
+    shape_keys = {"num_heads": "heads.num_heads", "num_layers": "heads.num_layers"}
 
     def __init__(self, spec: HeadsSpec):
         self.spec = spec
@@ -75,6 +78,7 @@ class Eagle3Kind:
     """One EAGLE-3 layer on the fused taps, unrolled ttt_steps (the training-time test)."""
 
     name = "eagle3"
+    shape_keys: dict[str, str] = {}  # its num_heads is the draft steps, which unroll the same weights
 
     def __init__(self, spec: HeadsSpec):
         self.spec = spec

@@ -123,6 +123,9 @@ class HeadsSpec(Section):
     num_attention_heads: OptionalPositiveInt = Field(None, description="EAGLE: null = the target's")
     num_kv_heads: OptionalPositiveInt = Field(None, description="EAGLE: null = the target's")
     intermediate_size: OptionalPositiveInt = Field(None, description="EAGLE: null = the target's")
+    init_from: OptionalStr = Field(None, description="a heads directory (a run's <output_dir>/heads) whose weights "
+                                   "and draft vocab this run starts from, to go on training them on this recipe's "
+                                   "data; its kind, sizes, tap layers and draft vocab size must be this recipe's")
 
 
 class DataConfig(Section):

@@ -26,7 +26,9 @@ EAGLE heads: the target returns the tap layers' hidden states and logits; the he
 unrolled heads.ttt_steps times on its own features (heads/eagle3.py, Eagle3Head.forward)
 and scored per step (training/losses.py, eagle_ttt_loss). The EAGLE-3 draft vocab, and a
 Medusa one when heads.draft_vocab_size is below the vocab, is the most frequent training
-tokens (data/vocab_counts.py, heads/draft_vocab.py).
+tokens (data/vocab_counts.py, heads/draft_vocab.py). With heads.init_from, a run starts from
+trained heads instead, their weights and draft vocab (fine-tuning them on new data); a
+checkpoint in train.output_dir still wins, so a resumed run is the same either way.
 
 LoRA joint mode (recipe section `lora`, training/lora.py): the engine wraps a JointModel of
 the heads and the adapted target; checkpoints add the adapter; the run also writes
@@ -101,6 +103,8 @@ def run(recipe: Recipe) -> Path:
     train_blocks, eval_blocks = load_training_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
                                                    target.vocab_size, recipe.target.trust_remote_code)
     config = _heads_config(recipe, target)
+    if recipe.heads.init_from is not None:
+        initial_heads(recipe.heads.init_from, config, kind, check_only=True)  # before the data cache is built
     source = feature_source(recipe, target, target_path, train_blocks, config.tap_layers, lambda m: _say(dist, m))
     _say(dist, f"train data {source.blocks.report.summary()}")
     _say(dist, f"eval data {eval_blocks.report.summary()}")
@@ -262,12 +266,16 @@ def _make_engine(recipe: Recipe, kind: HeadKind, config: HeadsConfig, source: On
     import deepspeed
 
     heads = build_heads(config)
-    if kind.takes_draft_vocab(heads):
-        # The same maps on every rank: counts over all training blocks.
-        counts_V = count_tokens(source.blocks.input_ids, source.blocks.loss_mask, target.vocab_size)
-        heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
-    with gathered(target.lm_head()):
-        heads.init_lm_heads_from(target.lm_head())
+    if recipe.heads.init_from is not None:
+        # Their draft vocab too: the trained lm_head's rows are those tokens, whatever this data counts.
+        heads.load_state_dict(initial_heads(recipe.heads.init_from, config, kind).state_dict())
+    else:
+        if kind.takes_draft_vocab(heads):
+            # The same maps on every rank: counts over all training blocks.
+            counts_V = count_tokens(source.blocks.input_ids, source.blocks.loss_mask, target.vocab_size)
+            heads.set_draft_vocab(*build_draft_vocab(counts_V, heads.draft_vocab_size, [_eos_token_id(target)]))
+        with gathered(target.lm_head()):
+            heads.init_lm_heads_from(target.lm_head())
     ds_config = build_ds_config(recipe.train, dist.world_size, autocast=autocast)
     module, params = source.attach(heads)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
@@ -278,6 +286,41 @@ def _heads_config(recipe: Recipe, target: TargetAdapter) -> HeadsConfig:
     """The heads config of the recipe's head kind for this target (also the dry run's)."""
     identity = dataclasses.replace(target.identity, name_or_path=_recorded_name(recipe.target.name_or_path))
     return head_kind(recipe.heads).heads_config(target, identity)
+
+
+# HeadsConfig fields that shape every kind's weights -> the recipe key that sets each (None: the
+# target's); a head kind adds its own (HeadKind.shape_keys).
+SHAPE_KEYS = {"kind": "heads.kind", "hidden_size": None, "vocab_size": None, "tap_layers": "heads.tap_layers",
+              "num_attention_heads": "heads.num_attention_heads", "num_kv_heads": "heads.num_kv_heads",
+              "intermediate_size": "heads.intermediate_size", "draft_vocab_size": "heads.draft_vocab_size"}
+
+
+def initial_heads(directory: str, config: HeadsConfig, kind: HeadKind,
+                  check_only: bool = False) -> nn.Module | None:
+    """heads.init_from: the trained heads at `directory`, checked to have the shape `config`
+    (this recipe's, for this target) gives; RecipeError naming each key that differs. check_only:
+    the configs only, no weights read (-> None)."""
+    from specheads.heads.heads_dir import load_heads, read_heads_config
+
+    where = f"heads.init_from={directory!r}"
+    try:
+        saved = read_heads_config(directory)
+        saved.check_fits(config.target, source=f"the heads at {where}")
+    except (FileNotFoundError, ValueError) as err:
+        raise RecipeError(f"{where}: {err}") from None
+    keys = SHAPE_KEYS | kind.shape_keys
+    differ = [f"{name} is {getattr(saved, name)!r} there, {getattr(config, name)!r} here"
+              + (f" (set {key}={getattr(saved, name)!r})" if key else "")
+              for name, key in keys.items() if getattr(saved, name) != getattr(config, name)]
+    if differ:
+        raise RecipeError(f"{where}: those heads have another shape than this recipe's: " + "; ".join(differ))
+    if check_only:
+        return None
+    try:
+        heads, _ = load_heads(directory)
+    except (FileNotFoundError, ValueError) as err:
+        raise RecipeError(f"{where}: {err}") from None
+    return heads
 
 
 def _resume(recipe: Recipe, parts: StepParts, sampler: BlockSampler, output_dir: Path,
