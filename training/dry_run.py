@@ -248,6 +248,8 @@ def dry_run(recipe: Recipe, recipe_path: str | os.PathLike, world_size: int | No
         f"{str(resolve_dtype(recipe.target.dtype)).removeprefix('torch.')})")
     say(f"        config: {config_source}")
     say(f"heads   {_describe_heads(heads_config)}")
+    if recipe.heads.init_from is not None:
+        say(f"        starting from the trained heads at {recipe.heads.init_from} (heads.init_from)")
     say("parameters")
     say(f"  target (frozen)    {num_target:>16,}")
     say(f"  heads (trainable)  {num_heads:>16,}")

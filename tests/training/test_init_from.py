@@ -83,3 +83,9 @@ def test_a_directory_without_heads_is_refused_naming_what_it_lacks(moved_walks, 
     assert main([str(recipe), "--set", f"heads.init_from={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert f"heads.init_from={str(tmp_path)!r}" in err and "has no config.json" in err
+
+
+def test_the_dry_run_names_the_heads_it_starts_from(trained_eagle3, moved_walks, tiny_llama_dir, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, tiny_llama_dir, moved_walks, tmp_path / "run")
+    assert main([str(recipe), *EAGLE3, "--set", f"heads.init_from={trained_eagle3}", "--dry-run"]) == 0
+    assert f"starting from the trained heads at {trained_eagle3} (heads.init_from)" in capsys.readouterr().out
