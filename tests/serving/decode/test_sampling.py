@@ -403,6 +403,40 @@ def test_target_probs_processing_order():
     assert target_probs(probs, SamplingParams(temperature=1.0, top_p=0.6))[0, 1] > 0
 
 
+def sorted_top_p(probs_NV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p rule as its docstring states it, over a stable sort of the whole vocab."""
+    keep = torch.zeros_like(probs_NV, dtype=torch.bool)
+    for row, probs_V in enumerate(probs_NV):
+        order = sorted(range(probs_V.shape[0]), key=lambda i: -float(probs_V[i]))  # Python's sort is stable
+        mass = 0.0
+        for i in order:
+            if mass >= top_p:
+                break
+            keep[row, i], mass = True, mass + float(probs_V[i])
+    return keep
+
+
+def test_top_p_cuts_where_a_stable_sort_of_the_whole_vocab_would():
+    """sampling.top_p_keep looks among the TOP_P_CANDIDATES most likely tokens first: rows whose
+    cut lies there, rows with tokens tied across the cut (bf16 logits), rows whose cut lies
+    beyond the candidates (a flat distribution) all cut as a full stable sort does."""
+    assert sampling.TOP_P_CANDIDATES == 256
+    tied = torch.full((1, 1000), 1e-9)
+    tied[0, [7, 3, 500, 20]] = torch.tensor([0.4, 0.2, 0.2, 0.2])  # the cut at 0.5 keeps 7 and the first tie, 3
+    flat = torch.full((1, 1000), 1.0)  # the 256 candidates hold 0.256 of the mass
+    assert torch.nonzero(sorted_top_p(tied, 0.5))[:, 1].tolist() == [3, 7]
+    gen = torch.Generator().manual_seed(0)
+    rows = [tied.log(), flat] + [torch.randn(2, 1000, generator=gen) * scale for scale in (0.3, 3.0, 8.0)]
+    rows += [(torch.randn(2, 1000, generator=gen) * 4).bfloat16().float(), (torch.randn(2, 1000, generator=gen) * 2).round()]
+    logits = torch.cat(rows)
+    for top_p in (0.1, 0.5, 0.9, 0.95):
+        probs = logits.softmax(-1)
+        assert torch.equal(sampling.top_p_keep(probs, top_p), sorted_top_p(probs, top_p)), top_p
+    kept = target_probs(tied.log(), SamplingParams(top_p=0.5))
+    assert torch.nonzero(kept)[:, 1].tolist() == [3, 7]
+    assert target_probs(flat, SamplingParams(top_p=0.5)).count_nonzero() == 500
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.1), r"temperature must be a finite number >= 0"),
     (dict(temperature=math.inf), r"temperature"),
