@@ -427,7 +427,8 @@ def test_top_p_cuts_where_a_stable_sort_of_the_whole_vocab_would():
     assert torch.nonzero(sorted_top_p(tied, 0.5))[:, 1].tolist() == [3, 7]
     gen = torch.Generator().manual_seed(0)
     rows = [tied.log(), flat] + [torch.randn(2, 1000, generator=gen) * scale for scale in (0.3, 3.0, 8.0)]
-    rows += [(torch.randn(2, 1000, generator=gen) * 4).bfloat16().float(), (torch.randn(2, 1000, generator=gen) * 2).round()]
+    rows += [(torch.randn(2, 1000, generator=gen) * 4).bfloat16().float(),  # bf16 logits: ties
+             (torch.randn(2, 1000, generator=gen) * 2).round()]
     logits = torch.cat(rows)
     for top_p in (0.1, 0.5, 0.9, 0.95):
         probs = logits.softmax(-1)
