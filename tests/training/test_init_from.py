@@ -89,3 +89,14 @@ def test_the_dry_run_names_the_heads_it_starts_from(trained_eagle3, moved_walks,
     recipe = write_recipe(tmp_path, tiny_llama_dir, moved_walks, tmp_path / "run")
     assert main([str(recipe), *EAGLE3, "--set", f"heads.init_from={trained_eagle3}", "--dry-run"]) == 0
     assert f"starting from the trained heads at {trained_eagle3} (heads.init_from)" in capsys.readouterr().out
+
+
+def test_medusa_heads_of_another_head_count_are_refused(moved_walks, tiny_llama_dir, tmp_path, capsys):
+    first = write_recipe(tmp_path, tiny_llama_dir, moved_walks, tmp_path / "first")  # 3 Medusa heads
+    assert main([str(first), "--set", "train.steps=2"]) == 0
+    recipe = write_recipe(tmp_path, tiny_llama_dir, moved_walks, tmp_path / "run")
+    assert main([str(recipe), "--set", "heads.num_heads=2", "--set",
+                 f"heads.init_from={tmp_path / 'first' / 'heads'}"]) == 2
+    assert "num_heads is 3 there, 2 here (set heads.num_heads=3)" in capsys.readouterr().err
+    assert main([str(recipe), "--set", f"heads.init_from={tmp_path / 'first' / 'heads'}", "--set",
+                 "train.steps=1"]) == 0  # the same count starts from them
