@@ -103,13 +103,13 @@ def run(recipe: Recipe) -> Path:
     train_blocks, eval_blocks = load_training_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
                                                    target.vocab_size, recipe.target.trust_remote_code)
     config = _heads_config(recipe, target)
-    if recipe.heads.init_from is not None:
-        initial_heads(recipe.heads.init_from, config, kind, check_only=True)  # before the data cache is built
+    # heads.init_from, read and checked before the data cache is built
+    initial = None if recipe.heads.init_from is None else initial_heads(recipe.heads.init_from, config, kind)
     source = feature_source(recipe, target, target_path, train_blocks, config.tap_layers, lambda m: _say(dist, m))
     _say(dist, f"train data {source.blocks.report.summary()}")
     _say(dist, f"eval data {eval_blocks.report.summary()}")
     autocast = cpu_autocast(train_cfg, train_device(), lora=source.adapter)
-    engine, heads = _make_engine(recipe, kind, config, source, target, dist, autocast)
+    engine, heads = _make_engine(recipe, kind, config, source, target, dist, autocast, initial)
     parts = StepParts(engine, heads, kind, source, bf16_autocast(target.device.type) if autocast
                       else contextlib.nullcontext, train_cfg.skip_repeated_ngram)
     sampler = BlockSampler(len(source.blocks), train_cfg.micro_batch_size, train_cfg.seed, dist.rank,
@@ -261,14 +261,16 @@ def held_out_top1(parts: StepParts, target: TargetAdapter, eval_blocks: PackedBl
 
 
 def _make_engine(recipe: Recipe, kind: HeadKind, config: HeadsConfig, source: OnlineTarget,
-                 target: TargetAdapter, dist: Dist, autocast: bool) -> tuple[object, nn.Module]:
-    """-> (the DeepSpeed engine over what the source trains, the heads inside it)."""
+                 target: TargetAdapter, dist: Dist, autocast: bool,
+                 initial: nn.Module | None = None) -> tuple[object, nn.Module]:
+    """-> (the DeepSpeed engine over what the source trains, the heads inside it); `initial`:
+    trained heads (heads.init_from) whose weights they start from."""
     import deepspeed
 
     heads = build_heads(config)
-    if recipe.heads.init_from is not None:
+    if initial is not None:
         # Their draft vocab too: the trained lm_head's rows are those tokens, whatever this data counts.
-        heads.load_state_dict(initial_heads(recipe.heads.init_from, config, kind).state_dict())
+        heads.load_state_dict(initial.state_dict())
     else:
         if kind.takes_draft_vocab(heads):
             # The same maps on every rank: counts over all training blocks.
