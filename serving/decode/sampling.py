@@ -184,7 +184,8 @@ def top_p_keep(probs_NV: torch.Tensor, top_p: float) -> torch.Tensor:
     dropped when the mass of the tokens before it is >= top_p, so the top token always stays."""
     k = min(TOP_P_CANDIDATES, probs_NV.shape[-1])
     values_Nk = probs_NV.topk(k, dim=-1).values  # descending
-    kept_N = ((values_Nk.cumsum(dim=-1) - values_Nk) < top_p).sum(dim=-1)  # >= 1 (top_p > 0); the cut, if inside k
+    # clamp: a top_p below float32's smallest value (5e-324) rounds to 0 in the comparison
+    kept_N = ((values_Nk.cumsum(dim=-1) - values_Nk) < top_p).sum(dim=-1).clamp_min(1)  # the cut, if inside k
     smallest_N1 = values_Nk.gather(-1, (kept_N - 1)[:, None])
     keep_NV = probs_NV >= smallest_N1
     tied_N = keep_NV.sum(dim=-1) > kept_N  # tokens tied with the smallest kept one straddle the cut
