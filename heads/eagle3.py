@@ -1,5 +1,5 @@
-"""EAGLE-3 draft head (and the EAGLE-1/2 variant): one decoder layer over the target's
-features and the next token's embedding.
+"""EAGLE-3 draft head (and the EAGLE-1/2 variant): one decoder layer (or a few) over the
+target's features and the next token's embedding.
 
 A row of the head at position t reads the feature f_t and the embedding of token x_{t+1}
 and predicts token x_{t+2}. Its output (pre-norm) hidden state is the feature the next
@@ -11,18 +11,22 @@ serving/decode/eagle.py).
     kind "eagle":  f_t = the single tap (the final hidden state)  no fc (EAGLE-1/2)
 
 The layer (EAGLE-3's "midlayer"): q/k/v read [input_layernorm(embed) ; hidden_norm(f)]
-(2H wide), the residual stream is f, then post_attention_layernorm + SwiGLU MLP. Logits
+(2H wide), the residual stream is f, then post_attention_layernorm + SwiGLU MLP. A head of
+num_layers > 1 adds plain pre-norm Llama layers after it (`layers.1`, `layers.2`, ...: q/k/v
+read input_layernorm(h), H wide), as vLLM's multi-layer EAGLE-3 drafts do; the last layer's
+output h is the head's output feature. Logits
 are lm_head(norm(h)) over the draft vocab; draft id i is target id i + d2t[i], and t2d
 marks the target ids that have a draft id. Parameter and buffer names are the EAGLE-3
 checkpoint layout that vLLM and SGLang load, so export is near-identity. The token
 embedding is the target's (frozen) and is passed in; it is not a parameter here.
 
 The head is pure: no cache is kept on the module. Callers pass the keys/values of the
-rows a query may attend to (`past_kv`) and a boolean mask, and get the new rows' keys and
-values back.
+rows a query may attend to (`past_kv`, every layer's stacked on a leading axis) and a
+boolean mask, and get the new rows' keys and values back, stacked the same way.
 
 Shape legend: B batch, T query rows, S past key rows, H hidden, nH number of taps x H,
-Hq query heads, Hkv key/value heads, D head dim, Vd draft vocab, J unrolled steps.
+Hq query heads, Hkv key/value heads, D head dim, Vd draft vocab, J unrolled steps,
+L decoder layers.
 """
 
 from __future__ import annotations
@@ -51,16 +55,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, rope_theta: float):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, rope_theta: float, input_size: int):
         super().__init__()
         if hidden_size % num_heads or num_heads % num_kv_heads:
             raise ValueError(f"hidden_size {hidden_size} must be divisible by num_attention_heads {num_heads}, "
                              f"which must be divisible by num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden_size // num_heads
-        self.q_proj = nn.Linear(2 * hidden_size, num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * hidden_size, num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(input_size, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
         # Computed here, never loaded: a plain fp32 tensor, not a buffer, so no loader can leave
         # it uninitialised (see DESIGN.md traps), no dtype cast rounds it, and it is not part
@@ -74,11 +78,11 @@ class Attention(nn.Module):
         cos, sin = emb_B1TD.cos().to(x_BhTD.dtype), emb_B1TD.sin().to(x_BhTD.dtype)
         return x_BhTD * cos + rotate_half(x_BhTD) * sin
 
-    def forward(self, x_BT2H, position_ids_BT, past_kv, mask_B1TS):
-        batch, seq = x_BT2H.shape[:2]
-        q = self.q_proj(x_BT2H).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BT2H).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x_BT2H).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+    def forward(self, x_BTI, position_ids_BT, past_kv, mask_B1TS):
+        batch, seq = x_BTI.shape[:2]
+        q = self.q_proj(x_BTI).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BTI).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BTI).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, position_ids_BT), self.rope(k, position_ids_BT)  # [B, Hq|Hkv, T, D]
         keys, values = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B1TS,
@@ -99,11 +103,13 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
+    """EAGLE-3's first layer: attention over [embedding ; feature], residual stream the feature."""
+
     def __init__(self, hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, eps):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.hidden_norm = RMSNorm(hidden_size, eps)
-        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, rope_theta)
+        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, rope_theta, input_size=2 * hidden_size)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
@@ -111,6 +117,23 @@ class MidLayer(nn.Module):
         x_BT2H = torch.cat([self.input_layernorm(embeds_BTH), self.hidden_norm(feature_BTH)], dim=-1)
         attn, new_kv = self.self_attn(x_BT2H, position_ids_BT, past_kv, mask_B1TS)
         h = feature_BTH + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, new_kv
+
+
+class DecoderLayer(nn.Module):
+    """A further layer of a multi-layer head: a plain pre-norm Llama layer over h."""
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, eps):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, rope_theta, input_size=hidden_size)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(self, h_BTH, position_ids_BT, past_kv, mask_B1TS):
+        attn, new_kv = self.self_attn(self.input_layernorm(h_BTH), position_ids_BT, past_kv, mask_B1TS)
+        h = h_BTH + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_kv
 
@@ -132,20 +155,27 @@ def default_tap_layers(num_layers: int) -> list[int]:
 
 
 class Eagle3Head(nn.Module):
-    """One EAGLE-3 (or EAGLE-1/2 with num_taps=1) draft layer; pure (see the module docstring)."""
+    """An EAGLE-3 (or EAGLE-1/2 with num_taps=1) draft head; pure (see the module docstring)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_size: int, num_attention_heads: int,
                  num_kv_heads: int, intermediate_size: int, num_taps: int = 3, rope_theta: float = 10000.0,
-                 rms_norm_eps: float = 1e-6):
+                 rms_norm_eps: float = 1e-6, num_layers: int = 1):
         super().__init__()
         if not 1 <= draft_vocab_size <= vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
+        if num_layers < 1:
+            raise ValueError(f"an EAGLE head needs num_layers >= 1, got {num_layers}")
         self.hidden_size, self.vocab_size, self.draft_vocab_size = hidden_size, vocab_size, draft_vocab_size
         self.num_taps = num_taps
         # EAGLE-1/2 (one tap) reads the tap as it is; EAGLE-3 fuses its taps with fc.
         self.fc = nn.Linear(num_taps * hidden_size, hidden_size, bias=False) if num_taps > 1 else None
         self.midlayer = MidLayer(hidden_size, num_attention_heads, num_kv_heads, intermediate_size,
                                  rope_theta, rms_norm_eps)
+        # Named "1", "2", ...: state-dict keys layers.1.*, as vLLM names a multi-layer draft's layers.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(hidden_size, num_attention_heads, num_kv_heads,
+                                                          intermediate_size, rope_theta, rms_norm_eps)
+                                     for i in range(1, num_layers)})
+        self.num_layers = num_layers
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
         # Identity map until set_draft_vocab: draft id i is target id i.
@@ -179,9 +209,10 @@ class Eagle3Head(nn.Module):
         return self.fc(taps_BTnH) if self.fc is not None else taps_BTnH
 
     def step(self, embeds_BTH, feature_BTH, position_ids_BT, past_kv=None, mask_B1TS=None):
-        """One layer pass -> (output feature [B, T, H], this call's (k, v) each [B, Hkv, T, D]).
+        """One pass through the layers -> (output feature [B, T, H], this call's (k, v), each
+        [L, B, Hkv, T, D]).
 
-        past_kv: (keys, values) [B, Hkv, S, D] the rows may also attend to; mask [B, 1, T, S+T]
+        past_kv: (keys, values) [L, B, Hkv, S, D] the rows may also attend to; mask [B, 1, T, S+T]
         bool (True = attend). Without a mask the T rows attend causally to each other only.
         """
         if mask_B1TS is None:
@@ -189,7 +220,14 @@ class Eagle3Head(nn.Module):
                 raise ValueError("past_kv needs an explicit mask")
             seq = embeds_BTH.shape[1]
             mask_B1TS = torch.ones(seq, seq, dtype=torch.bool, device=embeds_BTH.device).tril()[None, None]
-        return self.midlayer(embeds_BTH, feature_BTH, position_ids_BT, past_kv, mask_B1TS)
+        pasts = [None] * self.num_layers if past_kv is None else list(zip(*past_kv))
+        h, first_kv = self.midlayer(embeds_BTH, feature_BTH, position_ids_BT, pasts[0], mask_B1TS)
+        new_kv = [first_kv]
+        for layer, past in zip(self.layers.values(), pasts[1:]):
+            h, kv = layer(h, position_ids_BT, past, mask_B1TS)
+            new_kv.append(kv)
+        keys, values = zip(*new_kv)
+        return h, (torch.stack(keys), torch.stack(values))
 
     def logits(self, feature_BTH: torch.Tensor) -> torch.Tensor:
         """-> draft-vocab logits [B, T, Vd]."""
@@ -215,8 +253,8 @@ class Eagle3Head(nn.Module):
             mask_TS = torch.cat([causal_TT] + [diagonal_TT] * j, dim=1)  # [T, (j+1)T]
             past = None if keys is None else (keys, values)
             feature, (k, v) = self.step(embeds, feature, positions_BT + j, past, mask_TS[None, None])
-            keys = k if keys is None else torch.cat([keys, k], 2)
-            values = v if values is None else torch.cat([values, v], 2)
+            keys = k if keys is None else torch.cat([keys, k], -2)
+            values = v if values is None else torch.cat([values, v], -2)
             features.append(feature)
             all_logits.append(self.logits(feature))
         return torch.stack(all_logits), torch.stack(features)

@@ -6,7 +6,8 @@
 
 Head kinds: "medusa" (heads/medusa.py); "eagle3" and its EAGLE-1/2 variant "eagle"
 (heads/eagle3.py). For the EAGLE kinds `num_heads` is the number of draft depths the head
-is trained and calibrated for (the training-time-test steps) and `num_layers` is 1.
+is trained and calibrated for (the training-time-test steps) and `num_layers` its decoder
+layers (1, EAGLE-3's own; more are vLLM's multi-layer drafts, heads/eagle3.py).
 
 Writes are atomic: the whole directory is written under a temporary name beside the
 destination and renamed into place (heads/atomic.py), so a reader never sees a half-written
@@ -112,7 +113,7 @@ EAGLE_FIELDS = ("num_attention_heads", "num_kv_heads", "intermediate_size", "dra
 def eagle_heads_config(target, kind: str = "eagle3", *, num_steps: int, tap_layers: list[int] | None = None,
                        draft_vocab_size: int, num_attention_heads: int | None = None,
                        num_kv_heads: int | None = None, intermediate_size: int | None = None,
-                       identity: TargetIdentity | None = None) -> HeadsConfig:
+                       identity: TargetIdentity | None = None, num_layers: int = 1) -> HeadsConfig:
     """The HeadsConfig of an EAGLE head for `target` (a heads/target.py TargetAdapter): its
     attention and MLP sizes, rope and norm from the target's config unless given; EAGLE-3
     taps default to default_tap_layers, EAGLE-1/2 ("eagle") reads the final hidden state over
@@ -127,7 +128,7 @@ def eagle_heads_config(target, kind: str = "eagle3", *, num_steps: int, tap_laye
         draft_vocab_size = min(draft_vocab_size, target.vocab_size)
     return HeadsConfig(
         kind=kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=num_steps,
-        num_layers=1, tap_layers=taps, target=identity or target.identity,
+        num_layers=num_layers, tap_layers=taps, target=identity or target.identity,
         num_attention_heads=num_attention_heads or text.num_attention_heads,
         num_kv_heads=num_kv_heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         intermediate_size=intermediate_size or text.intermediate_size, draft_vocab_size=draft_vocab_size,
@@ -157,7 +158,8 @@ def build_heads(config: HeadsConfig) -> nn.Module:
                              f"got tap_layers={config.tap_layers}")
         return Eagle3Head(config.hidden_size, config.vocab_size, config.draft_vocab_size,
                           config.num_attention_heads, config.num_kv_heads, config.intermediate_size,
-                          num_taps=num_taps, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps)
+                          num_taps=num_taps, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
+                          num_layers=config.num_layers)
     raise ValueError(f"unknown head kind {config.kind!r}; expected one of {list(HEAD_KINDS)}")
 
 

@@ -277,6 +277,6 @@ def _describe_heads(config) -> str:
         vocab = f"a draft vocab of {config.draft_vocab_size}" if config.draft_vocab_size else "the full vocab"
         return (f"medusa: {config.num_heads} heads x {config.num_layers} residual block(s) over {vocab}, "
                 f"reading tap {config.tap_layers}")
-    return (f"{config.kind}: taps {config.tap_layers}, {config.num_heads} draft steps, draft vocab "
-            f"{config.draft_vocab_size}, attention {config.num_attention_heads}/{config.num_kv_heads} heads, "
-            f"mlp {config.intermediate_size}")
+    return (f"{config.kind}: {config.num_layers} decoder layer(s), taps {config.tap_layers}, {config.num_heads} "
+            f"draft steps, draft vocab {config.draft_vocab_size}, attention {config.num_attention_heads}/"
+            f"{config.num_kv_heads} heads, mlp {config.intermediate_size}")

@@ -75,12 +75,16 @@ class MedusaKind:
 
 
 class Eagle3Kind:
-    """One EAGLE-3 layer on the fused taps, unrolled ttt_steps (the training-time test)."""
+    """An EAGLE-3 head (heads.num_layers decoder layers) on the fused taps, unrolled ttt_steps (the
+    training-time test)."""
 
     name = "eagle3"
-    shape_keys: dict[str, str] = {}  # its num_heads is the draft steps, which unroll the same weights
+    shape_keys = {"num_layers": "heads.num_layers"}  # its num_heads is the draft steps, which unroll the same weights
 
     def __init__(self, spec: HeadsSpec):
+        if spec.num_layers < 1:
+            raise RecipeError("heads.num_layers: an EAGLE head needs at least one decoder layer, "
+                              f"got {spec.num_layers}")
         self.spec = spec
         self.num_depths = spec.ttt_steps
 
@@ -94,7 +98,8 @@ class Eagle3Kind:
         config = eagle_heads_config(target, self.name, num_steps=spec.ttt_steps, tap_layers=spec.tap_layers,
                                     draft_vocab_size=spec.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE,
                                     num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_kv_heads,
-                                    intermediate_size=spec.intermediate_size, identity=identity)
+                                    intermediate_size=spec.intermediate_size, identity=identity,
+                                    num_layers=spec.num_layers)
         try:
             target.check_taps(config.tap_layers)
         except ValueError as err:

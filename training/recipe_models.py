@@ -107,11 +107,13 @@ class TargetConfig(Section):
 
 class HeadsSpec(Section):
     """Medusa uses num_heads/num_layers; EAGLE ("eagle3", and the EAGLE-1/2 variant "eagle")
-    uses the rest. Sizes left null are the target's."""
+    uses num_layers and the rest. Sizes left null are the target's."""
 
     kind: Literal["medusa", "eagle3", "eagle"] = "medusa"
     num_heads: PositiveInt = Field(4, description="Medusa heads")
-    num_layers: NonNegativeInt = Field(1, description="residual blocks per Medusa head")
+    num_layers: NonNegativeInt = Field(1, description="Medusa: residual blocks per head; EAGLE: decoder layers "
+                                       "(1 = EAGLE-3's own; more load in vLLM, not in SGLang, llama.cpp or the "
+                                       "official EAGLE code)")
     ttt_steps: PositiveInt = Field(7, description="EAGLE: draft steps unrolled in training (= tree depth)")
     ttt_step_weight: PositiveNumber = Field(0.8, description="EAGLE: step j's loss is weighted by this ** j")
     feature_loss_weight: NonNegativeNumber = Field(1.0, description="EAGLE-1/2: weight of the feature regression")

@@ -25,7 +25,7 @@ head cache that now covers all S committed positions. The decode state is not ch
 
 Shape legend: S committed positions, A rows committed since the last step, H hidden,
 Vd draft vocab, R ranks used, k top_k, m expanded nodes at one depth, N drafted candidates,
-T tree nodes (root included), Hkv head KV heads, D head dim.
+T tree nodes (root included), L head layers, Hkv head KV heads, D head dim.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from specheads.serving.decode.trees import Draft, DraftTree, DynamicTreeConfig, 
 
 @dataclass
 class HeadCache:
-    """An EAGLE head's keys/values over committed positions (never tree nodes)."""
+    """An EAGLE head's keys/values over committed positions (never tree nodes), every layer's."""
 
-    keys: torch.Tensor  # [1, Hkv, S, D]
-    values: torch.Tensor  # [1, Hkv, S, D]
+    keys: torch.Tensor  # [L, 1, Hkv, S, D]
+    values: torch.Tensor  # [L, 1, Hkv, S, D]
 
 
 def commit_head_rows(head: nn.Module, embeddings: nn.Module, state) -> tuple[torch.Tensor, HeadCache]:
@@ -53,7 +53,7 @@ def commit_head_rows(head: nn.Module, embeddings: nn.Module, state) -> tuple[tor
     -> (the last row's output feature [1, 1, H], the cache over all S positions)."""
     cache = state.draft_cache
     num_new = state.hidden.shape[0]
-    past_len = 0 if cache is None else cache.keys.shape[2]
+    past_len = 0 if cache is None else cache.keys.shape[-2]
     device = state.hidden.device
     feature = head.fuse(state.hidden[None].to(head.lm_head.weight.dtype))  # [1, A, H]
     embeds = embeddings(state.next_tokens[None]).to(feature.dtype)  # [1, A, H]
@@ -63,7 +63,7 @@ def commit_head_rows(head: nn.Module, embeddings: nn.Module, state) -> tuple[tor
     past = None if cache is None else (cache.keys, cache.values)
     out, (k, v) = head.step(embeds, feature, positions, past, mask[None, None])
     if cache is not None:
-        k, v = torch.cat([cache.keys, k], 2), torch.cat([cache.values, v], 2)
+        k, v = torch.cat([cache.keys, k], -2), torch.cat([cache.values, v], -2)
     return out[:, -1:], HeadCache(k, v)
 
 
@@ -73,7 +73,7 @@ class _LevelLoop:
 
     def __init__(self, head: nn.Module, embeddings: nn.Module, cache: HeadCache):
         self.head, self.embeddings, self.cache = head, embeddings, cache
-        self.prefix_len = cache.keys.shape[2]
+        self.prefix_len = cache.keys.shape[-2]
         self.tree_k = self.tree_v = None
 
     def run(self, depth: int, tokens_m: torch.Tensor, parent_features: torch.Tensor,
@@ -85,11 +85,11 @@ class _LevelLoop:
         embeds = self.embeddings(tokens_m[None]).to(parent_features.dtype)  # [1, m, H]
         positions = torch.full((1, num_nodes), self.prefix_len - 1 + depth, device=device)
         mask = torch.cat([torch.ones(num_nodes, self.prefix_len, dtype=torch.bool, device=device), ancestors_mN], 1)
-        past_k = self.cache.keys if self.tree_k is None else torch.cat([self.cache.keys, self.tree_k], 2)
-        past_v = self.cache.values if self.tree_v is None else torch.cat([self.cache.values, self.tree_v], 2)
+        past_k = self.cache.keys if self.tree_k is None else torch.cat([self.cache.keys, self.tree_k], -2)
+        past_v = self.cache.values if self.tree_v is None else torch.cat([self.cache.values, self.tree_v], -2)
         out, (k, v) = self.head.step(embeds, parent_features, positions, (past_k, past_v), mask[None, None])
-        self.tree_k = k if self.tree_k is None else torch.cat([self.tree_k, k], 2)
-        self.tree_v = v if self.tree_v is None else torch.cat([self.tree_v, v], 2)
+        self.tree_k = k if self.tree_k is None else torch.cat([self.tree_k, k], -2)
+        self.tree_v = v if self.tree_v is None else torch.cat([self.tree_v, v], -2)
         return out
 
 

@@ -15,6 +15,7 @@ import torch
 from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.eagle3 import Eagle3Head, default_tap_layers, next_token_embeddings
+from specheads.heads.export_eagle3 import LAYER_WEIGHT_NAMES
 from specheads.heads.heads_dir import HeadsConfig, build_heads, load_heads, read_heads_config, save_heads
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
@@ -48,19 +49,20 @@ def target(request, tmp_path_factory) -> TargetAdapter:
     return TargetAdapter.from_pretrained(path)
 
 
-def eagle_config(target: TargetAdapter, kind: str = "eagle3") -> HeadsConfig:
+def eagle_config(target: TargetAdapter, kind: str = "eagle3", num_layers: int = 1) -> HeadsConfig:
     text = target.text_config
     taps = default_tap_layers(target.num_layers) if kind == "eagle3" else [target.num_layers]
     return HeadsConfig(kind=kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=4,
-                       num_layers=1, tap_layers=taps, target=target.identity,
+                       num_layers=num_layers, tap_layers=taps, target=target.identity,
                        num_attention_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads,
                        intermediate_size=text.intermediate_size,
                        draft_vocab_size=DRAFT_VOCAB if kind == "eagle3" else target.vocab_size,
                        rope_theta=10000.0, rms_norm_eps=1e-6)
 
 
-def random_head(target: TargetAdapter, seed: int = 0, kind: str = "eagle3") -> tuple[Eagle3Head, HeadsConfig]:
-    config = eagle_config(target, kind)
+def random_head(target: TargetAdapter, seed: int = 0, kind: str = "eagle3",
+                num_layers: int = 1) -> tuple[Eagle3Head, HeadsConfig]:
+    config = eagle_config(target, kind, num_layers)
     torch.manual_seed(seed)
     head = build_heads(config)
     with torch.no_grad():
@@ -145,10 +147,11 @@ def test_ttt_loss_per_step_and_mask():
     assert (worse.head_loss > 0).all() and worse.loss > 0
 
 
-def test_unrolled_training_forward_matches_one_step_at_a_time(target):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_unrolled_training_forward_matches_one_step_at_a_time(target, num_layers):
     """Step j of the TTT forward at position t == feeding the head its own step j-1 feature
     with explicit keys: step-0 rows <= t plus rows t of steps 1..j (the diagonal mask)."""
-    head, config = random_head(target)
+    head, config = random_head(target, num_layers=num_layers)
     ids = torch.tensor([prompts(1, seed=9)[0] + [7, 8, 9]])
     seq = ids.shape[1]
     with torch.no_grad():
@@ -160,19 +163,20 @@ def test_unrolled_training_forward_matches_one_step_at_a_time(target):
                                        torch.arange(t + 1)[None])
         feature, keys, values = feature0[:, -1:], k0, v0
         for j in range(1, 3):
-            mask = torch.ones(1, 1, 1, keys.shape[2] + 1, dtype=torch.bool)
+            mask = torch.ones(1, 1, 1, keys.shape[-2] + 1, dtype=torch.bool)
             feature, (k, v) = head.step(embeds[:, t + j:t + j + 1], feature, torch.tensor([[t + j]]),
                                         (keys, values), mask)
-            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            keys, values = torch.cat([keys, k], -2), torch.cat([values, v], -2)
             torch.testing.assert_close(head.logits(feature)[0, 0], logits[j, 0, t], rtol=1e-4, atol=1e-4)
 
 
-def test_drafting_matches_the_training_forward_across_commits(target, monkeypatch):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_drafting_matches_the_training_forward_across_commits(target, monkeypatch, num_layers):
     """Every drafted node equals the TTT forward's candidate over the committed tokens plus
-    the node's ancestors, also after commits of several tokens (the head cache's update).
-    Runs the engine's own step; the drafter's tree is checked, then a chain of the target's
-    greedy tokens is verified in its place so that each step commits four positions."""
-    head, config = random_head(target, seed=1)
+    the node's ancestors, also after commits of several tokens (the head cache's update, every
+    layer's). Runs the engine's own step; the drafter's tree is checked, then a chain of the
+    target's greedy tokens is verified in its place so that each step commits four positions."""
+    head, config = random_head(target, seed=1, num_layers=num_layers)
     tree = DraftTree.from_paths(TREE_PATHS)
     decoder = SpeculativeDecoder(target, head, tree, tap_layers=config.tap_layers)
     prompt = prompts(1, seed=11)[0]
@@ -240,13 +244,15 @@ def test_eagle_config_needs_its_sizes_and_old_medusa_configs_still_load(target):
 
 # ---------------------------------------------------------------------------- training runs
 
-def write_eagle_recipe(tmp_path, target_dir, source, output_dir, steps: int, kind: str = "eagle3") -> Path:
+def write_eagle_recipe(tmp_path, target_dir, source, output_dir, steps: int, kind: str = "eagle3",
+                       num_layers: int = 1) -> Path:
     path = tmp_path / f"{kind}-{steps}.yaml"
     path.write_text(f"""\
 target:
   name_or_path: {target_dir}
 heads:
   kind: {kind}
+  num_layers: {num_layers}
   ttt_steps: 3
   draft_vocab_size: 100
 data:
@@ -316,6 +322,21 @@ def test_eagle_1_2_variant_trains_with_feature_regression_and_decodes(tiny_llama
     assert head.fc is None and config.draft_vocab_size == target.vocab_size
     decoder = SpeculativeDecoder(target, head, TreeSpec.from_heads_config(config).tree, tap_layers=config.tap_layers)
     assert generate(decoder, [5, 9, 17], 12).tokens == hf_greedy(target, [5, 9, 17], 12)
+
+
+def test_a_two_layer_eagle3_head_trains_calibrates_and_decodes_losslessly(tiny_llama_dir, walks, tmp_path):
+    from specheads.train import main
+
+    recipe = write_eagle_recipe(tmp_path, tiny_llama_dir, walks, tmp_path / "run", 6, num_layers=2)
+    assert main([str(recipe)]) == 0
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    head, config = load_heads(tmp_path / "run" / "heads", target=target.identity)
+    assert config.num_layers == 2 and list(head.layers) == ["1"]
+    assert set(head.state_dict()) == EXPECTED_KEYS | {f"layers.1.{name}" for name in LAYER_WEIGHT_NAMES}
+    assert len(config.calibration["accuracy"]) == 3
+    decoder = SpeculativeDecoder(target, head, TreeSpec.from_heads_config(config).tree, tap_layers=config.tap_layers)
+    for prompt in [[5, 9, 17], [60, 12, 13, 30]]:
+        assert generate(decoder, prompt, 12).tokens == hf_greedy(target, prompt, 12)
 
 
 # ---------------------------------------------------------------------------- must-show

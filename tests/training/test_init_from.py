@@ -76,6 +76,11 @@ def test_heads_of_another_shape_are_refused_naming_the_key_to_set(trained_eagle3
 
     assert main([str(recipe), "--set", f"heads.init_from={trained_eagle3}", *extra]) == 2  # Medusa from EAGLE-3
     assert "kind is 'eagle3' there, 'medusa' here (set heads.kind='eagle3')" in capsys.readouterr().err
+    assert main([str(recipe), *EAGLE3, "--set", "heads.num_layers=2", "--set",
+                 f"heads.init_from={trained_eagle3}", *extra]) == 2
+    assert "num_layers is 1 there, 2 here (set heads.num_layers=1)" in capsys.readouterr().err
+    assert main([str(recipe), *EAGLE3, "--set", "heads.num_layers=0", *extra]) == 2
+    assert "heads.num_layers: an EAGLE head needs at least one decoder layer, got 0" in capsys.readouterr().err
 
 
 def test_a_directory_without_heads_is_refused_naming_what_it_lacks(moved_walks, tiny_llama_dir, tmp_path, capsys):

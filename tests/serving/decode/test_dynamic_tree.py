@@ -91,10 +91,10 @@ class PathRunner:
         feature, keys, values = self.root_feature, self.keys, self.values
         for depth, draft_id in enumerate(path, start=1):
             embeds = self.embeddings(self.d2t[draft_id].reshape(1, 1))
-            mask = torch.ones(1, 1, 1, keys.shape[2] + 1, dtype=torch.bool)
+            mask = torch.ones(1, 1, 1, keys.shape[-2] + 1, dtype=torch.bool)
             position = torch.tensor([[self.prefix_len - 1 + depth]])
             feature, (k, v) = self.head.step(embeds, feature, position, (keys, values), mask)
-            keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+            keys, values = torch.cat([keys, k], -2), torch.cat([values, v], -2)
         return feature
 
 
@@ -229,7 +229,7 @@ def test_draft_cache_equals_the_static_drafters_across_steps(target, head, monke
         draft, cache = real_draft(state)
         _, mirror = static.draft(state)
         assert torch.equal(cache.keys, mirror.keys) and torch.equal(cache.values, mirror.values)
-        assert cache.keys.shape[2] == state.prefix_len
+        assert cache.keys.shape[-2] == state.prefix_len
         compared.append(state.prefix_len)
         return draft, cache
 

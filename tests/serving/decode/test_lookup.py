@@ -390,10 +390,10 @@ def test_eagle_head_cache_stays_aligned_when_lookup_skips_the_head(setup, kind):
         engine.add(seq)
         with torch.inference_mode():
             while seq.finish_reason is None:
-                cached_before = 0 if seq.state.draft_cache is None else seq.state.draft_cache.keys.shape[2]
+                cached_before = 0 if seq.state.draft_cache is None else seq.state.draft_cache.keys.shape[-2]
                 engine.step()
                 state = seq.state
-                cached = 0 if state.draft_cache is None else state.draft_cache.keys.shape[2]
+                cached = 0 if state.draft_cache is None else state.draft_cache.keys.shape[-2]
                 if cached == cached_before:
                     skipped += 1
                 else:
@@ -410,9 +410,9 @@ def test_eagle_head_cache_stays_aligned_when_lookup_skips_the_head(setup, kind):
                     full = DecodeState(cache=None, prefix_len=state.prefix_len, root=state.root,
                                        hidden=torch.cat(taps, dim=-1)[0], next_tokens=torch.tensor(context[1:]))
                     _, reference_cache = commit_head_rows(head, embeddings, full)
-                    torch.testing.assert_close(state.draft_cache.keys, reference_cache.keys[:, :, :cached],
+                    torch.testing.assert_close(state.draft_cache.keys, reference_cache.keys[..., :cached, :],
                                                atol=1e-4, rtol=1e-4)
-                    torch.testing.assert_close(state.draft_cache.values, reference_cache.values[:, :, :cached],
+                    torch.testing.assert_close(state.draft_cache.values, reference_cache.values[..., :cached, :],
                                                atol=1e-4, rtol=1e-4)
         assert seq.result().tokens == reference
     assert skipped > 0 and ran > 0  # both kinds of step happened
