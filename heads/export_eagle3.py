@@ -12,10 +12,16 @@ Weights (model.safetensors) are the EAGLE-3 module's own names, unchanged:
   draft_id_to_target_id, and skips t2d; SGLang (models/llama_eagle3.py) reads the same names.
   On import, an "embed_tokens.weight" (a frozen copy of the target's embeddings some trainers
   save) is dropped, since specheads heads use the target's own embeddings.
+  Heads of num_layers L > 1 (vLLM's multi-layer drafts) add layers.{i}.* for i = 1..L-1, the
+  names vLLM's LlamaModel gives its layer i: input_layernorm, self_attn.{q,k,v,o}_proj (q/k/v
+  [*, H]), post_attention_layernorm, mlp.{gate,up,down}_proj, and a hidden_norm.weight of ones
+  that vLLM builds into every layer, reads only in layer 0, and refuses to leave unloaded
+  (export writes it; import drops it). SGLang, the official EAGLE code and llama.cpp load
+  one layer only (SGLang: "EAGLE3 currently only supports 1 layer").
 
-config.json (a Llama config with one layer):
+config.json (a Llama config):
     architectures ["LlamaForCausalLMEagle3"], model_type "llama", hidden_size,
-    intermediate_size, num_attention_heads, num_key_value_heads, num_hidden_layers 1,
+    intermediate_size, num_attention_heads, num_key_value_heads, num_hidden_layers (L),
     vocab_size (the target's), draft_vocab_size, rms_norm_eps, rope_theta,
     max_position_embeddings (the target's own), hidden_act "silu", norm_before_residual false,
     tie_word_embeddings false, torch_dtype,
@@ -96,6 +102,24 @@ EAGLE3_WEIGHT_NAMES = (
     "d2t",
     "t2d",
 )
+LAYER_WEIGHT_NAMES = (  # of layer i >= 1, after "layers.{i}."
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+VLLM_ONLY_NAME = "hidden_norm.weight"  # of layer i >= 1: built and strictly loaded by vLLM, never read
+
+
+def weight_names(num_layers: int) -> tuple[str, ...]:
+    """Our EAGLE-3 state names for a head of num_layers decoder layers."""
+    return EAGLE3_WEIGHT_NAMES + tuple(f"layers.{i}.{name}" for i in range(1, num_layers)
+                                       for name in LAYER_WEIGHT_NAMES)
 # specheads field -> foreign config key; all required both ways.
 CONFIG_FIELDS = {
     "hidden_size": "hidden_size",
@@ -153,14 +177,16 @@ def to_eagle3(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
     missing = [name for name in CONFIG_FIELDS if name not in config]
     if missing:
         raise ValueError(f"EAGLE-3 heads config lacks {missing}; cannot write an EAGLE-3 config.json")
-    unknown = sorted(set(state) - set(EAGLE3_WEIGHT_NAMES))
-    absent = [name for name in EAGLE3_WEIGHT_NAMES if name not in state]
+    num_layers = config.get("num_layers", 1)
+    names = weight_names(num_layers)
+    unknown = sorted(set(state) - set(names))
+    absent = [name for name in names if name not in state]
     if unknown or absent:
-        raise ValueError(f"EAGLE-3 heads state does not match the EAGLE-3 checkpoint layout: "
-                         f"missing {absent}, not exportable {unknown}")
+        raise ValueError(f"EAGLE-3 heads state does not match the EAGLE-3 checkpoint layout of {num_layers} "
+                         f"layer(s): missing {absent}, not exportable {unknown}")
     target = config["target"]
     taps = config["tap_layers"]
-    foreign = {"architectures": [EAGLE3_ARCHITECTURES[0]], "model_type": "llama", "num_hidden_layers": 1}
+    foreign = {"architectures": [EAGLE3_ARCHITECTURES[0]], "model_type": "llama", "num_hidden_layers": num_layers}
     foreign.update({key: config[name] for name, key in CONFIG_FIELDS.items()})
     foreign["max_position_embeddings"] = DEFAULT_MAX_POSITION_EMBEDDINGS
     foreign.update({name: config[name] for name in OPTIONAL_FIELDS if config.get(name) is not None})
@@ -171,7 +197,10 @@ def to_eagle3(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
     foreign["eagle_aux_hidden_state_layer_ids"] = taps_to_vllm_ids(taps, target["num_layers"])
     foreign["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": taps_to_sglang_ids(taps, target["num_layers"]),
                                "use_aux_hidden_state": True}
-    return foreign, {name: state[name].clone() for name in EAGLE3_WEIGHT_NAMES}
+    out = {name: state[name].clone() for name in names}
+    norm = state["midlayer.hidden_norm.weight"]
+    out.update({f"layers.{i}.{VLLM_ONLY_NAME}": torch.ones_like(norm) for i in range(1, num_layers)})
+    return foreign, out
 
 
 def from_eagle3(foreign: dict, state: dict[str, torch.Tensor], num_target_layers: int | None,
@@ -180,9 +209,9 @@ def from_eagle3(foreign: dict, state: dict[str, torch.Tensor], num_target_layers
 
     A checkpoint without d2t/t2d (a full draft vocabulary) gets the identity maps.
     """
-    if foreign.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{source} has num_hidden_layers={foreign['num_hidden_layers']}; specheads EAGLE-3 "
-                         "heads have exactly one decoder layer (midlayer)")
+    num_layers = foreign.get("num_hidden_layers", 1)
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"{source} has num_hidden_layers={num_layers!r}; expected a whole number >= 1")
     if (foreign.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
         raise ValueError(f"{source} has eagle_config.use_aux_hidden_state=false (an EAGLE-1/2 style draft); "
                          "specheads EAGLE-3 heads fuse three target taps through fc")
@@ -204,7 +233,8 @@ def from_eagle3(foreign: dict, state: dict[str, torch.Tensor], num_target_layers
         raise ValueError(f"{source}: target_hidden_size={target_hidden} differs from hidden_size="
                          f"{fields['hidden_size']}; specheads EAGLE-3 heads use the target's hidden size")
     fields["tap_layers"] = taps_from_foreign(foreign, num_target_layers, source)
-    return fields, _eagle3_state(state, fields["vocab_size"], fields["draft_vocab_size"], source)
+    fields["num_layers"] = num_layers
+    return fields, _eagle3_state(state, fields["vocab_size"], fields["draft_vocab_size"], num_layers, source)
 
 
 def _refuse_unsupported(foreign: dict, source: str) -> None:
@@ -226,12 +256,14 @@ def _refuse_unsupported(foreign: dict, source: str) -> None:
         raise ValueError(f"{source} cannot be imported exactly: " + "; ".join(problems))
 
 
-def _eagle3_state(state: dict[str, torch.Tensor], vocab_size: int, draft_vocab_size: int,
+def _eagle3_state(state: dict[str, torch.Tensor], vocab_size: int, draft_vocab_size: int, num_layers: int,
                   source: str) -> dict[str, torch.Tensor]:
     state = dict(state)
     # EAGLE-3 trainers may save a frozen copy of the target's embeddings; specheads heads
-    # read the target's own, so it is dropped.
+    # read the target's own, so it is dropped. So is what vLLM builds but never reads.
     state.pop("embed_tokens.weight", None)
+    for i in range(1, num_layers):
+        state.pop(f"layers.{i}.{VLLM_ONLY_NAME}", None)
     if "d2t" not in state:
         if draft_vocab_size != vocab_size:
             raise ValueError(f"{source} has draft_vocab_size={draft_vocab_size} < vocab_size={vocab_size} "
@@ -243,8 +275,10 @@ def _eagle3_state(state: dict[str, torch.Tensor], vocab_size: int, draft_vocab_s
         state["t2d"] = t2d
     state["d2t"] = state["d2t"].to(torch.int64)
     state["t2d"] = state["t2d"].to(torch.bool)
-    absent = [name for name in EAGLE3_WEIGHT_NAMES if name not in state]
-    unknown = sorted(set(state) - set(EAGLE3_WEIGHT_NAMES))
+    names = weight_names(num_layers)
+    absent = [name for name in names if name not in state]
+    unknown = sorted(set(state) - set(names))
     if absent or unknown:
-        raise ValueError(f"{source} does not hold an EAGLE-3 layer: missing {absent}, unexpected {unknown[:8]}")
-    return {name: state[name] for name in EAGLE3_WEIGHT_NAMES}
+        raise ValueError(f"{source} does not hold an EAGLE-3 head of {num_layers} layer(s) (num_hidden_layers): "
+                         f"missing {absent[:8]}, unexpected {unknown[:8]}")
+    return {name: state[name] for name in names}

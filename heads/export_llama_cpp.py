@@ -104,6 +104,10 @@ def export_llama_cpp(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     if config.kind != "eagle3":
         raise LlamaCppError(f"llama.cpp drafts with EAGLE-3 heads only (--spec-type draft-eagle3), but "
                             f"{str(heads_dir)!r} holds {config.kind} heads; train heads.kind: eagle3")
+    if config.num_layers != 1:
+        raise LlamaCppError(f"llama.cpp's EAGLE-3 drafter has one decoder layer (src/models/eagle3.cpp asserts "
+                            f"n_layer == 1), these heads have {config.num_layers}; train heads.num_layers: 1 "
+                            "for llama.cpp (the eagle3 export of these heads loads in vLLM)")
     if len(config.tap_layers) != 3:
         raise LlamaCppError(f"llama.cpp's EAGLE-3 drafter fuses exactly 3 target layers, these heads tap "
                             f"{config.tap_layers}")

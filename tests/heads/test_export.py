@@ -320,7 +320,7 @@ def test_eagle3_layout_keys_config_and_round_trip():
     }
     assert detect_format(foreign) == "eagle3"
     fields, back = export_eagle3.from_eagle3(foreign, foreign_state, TARGET.num_layers)
-    assert fields == {**eagle3_fields(), "max_position_embeddings": 2048, "tap_layers": [1, 2, 3]}
+    assert fields == {**eagle3_fields(), "max_position_embeddings": 2048, "tap_layers": [1, 2, 3], "num_layers": 1}
     assert_same_state(back, state)
     # d2t really maps draft ids to target ids: the t2d set.
     targets = torch.arange(DRAFT_VOCAB) + back["d2t"]
@@ -400,8 +400,10 @@ def test_eagle3_import_fills_identity_maps_and_refuses_bad_configs():
     assert fields["tap_layers"] == [2, 16, 29]
     assert torch.equal(back["d2t"], torch.zeros(VOCAB, dtype=torch.int64))
     assert bool(back["t2d"].all()) and "embed_tokens.weight" not in back
-    with pytest.raises(ValueError, match="num_hidden_layers=2"):
+    with pytest.raises(ValueError, match=r"head of 2 layer\(s\).*missing \['layers.1.input_layernorm.weight'"):
         export_eagle3.from_eagle3({**foreign, "num_hidden_layers": 2}, state, 32)
+    with pytest.raises(ValueError, match="num_hidden_layers=0; expected a whole number >= 1"):
+        export_eagle3.from_eagle3({**foreign, "num_hidden_layers": 0}, state, 32)
     with pytest.raises(ValueError, match="missing"):
         export_eagle3.from_eagle3(foreign, {"fc.weight": state["fc.weight"]}, 32)
     with pytest.raises(ValueError, match="not exportable"):
@@ -442,6 +444,102 @@ def test_eagle3_directory_round_trip_with_the_real_module(tmp_path):
     loaded, imported = load_heads(tmp_path / "elsewhere", target=TARGET)
     assert imported.kind == "eagle3" and imported.tap_layers == [1, 2, 3]
     assert (imported.num_heads, imported.num_layers, imported.tree) == (4, 1, None)
+    assert_same_state(loaded.state_dict(), heads.state_dict())
+
+
+def two_layer_heads():
+    names = {f.name for f in dataclasses.fields(HeadsConfig)}
+    values = {name: value for name, value in eagle3_config().items() if name in names}
+    config = HeadsConfig(**{**values, "target": TARGET, "num_heads": 2, "num_layers": 2})
+    heads = build_heads(config)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(std=0.2)
+    return heads, config
+
+
+def vllm_style_forward(state, config, embeds, feature, positions):
+    """vLLM's multi-layer EAGLE-3 arithmetic (models/llama_eagle3.py), written out from the
+    exported names: layer 0 reads [input_layernorm(embeds) ; hidden_norm(feature)] with the
+    feature as residual; layer i >= 1 fuses the residual add into input_layernorm(h, residual);
+    the final norm adds the last residual. Causal rows, no cache. -> (pre-norm state, logits)."""
+    eps, heads, kv_heads = config.rms_norm_eps, config.num_attention_heads, config.num_kv_heads
+    head_dim = config.hidden_size // heads
+
+    def norm(x, name):
+        return state[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x):  # [1, h, T, D]
+        inv = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = positions[0].float()[:, None] * inv
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        return x * cos + torch.cat([-x[..., head_dim // 2:], x[..., :head_dim // 2]], -1) * sin
+
+    def attention(x, p):
+        q, k, v = (F.linear(x, state[f"{p}self_attn.{n}_proj.weight"]) for n in "qkv")
+        q = rope(q.view(1, -1, heads, head_dim).transpose(1, 2))
+        k = rope(k.view(1, -1, kv_heads, head_dim).transpose(1, 2))
+        v = v.view(1, -1, kv_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.linear(out.transpose(1, 2).reshape(1, q.shape[2], -1), state[f"{p}self_attn.o_proj.weight"])
+
+    hidden = residual = None
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        if i == 0:
+            x, residual = torch.cat([norm(embeds, p + "input_layernorm.weight"),
+                                     norm(feature, p + "hidden_norm.weight")], -1), feature
+        else:
+            residual = hidden + residual
+            x = norm(residual, p + "input_layernorm.weight")
+        residual = attention(x, p) + residual
+        x = norm(residual, p + "post_attention_layernorm.weight")
+        gate, up = F.linear(x, state[p + "mlp.gate_proj.weight"]), F.linear(x, state[p + "mlp.up_proj.weight"])
+        hidden = F.linear(F.silu(gate) * up, state[p + "mlp.down_proj.weight"])
+    prenorm = hidden + residual
+    return prenorm, F.linear(norm(prenorm, "norm.weight"), state["lm_head.weight"])
+
+
+def test_a_two_layer_head_exports_in_vllms_multi_layer_layout_and_round_trips(tmp_path):
+    heads, config = two_layer_heads()
+    foreign, foreign_state = export_eagle3.to_eagle3(config.to_dict(), heads.state_dict())
+    assert foreign["num_hidden_layers"] == 2
+    # Every parameter vLLM's two-layer draft builds, under the name it loads ("midlayer." -> "layers.0.").
+    per_layer = ["input_layernorm", "hidden_norm", "post_attention_layernorm"]
+    per_layer = [f"{n}.weight" for n in per_layer] + [f"self_attn.{n}_proj.weight" for n in "qkvo"] \
+        + [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    vllm_names = {name.replace("midlayer.", "layers.0.") for name in foreign_state}
+    assert vllm_names == {f"layers.{i}.{n}" for i in range(2) for n in per_layer} \
+        | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert torch.equal(foreign_state["layers.1.hidden_norm.weight"], torch.ones(HIDDEN))  # built, never read
+    assert foreign_state["layers.1.self_attn.q_proj.weight"].shape[1] == HIDDEN  # layers >= 1 read h only
+
+    # What vLLM computes from those tensors is what the head computes.
+    renamed = {name.replace("midlayer.", "layers.0."): t for name, t in foreign_state.items()}
+    torch.manual_seed(5)
+    taps, embeds = torch.randn(1, 7, 3 * HIDDEN), torch.randn(1, 7, HIDDEN)
+    positions = torch.arange(7)[None]
+    with torch.no_grad():
+        feature = heads.fuse(taps)
+        ours, (keys, values) = heads.step(embeds, feature, positions)
+        theirs, their_logits = vllm_style_forward(renamed, config, embeds, feature, positions)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(heads.logits(ours), their_logits, rtol=1e-4, atol=1e-4)
+    assert keys.shape[0] == values.shape[0] == 2  # one cache per layer
+
+    save_heads(tmp_path / "heads", heads, config)
+    export_heads(tmp_path / "heads", "eagle3", tmp_path / "foreign")
+    import_heads(tmp_path / "foreign", tmp_path / "back")
+    assert read_config(tmp_path / "back") == config.to_dict()
+    loaded, _ = load_heads(tmp_path / "back")
+    assert_same_state(loaded.state_dict(), heads.state_dict())
+    foreign = read_config(tmp_path / "foreign")  # trained elsewhere: the layer count from num_hidden_layers
+    del foreign["specheads"]
+    (tmp_path / "foreign" / "config.json").write_text(json.dumps(foreign))
+    import_heads(tmp_path / "foreign", tmp_path / "elsewhere", target=TARGET)
+    loaded, imported = load_heads(tmp_path / "elsewhere", target=TARGET)
+    assert imported.num_layers == 2
     assert_same_state(loaded.state_dict(), heads.state_dict())
 
 

@@ -52,9 +52,9 @@ def tiny_target_dir(tmp_path_factory):
     return directory
 
 
-def write_eagle3_heads(directory, target_dir, draft_vocab_size=64):
+def write_eagle3_heads(directory, target_dir, draft_vocab_size=64, num_layers=1):
     target = TargetAdapter.from_pretrained(target_dir)
-    config = eagle_heads_config(target, num_steps=3, draft_vocab_size=draft_vocab_size)
+    config = eagle_heads_config(target, num_steps=3, draft_vocab_size=draft_vocab_size, num_layers=num_layers)
     torch.manual_seed(0)
     heads = build_heads(config)
     chosen = torch.randperm(target.vocab_size)[:draft_vocab_size].sort().values
@@ -118,6 +118,9 @@ def test_bad_input_is_one_line(tiny_target_dir, tmp_path):
     write_eagle3_heads(tmp_path / "heads", tiny_target_dir)
     with pytest.raises(LlamaCppError, match="local HF directory"):
         export_llama_cpp(tmp_path / "heads", tmp_path / "out", target_dir="org/not-here", converter=converter)
+    write_eagle3_heads(tmp_path / "two-layers", tiny_target_dir, num_layers=2)
+    with pytest.raises(LlamaCppError, match="one decoder layer .* these heads have 2"):
+        export_llama_cpp(tmp_path / "two-layers", tmp_path / "out", target_dir=tiny_target_dir, converter=converter)
     no_tokenizer = tmp_path / "bare"
     make_tiny_model("llama", no_tokenizer, vocab_size=300, num_layers=NUM_LAYERS)
     with pytest.raises(LlamaCppError, match="no tokenizer"):
