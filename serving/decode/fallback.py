@@ -9,9 +9,13 @@ batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse
 - One sequence: at the end of every window of `warmup_steps` speculative steps it falls
   back to plain decoding when no draft token was accepted in the window, or when its
   tokens per second over the window are below (1 - margin) x plain decoding's (1 / the
-  cost of a T = 1 step, timed by `probe_steps` plain steps when none was yet). After
-  `retry_after` plain steps it speculates again for another window: text often turns
-  predictable later.
+  cost of a T = 1 step, timed by `probe_steps` plain steps when none was yet). Before a
+  window that was too slow makes it fall back, the plain cost is timed again (`probe_steps`
+  plain steps; not with fixed costs) and the window judged against that: a machine that
+  slowed down since the plain cost was timed slows plain decoding too (on a busy 2-core VM,
+  a stale plain cost made 1 of 40 SmolLM2 requests fall back: its window's 31.7 tokens/s at
+  tau 1.62 judged against 35.9 timed earlier). After `retry_after` plain steps it
+  speculates again for another window: text often turns predictable later.
 - A batch speculates or not as a whole (a plain row in a speculating batch still pays for
   the padded tree): when the measured costs and tau at this batch size predict
   speculation below (1 - margin) x plain, the step is plain for every sequence that may
@@ -91,6 +95,10 @@ class StepCosts:
     def get(self, batch_size: int, num_nodes: int) -> float | None:
         return self.seconds.get((batch_size, num_nodes))
 
+    def forget(self, batch_size: int, num_nodes: int) -> None:
+        """Drop a cost, so that its next measurement replaces it instead of moving its EMA."""
+        self.seconds.pop((batch_size, num_nodes), None)
+
     def predicted_gain(self, batch_size: int, tau: float | None = None) -> float | None:
         """Speculation's tokens/s over plain decoding's at this batch size, from the measured
         step costs and tau (default: the recent tau of all requests); None until measured."""
@@ -112,6 +120,7 @@ class SpeculationWindow:
     accepted: int = 0  # draft tokens they accepted
     seconds: float = 0.0  # their wall time
     plain_run: int = 0  # plain steps since the last fallback (speculation is retried after retry_after)
+    retimed: bool = False  # this window's plain cost was timed again after the window fell short
     fell_back: bool = False  # it fell back at least once, or a batch gate made it plain (its stats say why)
 
 
@@ -213,21 +222,26 @@ class Fallback:
         plain_cost = self.costs.get(batch_size, 1)
         if plain_cost is None:
             self.probe_steps = policy.probe_steps  # time plain steps at this batch size, then decide
+            window.retimed = True  # on a cost as fresh as the window
             return
         _, tau = alpha_tau(window.accepted, 0, window.steps)  # tau alone: a window counts no drafted tokens
         spec_rate, plain_rate = (window.accepted + window.steps) / window.seconds, 1.0 / plain_cost
         seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
-        if spec_rate < (1 - policy.margin) * plain_rate:
+        if spec_rate >= (1 - policy.margin) * plain_rate:
+            window.steps, window.accepted, window.seconds, window.retimed = 0, 0, 0.0, False  # a new window
+        elif not window.retimed and not self.costs.frozen:  # the plain cost may be stale: time it again
+            window.retimed = True
+            self.costs.forget(batch_size, 1)
+            self.probe_steps = policy.probe_steps  # then this window is decided again
+        else:
             self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
                                  f"decoding's {plain_rate:.1f} tokens/s")
-        else:
-            window.steps, window.accepted, window.seconds = 0, 0, 0.0  # a new window
 
     @staticmethod
     def _fall_back(seq, reason: str) -> None:
         window = seq.window
         window.speculating = False
-        window.steps, window.accepted, window.seconds, window.plain_run = 0, 0, 0.0, 0
+        window.steps, window.accepted, window.seconds, window.plain_run, window.retimed = 0, 0, 0.0, 0, False
         _mark(seq, reason)
 
 
