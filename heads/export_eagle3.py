@@ -120,6 +120,8 @@ def weight_names(num_layers: int) -> tuple[str, ...]:
     """Our EAGLE-3 state names for a head of num_layers decoder layers."""
     return EAGLE3_WEIGHT_NAMES + tuple(f"layers.{i}.{name}" for i in range(1, num_layers)
                                        for name in LAYER_WEIGHT_NAMES)
+
+
 # specheads field -> foreign config key; all required both ways.
 CONFIG_FIELDS = {
     "hidden_size": "hidden_size",

@@ -414,16 +414,21 @@ def test_eagle3_import_fills_identity_maps_and_refuses_bad_configs():
             export_eagle3.from_eagle3({**foreign, **bad}, state, 32)
 
 
-def test_eagle3_directory_round_trip_with_the_real_module(tmp_path):
+def real_heads(num_heads: int, num_layers: int, seed: int, std: float):
+    """The real EAGLE-3 module of eagle3_config()'s sizes, with random weights -> (heads, config)."""
     names = {f.name for f in dataclasses.fields(HeadsConfig)}
     values = {name: value for name, value in eagle3_config().items() if name in names}
-    values.update(num_heads=1, num_layers=1) if {"num_heads", "num_layers"} <= names else None
-    config = HeadsConfig(**{**values, "target": TARGET})
+    config = HeadsConfig(**{**values, "target": TARGET, "num_heads": num_heads, "num_layers": num_layers})
     heads = build_heads(config)
-    torch.manual_seed(2)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for param in heads.parameters():
-            param.normal_(std=0.3)
+            param.normal_(std=std)
+    return heads, config
+
+
+def test_eagle3_directory_round_trip_with_the_real_module(tmp_path):
+    heads, config = real_heads(num_heads=1, num_layers=1, seed=2, std=0.3)
     assert sorted(heads.state_dict()) == sorted(export_eagle3.EAGLE3_WEIGHT_NAMES)
     save_heads(tmp_path / "heads", heads, config)
     export_heads(tmp_path / "heads", "eagle3", tmp_path / "foreign")
@@ -445,18 +450,6 @@ def test_eagle3_directory_round_trip_with_the_real_module(tmp_path):
     assert imported.kind == "eagle3" and imported.tap_layers == [1, 2, 3]
     assert (imported.num_heads, imported.num_layers, imported.tree) == (4, 1, None)
     assert_same_state(loaded.state_dict(), heads.state_dict())
-
-
-def two_layer_heads():
-    names = {f.name for f in dataclasses.fields(HeadsConfig)}
-    values = {name: value for name, value in eagle3_config().items() if name in names}
-    config = HeadsConfig(**{**values, "target": TARGET, "num_heads": 2, "num_layers": 2})
-    heads = build_heads(config)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for param in heads.parameters():
-            param.normal_(std=0.2)
-    return heads, config
 
 
 def vllm_style_forward(state, config, embeds, feature, positions):
@@ -502,7 +495,7 @@ def vllm_style_forward(state, config, embeds, feature, positions):
 
 
 def test_a_two_layer_head_exports_in_vllms_multi_layer_layout_and_round_trips(tmp_path):
-    heads, config = two_layer_heads()
+    heads, config = real_heads(num_heads=2, num_layers=2, seed=4, std=0.2)
     foreign, foreign_state = export_eagle3.to_eagle3(config.to_dict(), heads.state_dict())
     assert foreign["num_hidden_layers"] == 2
     # Every parameter vLLM's two-layer draft builds, under the name it loads ("midlayer." -> "layers.0.").
