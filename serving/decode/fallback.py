@@ -120,7 +120,7 @@ class SpeculationWindow:
     accepted: int = 0  # draft tokens they accepted
     seconds: float = 0.0  # their wall time
     plain_run: int = 0  # plain steps since the last fallback (speculation is retried after retry_after)
-    retimed: bool = False  # this window's plain cost was timed again after the window fell short
+    retimed: bool = False  # the plain cost was timed during this window (first timed, or again after it fell short)
     fell_back: bool = False  # it fell back at least once, or a batch gate made it plain (its stats say why)
 
 
