@@ -281,9 +281,14 @@ def accept_tree_sampling(tree: DraftTree, tree_tokens_T: torch.Tensor, target_lo
     if params.is_greedy:
         raise ValueError(f"temperature {params.temperature!r} decodes greedily, which TreePlan.accept_greedy "
                          f"accepts; accept_tree_sampling needs a temperature >= {GREEDY_BELOW_TEMPERATURE}")
-    probs_TV = target_probs(target_logits_TV, params)
     if mode == "typical":
-        return _accept_typical(tree, tree_tokens_T, probs_TV, typical, generator)
+        return _accept_typical(tree, tree_tokens_T, target_probs(target_logits_TV, params), typical, generator)
+
+    def probs_V(node: int) -> torch.Tensor:
+        # Only the rows the walk visits (a path, of T) are processed; each row's processing is
+        # its own, so this equals processing all T rows at once.
+        return target_probs(target_logits_TV[node:node + 1], params)[0]
+
     children = _children(tree)
     tokens = tree_tokens_T.tolist()
     uniforms = _uniforms(num_nodes, generator, target_logits_TV.device)  # <= T-1 tests + 1 final
@@ -293,10 +298,10 @@ def accept_tree_sampling(tree: DraftTree, tree_tokens_T: torch.Tensor, target_lo
         node = path[-1]
         kids = children[node]
         if not kids:
-            final_kind, residual = "bonus", probs_TV[node]
+            final_kind, residual = "bonus", probs_V(node)
             break
         kid_tokens = [tokens[k] for k in kids]
-        chosen, residual = _reject_deterministic(probs_TV[node], kid_tokens, uniforms[next_u:next_u + len(kids)])
+        chosen, residual = _reject_deterministic(probs_V(node), kid_tokens, uniforms[next_u:next_u + len(kids)])
         next_u += len(kids) if chosen is None else chosen + 1
         if chosen is None:
             final_kind = "recovered"

@@ -473,3 +473,17 @@ def test_seed_gives_reproducible_outputs():
     assert run(7) == run(7)
     assert run(7) != run(8)
     assert make_generator(SamplingParams()) is None
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+                                    SamplingParams(temperature=0.8, top_k=20, top_p=0.95)],
+                         ids=["t1.0", "t0.7-top_p0.9", "top_k20-top_p0.95"])
+def test_each_row_processed_alone_equals_its_row_processed_with_the_others(params):
+    """accept_tree_sampling processes only the rows its walk visits, one at a time: that is
+    exact only because target_probs treats every row on its own, bit for bit."""
+    torch.manual_seed(0)
+    logits = torch.randn(16, 1000) * 3
+    for rows in (logits, logits.bfloat16()):  # bf16 logits: ties across the top-p cut
+        together = sampling.target_probs(rows, params)
+        for row in range(rows.shape[0]):
+            assert torch.equal(sampling.target_probs(rows[row:row + 1], params)[0], together[row]), row
