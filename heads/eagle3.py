@@ -102,7 +102,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MidLayer(nn.Module):
+class _Layer(nn.Module):
+    """What every head layer does after its attention input: attention added to the residual
+    stream, then the SwiGLU MLP of the post-attention norm (subclasses own the modules)."""
+
+    def attend(self, residual_BTH, x_BTI, position_ids_BT, past_kv, mask_B1TS):
+        attn, new_kv = self.self_attn(x_BTI, position_ids_BT, past_kv, mask_B1TS)
+        h = residual_BTH + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), new_kv
+
+
+class MidLayer(_Layer):
     """EAGLE-3's first layer: attention over [embedding ; feature], residual stream the feature."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, eps):
@@ -115,13 +125,10 @@ class MidLayer(nn.Module):
 
     def forward(self, embeds_BTH, feature_BTH, position_ids_BT, past_kv, mask_B1TS):
         x_BT2H = torch.cat([self.input_layernorm(embeds_BTH), self.hidden_norm(feature_BTH)], dim=-1)
-        attn, new_kv = self.self_attn(x_BT2H, position_ids_BT, past_kv, mask_B1TS)
-        h = feature_BTH + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, new_kv
+        return self.attend(feature_BTH, x_BT2H, position_ids_BT, past_kv, mask_B1TS)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Layer):
     """A further layer of a multi-layer head: a plain pre-norm Llama layer over h."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, eps):
@@ -132,10 +139,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(hidden_size, intermediate_size)
 
     def forward(self, h_BTH, position_ids_BT, past_kv, mask_B1TS):
-        attn, new_kv = self.self_attn(self.input_layernorm(h_BTH), position_ids_BT, past_kv, mask_B1TS)
-        h = h_BTH + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, new_kv
+        return self.attend(h_BTH, self.input_layernorm(h_BTH), position_ids_BT, past_kv, mask_B1TS)
 
 
 def next_token_embeddings(embeddings: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:

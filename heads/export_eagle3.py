@@ -181,8 +181,7 @@ def to_eagle3(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
         raise ValueError(f"EAGLE-3 heads config lacks {missing}; cannot write an EAGLE-3 config.json")
     num_layers = config.get("num_layers", 1)
     names = weight_names(num_layers)
-    unknown = sorted(set(state) - set(names))
-    absent = [name for name in names if name not in state]
+    absent, unknown = _mismatch(state, names)
     if unknown or absent:
         raise ValueError(f"EAGLE-3 heads state does not match the EAGLE-3 checkpoint layout of {num_layers} "
                          f"layer(s): missing {absent}, not exportable {unknown}")
@@ -200,8 +199,7 @@ def to_eagle3(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[
     foreign["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": taps_to_sglang_ids(taps, target["num_layers"]),
                                "use_aux_hidden_state": True}
     out = {name: state[name].clone() for name in names}
-    norm = state["midlayer.hidden_norm.weight"]
-    out.update({f"layers.{i}.{VLLM_ONLY_NAME}": torch.ones_like(norm) for i in range(1, num_layers)})
+    out.update({f"layers.{i}.{VLLM_ONLY_NAME}": torch.ones_like(state["norm.weight"]) for i in range(1, num_layers)})
     return foreign, out
 
 
@@ -237,6 +235,11 @@ def from_eagle3(foreign: dict, state: dict[str, torch.Tensor], num_target_layers
     fields["tap_layers"] = taps_from_foreign(foreign, num_target_layers, source)
     fields["num_layers"] = num_layers
     return fields, _eagle3_state(state, fields["vocab_size"], fields["draft_vocab_size"], num_layers, source)
+
+
+def _mismatch(state: dict[str, torch.Tensor], names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(names the state lacks, in layout order; its names outside the layout, sorted)."""
+    return [name for name in names if name not in state], sorted(set(state) - set(names))
 
 
 def _refuse_unsupported(foreign: dict, source: str) -> None:
@@ -278,8 +281,7 @@ def _eagle3_state(state: dict[str, torch.Tensor], vocab_size: int, draft_vocab_s
     state["d2t"] = state["d2t"].to(torch.int64)
     state["t2d"] = state["t2d"].to(torch.bool)
     names = weight_names(num_layers)
-    absent = [name for name in names if name not in state]
-    unknown = sorted(set(state) - set(names))
+    absent, unknown = _mismatch(state, names)
     if absent or unknown:
         raise ValueError(f"{source} does not hold an EAGLE-3 head of {num_layers} layer(s) (num_hidden_layers): "
                          f"missing {absent[:8]}, unexpected {unknown[:8]}")
