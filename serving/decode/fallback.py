@@ -123,6 +123,10 @@ class SpeculationWindow:
     retimed: bool = False  # the plain cost was timed during this window (first timed, or again after it fell short)
     fell_back: bool = False  # it fell back at least once, or a batch gate made it plain (its stats say why)
 
+    def restart(self) -> None:
+        """A new decision window."""
+        self.steps, self.accepted, self.seconds, self.retimed = 0, 0, 0.0, False
+
 
 class Fallback:
     """One engine's fallback decisions (module doc). The engine asks `drafting(batch)` before
@@ -217,31 +221,30 @@ class Fallback:
             self._fall_back(seq, f"no draft token accepted in {window.steps} speculative steps")
             return
         if batch_size > 1:  # a batch speculates or not as a whole (_plain_step)
-            window.steps, window.accepted, window.seconds = 0, 0, 0.0
+            window.restart()
             return
         plain_cost = self.costs.get(batch_size, 1)
-        if plain_cost is None:
-            self.probe_steps = policy.probe_steps  # time plain steps at this batch size, then decide
-            window.retimed = True  # on a cost as fresh as the window
-            return
-        _, tau = alpha_tau(window.accepted, 0, window.steps)  # tau alone: a window counts no drafted tokens
-        spec_rate, plain_rate = (window.accepted + window.steps) / window.seconds, 1.0 / plain_cost
-        seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
-        if spec_rate >= (1 - policy.margin) * plain_rate:
-            window.steps, window.accepted, window.seconds, window.retimed = 0, 0, 0.0, False  # a new window
-        elif not window.retimed and not self.costs.frozen:  # the plain cost may be stale: time it again
-            window.retimed = True
-            self.costs.forget(batch_size, 1)
-            self.probe_steps = policy.probe_steps  # then this window is decided again
-        else:
-            self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
-                                 f"decoding's {plain_rate:.1f} tokens/s")
+        if plain_cost is not None:
+            _, tau = alpha_tau(window.accepted, 0, window.steps)  # tau alone: a window counts no drafted tokens
+            spec_rate, plain_rate = (window.accepted + window.steps) / window.seconds, 1.0 / plain_cost
+            seq.stats.spec_tokens_per_s, seq.stats.plain_tokens_per_s = spec_rate, plain_rate
+            if spec_rate >= (1 - policy.margin) * plain_rate:
+                window.restart()
+                return
+            if window.retimed or self.costs.frozen:
+                self._fall_back(seq, f"speculation measured {spec_rate:.1f} tokens/s (tau {tau:.2f}) below plain "
+                                     f"decoding's {plain_rate:.1f} tokens/s")
+                return
+            self.costs.forget(batch_size, 1)  # it may be stale: the new timing replaces it
+        self.probe_steps = policy.probe_steps  # time plain steps at this batch size, then decide this window
+        window.retimed = True
 
     @staticmethod
     def _fall_back(seq, reason: str) -> None:
         window = seq.window
         window.speculating = False
-        window.steps, window.accepted, window.seconds, window.plain_run, window.retimed = 0, 0, 0.0, 0, False
+        window.restart()
+        window.plain_run = 0
         _mark(seq, reason)
 
 
