@@ -7,7 +7,11 @@ top_k 1; no prompt cache):
     llama.cpp-ngram           the same, with llama.cpp's n-gram speculation (--spec-type ngram-simple)
     llama.cpp-<heads>[N]      the same, drafting with our EAGLE-3 heads (heads/export_llama_cpp.py,
                               --spec-type draft-eagle3 --spec-draft-n-max N); one row per distinct
-                              weights (heads directories that differ only in their tree share it)
+                              weights (heads directories that differ only in their tree share it);
+                              [N,p=P] with --spec-draft-p-min P: a step drafts while the draft's
+                              top probability is >= P, up to N tokens, and none below it
+Every row's server also gets `server_args` (the bench's --llama-cpp-args, say `--poll 0`), except
+the flags the bench sets itself (OWN_FLAGS).
 Each row: tok/s (new tokens / wall seconds of the HTTP request, prefill included, as the
 harness times HF generate), speedup over the bench's hf-greedy on the same prompts, alpha/tau
 (DESIGN.md invariant 8) and acceptance by depth from the server's Prometheus counters
@@ -51,6 +55,38 @@ NGRAM_SPEC_TYPE = "ngram-simple"
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 900.0
 METRIC = "llamacpp:spec_decode_num_"  # + draft_tokens_total | accepted_tokens_total | drafts_total
+# llama-server flags each row sets itself (llama_server, the rows' own), so --llama-cpp-args may not
+OWN_FLAGS = frozenset({"-m", "--model", "--host", "--port", "-t", "--threads", "-np", "--parallel", "-c",
+                       "--ctx-size", "--metrics", "--no-webui", "-md", "--model-draft", "--spec-draft-model",
+                       "--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "--draft-p-min"})
+
+
+def draft_args(heads_gguf: str | os.PathLike, draft_max: int, draft_p_min: float = 0.0) -> list[str]:
+    """llama-server's flags to draft with an EAGLE-3 heads GGUF: up to draft_max tokens a step,
+    and (draft_p_min > 0) only while the draft's top probability is at least draft_p_min."""
+    if draft_max < 1:
+        raise ValueError(f"--llama-cpp-draft-max (llama-server's --spec-draft-n-max) must be >= 1, got {draft_max}")
+    if not 0.0 <= draft_p_min <= 1.0:
+        raise ValueError(f"--llama-cpp-draft-p-min (llama-server's --spec-draft-p-min) must be in [0, 1], "
+                         f"got {draft_p_min}")
+    args = ["-md", str(heads_gguf), "--spec-type", EAGLE3_SPEC_TYPE, "--spec-draft-n-max", str(draft_max)]
+    return args + (["--spec-draft-p-min", f"{draft_p_min:g}"] if draft_p_min > 0 else [])
+
+
+def server_args(text: str | None) -> list[str]:
+    """--llama-cpp-args' text -> extra llama-server flags, refusing those a row sets itself."""
+    import shlex
+
+    try:
+        args = shlex.split(text or "")
+    except ValueError as err:
+        raise ValueError(f"--llama-cpp-args {text!r} does not parse as shell words: {err}") from err
+    taken = sorted({arg.split("=", 1)[0] for arg in args} & OWN_FLAGS)
+    if taken:
+        raise ValueError(f"--llama-cpp-args may not set {', '.join(taken)}: the bench sets it per row (the model, "
+                         "server, threads and drafting; for drafting use --llama-cpp-draft-max / "
+                         "--llama-cpp-draft-p-min)")
+    return args
 
 
 def find_server(directory: str | os.PathLike) -> Path:
@@ -228,9 +264,11 @@ def reference_runs(report: dict) -> list[PromptRun]:
 
 def bench_llama_cpp(directory: str | os.PathLike, report: dict, prompts, max_new_tokens: int, *, target_dir: str,
                     heads: list[tuple[str, str]], converter: Path, outtype: str, draft_max: int = 3,
-                    threads: int | None = None, pre_tokenizer: str | None = None, log=None) -> dict:
+                    draft_p_min: float = 0.0, extra_args: list[str] = (), threads: int | None = None,
+                    pre_tokenizer: str | None = None, log=None) -> dict:
     """The llama.cpp rows for `report` (a bench report on the same prompts): {"config", "methods"}.
-    heads: [(label, EAGLE-3 heads directory)]; Medusa heads have no llama.cpp drafter."""
+    heads: [(label, EAGLE-3 heads directory)]; Medusa heads have no llama.cpp drafter.
+    extra_args: more llama-server flags for every row (server_args)."""
     from specheads.heads.export_llama_cpp import export_llama_cpp, run_converter
 
     server = find_server(directory)
@@ -240,8 +278,10 @@ def bench_llama_cpp(directory: str | os.PathLike, report: dict, prompts, max_new
         scratch = Path(scratch)
         target_gguf = run_converter(converter, Path(target_dir), scratch / "target.gguf", outtype,
                                     pre_tokenizer=pre_tokenizer)
-        rows.append(("llama.cpp-plain", "llama.cpp-plain", target_gguf, []))
-        rows.append(("llama.cpp-ngram", "llama.cpp-ngram", target_gguf, ["--spec-type", NGRAM_SPEC_TYPE]))
+        rows.append(("llama.cpp-plain", "llama.cpp-plain", target_gguf, [*extra_args]))
+        rows.append(("llama.cpp-ngram", "llama.cpp-ngram", target_gguf,
+                     ["--spec-type", NGRAM_SPEC_TYPE, *extra_args]))
+        chain = f"{draft_max}" + (f",p={draft_p_min:g}" if draft_p_min > 0 else "")
         for label, heads_dir, same in distinct_weights(heads):
             if same and log is not None:
                 log(f"llama.cpp: {', '.join(same)} hold the weights of {label}: one row for them all "
@@ -249,9 +289,8 @@ def bench_llama_cpp(directory: str | os.PathLike, report: dict, prompts, max_new
             out = export_llama_cpp(heads_dir, scratch / f"heads-{len(rows)}", target_dir=target_dir,
                                    converter=converter, outtype=outtype, pre_tokenizer=pre_tokenizer,
                                    with_target=False)
-            rows.append((f"llama.cpp-{label}[{draft_max}]", "llama.cpp-eagle3", target_gguf,
-                         ["-md", str(out / "heads.gguf"), "--spec-type", EAGLE3_SPEC_TYPE,
-                          "--spec-draft-n-max", str(draft_max)]))
+            rows.append((f"llama.cpp-{label}[{chain}]", "llama.cpp-eagle3", target_gguf,
+                         [*draft_args(out / "heads.gguf", draft_max, draft_p_min), *extra_args]))
         runs = {name: run_row(server, model, extra, prompts, max_new_tokens, threads, scratch, name, log)
                 for name, _, model, extra in rows}
     plain, reference = runs["llama.cpp-plain"], reference_runs(report)
@@ -261,7 +300,8 @@ def bench_llama_cpp(directory: str | os.PathLike, report: dict, prompts, max_new
         methods.append({"name": name, "kind": kind, "server_args": extra,
                         "overall": summarise(runs[name], identical, reference)})
     return {"config": {"server": str(server), "converter": str(converter), "outtype": outtype, "threads": threads,
-                       "draft_max": draft_max, "identical_to": "llama.cpp-plain"}, "methods": methods}
+                       "draft_max": draft_max, "draft_p_min": draft_p_min, "server_args": list(extra_args),
+                       "identical_to": "llama.cpp-plain"}, "methods": methods}
 
 
 def distinct_weights(heads: list[tuple[str, str]]) -> list[tuple[str, str, list[str]]]:

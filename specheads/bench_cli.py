@@ -3,7 +3,8 @@
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
                     [--json OUT.json] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D] [--device D]
-                    [--cuda-graphs] [--llama-cpp DIR [--llama-cpp-draft-max N]]
+                    [--cuda-graphs] [--llama-cpp DIR [--llama-cpp-draft-max N] [--llama-cpp-draft-p-min P]
+                                                     [--llama-cpp-args "FLAGS"]]
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
 each, through the target tokenizer's chat template when it has one, else raw text.
@@ -25,7 +26,9 @@ rows on the same prompt ids: llama.cpp-plain (the target converted to GGUF, f32 
 fp32, else bf16), llama.cpp-ngram, and llama.cpp-<heads>[N] per EAGLE-3 heads weights (drafting
 N tokens with --spec-type draft-eagle3; directories that differ only in their tree share one),
 each through its own llama-server on 127.0.0.1, one after another; identity there is against
-llama.cpp-plain. See bench/llama_cpp.py. JSON: "llama_cpp":
+llama.cpp-plain. --llama-cpp-draft-p-min P drafts only while the draft's top probability is
+>= P (--spec-draft-p-min; the row is named [N,p=P]); --llama-cpp-args passes more llama-server
+flags to every llama.cpp row (say "--poll 0"). See bench/llama_cpp.py. JSON: "llama_cpp":
 {"config", "methods": [{"name", "kind", "server_args", "overall": SUMMARY}]}.
 
 JSON (--json), schema "specheads.bench/1":
@@ -123,6 +126,11 @@ def add_parser(subparsers) -> None:
                    "heads) from the llama-server in DIR, DIR/bin or DIR/build/bin")
     p.add_argument("--llama-cpp-draft-max", type=int, default=3, metavar="N",
                    help="draft tokens per llama.cpp EAGLE-3 step (--spec-draft-n-max)")
+    p.add_argument("--llama-cpp-draft-p-min", type=float, default=0.0, metavar="P",
+                   help="llama.cpp drafts only while the draft's top probability is >= P (--spec-draft-p-min; "
+                        "default 0: always N tokens)")
+    p.add_argument("--llama-cpp-args", metavar="FLAGS", help='more llama-server flags for every llama.cpp row, '
+                   'as one shell-quoted string (e.g. "--poll 0")')
 
 
 def run(args) -> int:
@@ -148,11 +156,11 @@ def run(args) -> int:
         except ImportError as err:
             raise UserError(f"--plot: {err}") from err
     if args.llama_cpp is not None:  # a missing or too-old llama.cpp fails before any model loads
-        from specheads.bench.llama_cpp import find_server
+        from specheads.bench.llama_cpp import draft_args, find_server, server_args
 
         find_server(args.llama_cpp)
-        if args.llama_cpp_draft_max < 1:
-            raise ValueError(f"--llama-cpp-draft-max must be >= 1, got {args.llama_cpp_draft_max}")
+        draft_args("heads.gguf", args.llama_cpp_draft_max, args.llama_cpp_draft_p_min)
+        server_args(args.llama_cpp_args)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     # (read first: a bad prompts file fails before any model loads)
 
@@ -243,7 +251,7 @@ def llama_cpp_rows(args, report: dict, encoded, target, heads_list: list[tuple],
     """bench/llama_cpp.py's rows: the converter beside DIR if it has one, else the pinned source's."""
     import torch
 
-    from specheads.bench.llama_cpp import bench_llama_cpp
+    from specheads.bench.llama_cpp import bench_llama_cpp, server_args
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads.export_llama_cpp import LlamaCppError, find_converter, pinned_source
 
@@ -259,5 +267,6 @@ def llama_cpp_rows(args, report: dict, encoded, target, heads_list: list[tuple],
     return bench_llama_cpp(args.llama_cpp, report, encoded, args.max_new_tokens,
                            target_dir=target.identity.name_or_path, heads=eagle3, converter=converter,
                            outtype="f32" if target.dtype == torch.float32 else "bf16",
-                           draft_max=args.llama_cpp_draft_max,
+                           draft_max=args.llama_cpp_draft_max, draft_p_min=args.llama_cpp_draft_p_min,
+                           extra_args=server_args(args.llama_cpp_args),
                            log=lambda msg: print(msg, file=sys.stderr, flush=True))

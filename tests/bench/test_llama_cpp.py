@@ -90,6 +90,38 @@ def test_bench_cli_fails_in_one_line_before_loading_anything(tmp_path, capsys):
     assert "\n" not in err and "does not exist" in err and "specheads llama-cpp build" in err
 
 
+def test_draft_flags_and_extra_server_flags():
+    from specheads.bench.llama_cpp import draft_args, server_args
+
+    assert draft_args("h.gguf", 3) == ["-md", "h.gguf", "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3"]
+    assert draft_args("h.gguf", 8, 0.75)[-2:] == ["--spec-draft-p-min", "0.75"]
+    with pytest.raises(ValueError, match="--llama-cpp-draft-max .* must be >= 1, got 0"):
+        draft_args("h.gguf", 0)
+    with pytest.raises(ValueError, match=r"--llama-cpp-draft-p-min .* must be in \[0, 1\], got 1.5"):
+        draft_args("h.gguf", 3, 1.5)
+    assert server_args(None) == [] and server_args("--poll 0 --cache-type-k q8_0") == ["--poll", "0", "--cache-type-k",
+                                                                                       "q8_0"]
+    with pytest.raises(ValueError, match="may not set --port, -t: the bench sets it per row"):
+        server_args("-t 4 --poll 0 --port 9")
+    with pytest.raises(ValueError, match="may not set --spec-draft-p-min"):
+        server_args("--spec-draft-p-min=0.5")
+    with pytest.raises(ValueError, match="does not parse as shell words"):
+        server_args('--alias "unclosed')
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--llama-cpp-args", "--model other.gguf"], "--llama-cpp-args may not set --model"),
+    (["--llama-cpp-draft-p-min", "-0.1"], "--llama-cpp-draft-p-min (llama-server's --spec-draft-p-min) must be in"),
+    (["--llama-cpp-draft-max", "0"], "--llama-cpp-draft-max (llama-server's --spec-draft-n-max) must be >= 1")])
+def test_bench_cli_refuses_bad_llama_cpp_flags_before_loading_anything(tmp_path, capsys, flags, message):
+    from specheads.cli import main
+
+    fake_binary(tmp_path / "bin", "--spec-type none,draft-eagle3")
+    assert main(["bench", "--target", "embedded:tiny", "--llama-cpp", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err
+
+
 def test_format_names_identity_against_llama_cpp_plain():
     run = PromptRun(tokens=[1, 2, 3], seconds=0.1, events=[(0.01, 1), (0.1, 2)], drafted_tokens=0)
     section = {"config": {"outtype": "f32", "threads": 2},
@@ -127,7 +159,7 @@ def test_llama_server_drafts_with_our_heads(tmp_path):
     from test_eagle3 import write_eagle_recipe
     from test_training import markov_walks, write_jsonl
 
-    from specheads.bench.llama_cpp import build_llama_cpp, run_row
+    from specheads.bench.llama_cpp import build_llama_cpp, draft_args, run_row
     from specheads.bench.prompts import EncodedPrompt
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads.export_llama_cpp import export_llama_cpp, find_converter, pinned_source
@@ -146,8 +178,8 @@ def test_llama_server_drafts_with_our_heads(tmp_path):
     assert info["llama_cpp_target_layers"] == info["tap_layers"]
     prompts = [EncodedPrompt(i, "walk", ids) for i, ids in enumerate(PROMPTS)]
     plain = run_row(server, out / "target.gguf", [], prompts, 24, 2, tmp_path, "plain")
-    drafted = run_row(server, out / "target.gguf", ["-md", str(out / "heads.gguf"), "--spec-type", "draft-eagle3",
-                                                    "--spec-draft-n-max", "3"], prompts, 24, 2, tmp_path, "eagle3")
+    drafted = run_row(server, out / "target.gguf", draft_args(out / "heads.gguf", 3), prompts, 24, 2, tmp_path,
+                      "eagle3")
     same = sum(a.tokens == b.tokens for a, b in zip(plain, drafted))
     assert same >= len(PROMPTS) - 1, [(a.tokens, b.tokens) for a, b in zip(plain, drafted)]
     assert all(run.drafted_tokens == 0 for run in plain)
