@@ -214,5 +214,5 @@ def mixed_prompts(num: int, target_path: str, *, self_instruct_fraction: float =
     return records, rejected
 
 
-def format_rejects(rejected: Counter) -> str:
-    return ", ".join(f"{reason} {rejected[reason]}" for reason in REJECT_REASONS if rejected[reason]) or "none"
+def format_rejects(rejected: Counter, reasons: tuple[str, ...] = REJECT_REASONS) -> str:
+    return ", ".join(f"{reason} {rejected[reason]}" for reason in reasons if rejected[reason]) or "none"

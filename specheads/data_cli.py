@@ -1,7 +1,7 @@
 """`specheads data ...`: data preparation commands.
 
     specheads data prompts --output FILE [--num N] [--seed S] [--self-instruct --target T
-        [--self-instruct-fraction F] [--self-instruct-temperature X]]
+        [--self-instruct-fraction F] [--self-instruct-temperature X]] [--context-from FILE [--context-fraction F]]
     specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
                               [--device cuda [--cuda-graphs]]
@@ -42,6 +42,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--self-instruct-temperature", type=float, default=0.0,
                    help="with --self-instruct: 0 = greedy (one prompt at most per kind x subject x instruction); "
                         "above 0, sampled with seeds drawn from --seed, so the share is not capped")
+    p.add_argument("--context-from", action="append", default=[], metavar="FILE",
+                   help="chat or text records whose texts become passages of context tasks (data/context_prompts.py: "
+                        "extract, summarize, answer from, rewrite a long text); repeatable")
+    p.add_argument("--context-fraction", type=float, default=0.25,
+                   help="with --context-from: the share of prompts that are context tasks")
     p.add_argument("--eval-prompts", action="append", default=[],
                    help="question.jsonl whose turns must not appear (MT-bench is always checked); repeatable")
     p.add_argument("--batch-size", type=int, default=96, help="with --self-instruct: sequences per forward")
@@ -93,26 +98,41 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _prompts(args) -> int:
-    from specheads.data.chat_prompts import write_prompts, write_records
+    from specheads.data.chat_prompts import build_prompts, normalize, write_records
     from specheads.runner import resolve_target_name
 
-    if not args.self_instruct:
-        path = write_prompts(args.output, args.num, seed=args.seed, follow_up_fraction=args.follow_up_fraction,
-                             third_turn_fraction=args.third_turn_fraction)
-        print(f"prompts: wrote {args.num} prompt records to {path}")
-        return 0
-    from specheads.data.self_instruct import mixed_prompts
-
-    if args.target is None:
+    if not 0 <= args.context_fraction <= 1:
+        raise ValueError(f"--context-fraction must be in [0, 1], got {args.context_fraction}")
+    if args.self_instruct and args.target is None:
         raise ValueError("--self-instruct needs --target (the model that writes the prompts)")
-    records, _ = mixed_prompts(args.num, resolve_target_name(args.target),
-                               self_instruct_fraction=args.self_instruct_fraction, seed=args.seed,
-                               follow_up_fraction=args.follow_up_fraction,
-                               third_turn_fraction=args.third_turn_fraction, eval_paths=args.eval_prompts,
-                               temperature=args.self_instruct_temperature, batch_size=args.batch_size,
-                               dtype=args.dtype, device=args.device)
+    num_context = round(args.num * args.context_fraction) if args.context_from else 0
+    num_rest = args.num - num_context
+    if not num_rest:
+        records = []
+    elif not args.self_instruct:
+        records = build_prompts(num_rest, seed=args.seed, follow_up_fraction=args.follow_up_fraction,
+                                third_turn_fraction=args.third_turn_fraction)
+    else:
+        from specheads.data.self_instruct import mixed_prompts
+
+        records, _ = mixed_prompts(num_rest, resolve_target_name(args.target),
+                                   self_instruct_fraction=args.self_instruct_fraction, seed=args.seed,
+                                   follow_up_fraction=args.follow_up_fraction,
+                                   third_turn_fraction=args.third_turn_fraction, eval_paths=args.eval_prompts,
+                                   temperature=args.self_instruct_temperature, batch_size=args.batch_size,
+                                   dtype=args.dtype, device=args.device)
+    if args.context_from:
+        from specheads.data.context_prompts import REJECT_REASONS, context_prompts, mixed_in, source_texts, usable_texts
+        from specheads.data.self_instruct import evaluation_turns, format_rejects
+
+        texts, refused = usable_texts(source_texts(args.context_from), evaluation_turns(args.eval_prompts))
+        print(f"context: {len(texts)} source texts usable; refused: {format_rejects(refused, REJECT_REASONS)}")
+        context = context_prompts(num_context, texts, seed=args.seed, follow_up_fraction=args.follow_up_fraction,
+                                  taken={normalize(r["turns"][0]) for r in records})
+        records = mixed_in(records, context, seed=args.seed)
     path = write_records(args.output, records)
-    print(f"prompts: wrote {len(records)} prompt records to {path}")
+    print(f"prompts: wrote {len(records)} prompt records to {path}"
+          + (f" ({num_context} context tasks)" if args.context_from else ""))
     return 0
 
 
