@@ -3,7 +3,7 @@ how much data their own model needs.
 
     python -m specheads.bench.learning_curve --point 100000=runs/lc-100k/heads:runs/lc-100k/bench.json \
         --point 300000=runs/lc-300k/heads:runs/lc-300k/bench.json ... [--depths 3] [--out curve.png] \
-        [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N]]
+        [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N] [--by-category]]
 
 Each point is one training run: TOKENS (the reply tokens it trained on, the x axis), its heads
 directory and, optionally, a `specheads bench --json` report of those heads. From the heads
@@ -23,6 +23,9 @@ each heads directory's top-1 per depth on them, by the same rule as the held-out
 head's first candidate at position t and depth d against the target's argmax at t + d, given
 the target's own previous tokens), over every reply position from the one after the prompt.
 `--series NAME` names the points after it (say, the epochs they trained): one line per series.
+`--by-category` adds a table of depth-1 top-1 per prompt category of the fixed set, overall and
+at the positions where the target is sure of its token (top probability >= SURE): where the
+heads miss although the target is sure, the text is not to blame; what the heads learnt is.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ import torch
 from specheads.bench.plot import OWN_TREE_SOURCES, require_matplotlib
 
 
+SURE = 0.95  # category_top1: the target's top probability from which a position counts as one it is sure of
+
+
 @dataclass(frozen=True)
 class CurvePoint:
     num_tokens: int  # reply tokens the heads trained on
@@ -46,6 +52,7 @@ class CurvePoint:
     label: str  # the heads directory
     series: str = ""  # --series
     fixed_top1: list[float] | None = None  # top-1 per depth on --eval-prompts' replies
+    by_category: dict[str, dict] | None = None  # --by-category: category_top1 on those replies
 
 
 def greedy_reply(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
@@ -69,9 +76,10 @@ def top1_hits(draft_JL: torch.Tensor, want_L: torch.Tensor, prompt_len: int) -> 
 
 
 @torch.inference_mode()
-def fixed_set_top1(heads, config, target, sequences: list[tuple[list[int], int]], depths: int,
-                   target_outputs: dict | None = None) -> list[float]:
-    """Top-1 per depth (module docstring) of `heads` over (token ids, prompt length) pairs.
+def first_candidates(heads, config, target, sequences: list[tuple], depths: int, target_outputs: dict | None = None):
+    """Per (token ids, prompt length, ...) sequence: (draft_JL, the heads' first candidate at each
+    depth and position as target ids; want_L, the target's argmax after each position; top_L, the
+    target's probability of it). Medusa heads give at most num_heads depths.
 
     target_outputs: a dict shared across calls, so that the target runs once per sequence and
     tap set however many heads directories are scored on them."""
@@ -81,33 +89,61 @@ def fixed_set_top1(heads, config, target, sequences: list[tuple[list[int], int]]
     to_target = heads.draft_to_target()  # draft id -> target id; None: the heads draft target ids
     if config.kind == "medusa":
         depths = min(depths, config.num_heads)  # an EAGLE head unrolls to any depth
-    hits, counts = [0] * depths, [0] * depths
-    for index, (ids, prompt_len) in enumerate(sequences):
+    for index, (ids, *_) in enumerate(sequences):
         ids_BL = torch.tensor([ids], device=target.device)
         key = (index, tuple(config.tap_layers))
         if key not in target_outputs:
             out = target(ids_BL, list(config.tap_layers))
-            target_outputs[key] = (torch.cat(out.taps, dim=-1), out.logits[0].argmax(-1))
-        taps_BLnH, want_L = target_outputs[key]
+            top_L, want_L = out.logits[0].float().softmax(-1).max(-1)
+            target_outputs[key] = (torch.cat(out.taps, dim=-1), want_L, top_L)
+        taps_BLnH, want_L, top_L = target_outputs[key]
         if config.kind == "medusa":
             logits_JBLV = heads(taps_BLnH, num_heads=depths)
         else:
             logits_JBLV, _ = heads(taps_BLnH, next_token_embeddings(target.embeddings(), ids_BL), num_steps=depths)
         draft_JL = logits_JBLV[:, 0].argmax(-1)
-        if to_target is not None:
-            draft_JL = to_target[draft_JL]
+        yield (draft_JL if to_target is None else to_target[draft_JL]), want_L, top_L
+
+
+def fixed_set_top1(heads, config, target, sequences: list[tuple], depths: int,
+                   target_outputs: dict | None = None) -> list[float]:
+    """Top-1 per depth (module docstring) of `heads` over (token ids, prompt length) pairs."""
+    hits, counts = None, None
+    for (draft_JL, want_L, _), (_, prompt_len, *_) in zip(
+            first_candidates(heads, config, target, sequences, depths, target_outputs), sequences):
         got, num = top1_hits(draft_JL, want_L, prompt_len)
-        hits, counts = [h + g for h, g in zip(hits, got)], [c + n for c, n in zip(counts, num)]
-    return [h / c if c else 0.0 for h, c in zip(hits, counts)]
+        hits = got if hits is None else [h + g for h, g in zip(hits, got)]
+        counts = num if counts is None else [c + n for c, n in zip(counts, num)]
+    return [h / c if c else 0.0 for h, c in zip(hits or [], counts or [])]
+
+
+def category_top1(heads, config, target, sequences: list[tuple[list[int], int, str]],
+                  target_outputs: dict | None = None) -> dict[str, dict]:
+    """Depth-1 top-1 per prompt category (and "all") over (token ids, prompt length, category)
+    sequences, overall and at the positions where the target is sure (its top probability >= SURE):
+    {category: {"positions", "top1", "sure_share", "sure_top1"}}. Where the heads miss although the
+    target is sure, the miss is the heads' (their data or capacity), not the text's entropy."""
+    tally: dict[str, list[int]] = {}
+    for (draft_JL, want_L, top_L), (_, prompt_len, category) in zip(
+            first_candidates(heads, config, target, sequences, 1, target_outputs), sequences):
+        hit_T = draft_JL[0, prompt_len - 1:-1] == want_L[prompt_len:]
+        sure_T = top_L[prompt_len:] >= SURE
+        for name in (category, "all"):
+            counts = tally.setdefault(name, [0, 0, 0, 0])
+            for i, value in enumerate((hit_T.sum(), hit_T.numel(), (hit_T & sure_T).sum(), sure_T.sum())):
+                counts[i] += int(value)
+    return {name: {"positions": n, "top1": hits / n if n else 0.0, "sure_share": sure / n if n else 0.0,
+                   "sure_top1": sure_hits / sure if sure else 0.0}
+            for name, (hits, n, sure_hits, sure) in tally.items()}
 
 
 def eval_sequences(target, tokenizer, prompts_path: str, limit: int | None, max_new_tokens: int):
-    """(prompt + the target's greedy reply, prompt length) for each prompt of the file."""
+    """(prompt + the target's greedy reply, prompt length, category) for each prompt of the file."""
     from specheads.bench.prompts import encode_prompts, load_prompts
 
     encoded = encode_prompts(tokenizer, load_prompts(prompts_path, limit=limit))
     return [(p.input_ids + greedy_reply(target, p.input_ids, max_new_tokens, tokenizer.eos_token_id),
-             len(p.input_ids)) for p in encoded]
+             len(p.input_ids), p.category) for p in encoded]
 
 
 def parse_point(spec: str) -> tuple[int, str, str | None]:
@@ -228,8 +264,21 @@ def score_on_fixed_set(points: list[CurvePoint], args) -> list[CurvePoint]:
     for point in points:
         heads, config = load_heads(point.label, target.identity, device=target.device, dtype=target.dtype)
         top1 = fixed_set_top1(heads, config, target, sequences, args.depths, target_outputs)
-        scored.append(replace(point, fixed_top1=top1))
+        by_category = category_top1(heads, config, target, sequences, target_outputs) if args.by_category else None
+        scored.append(replace(point, fixed_top1=top1, by_category=by_category))
     return scored
+
+
+def format_categories(points: list[CurvePoint]) -> str:
+    """Markdown: each point's category_top1, one row per category."""
+    lines = [f"| heads | category | reply positions | top-1 depth 1 | target sure (p >= {SURE:.2f}) | "
+             "top-1 where sure |",
+             "|---|---|---:|---:|---:|---:|"]
+    for p in points:
+        for name, c in sorted(p.by_category.items(), key=lambda item: (item[0] == "all", item[0])):
+            lines.append(f"| {p.label} | {name} | {c['positions']} | {c['top1']:.3f} | {c['sure_share']:.2f} | "
+                         f"{c['sure_top1']:.3f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,10 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96, help="with --eval-prompts: reply length (default 96)")
     p.add_argument("--dtype", default="auto", help="with --eval-prompts: the target's dtype, as `specheads bench` "
                                                    "takes it (default auto: the device's fast dtype)")
+    p.add_argument("--by-category", action="store_true",
+                   help="with --eval-prompts: also depth-1 top-1 per prompt category, overall and where the target "
+                        "is sure of its token (a second table)")
     p.add_argument("--out", help="write the PNG here")
     args = p.parse_args(argv)
     if args.depths < 1:
         p.error(f"--depths must be >= 1, got {args.depths}")
+    if args.by_category and not args.eval_prompts:
+        p.error("--by-category needs --eval-prompts (the prompts whose categories are scored)")
     if args.eval_prompts and not args.target:
         p.error("--eval-prompts needs --target, the model whose replies the heads are scored on")
     if args.max_new_tokens < 1:
@@ -263,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         p.error(str(err))
     print(format_table(points, args.depths))
+    if args.by_category:
+        print()
+        print(format_categories(points))
     if args.out:
         from specheads.heads import atomic
 

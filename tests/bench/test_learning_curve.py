@@ -146,3 +146,54 @@ def test_the_cli_scores_every_point_on_one_fixed_set_per_series(tmp_path, capsys
 def test_eval_prompts_need_a_target(tmp_path):
     with pytest.raises(SystemExit):
         learning_curve.main(["--point", f"1000={tmp_path}", "--eval-prompts", "p.jsonl"])
+    with pytest.raises(SystemExit):
+        learning_curve.main(["--point", f"1000={tmp_path}", "--by-category"])
+
+
+def test_category_top1_splits_depth_1_by_category_and_by_the_targets_certainty(tmp_path, monkeypatch, capsys):
+    """Depth-1 hits counted by hand from the heads' and the target's own forwards, over sequences
+    that are not replies (the split does not care); SURE is set to
+    the median of the target's top probabilities so that both sides of it hold positions."""
+    directory = make_tiny_model("llama", tmp_path / "target", vocab_size=300)
+    make_byte_bpe_tokenizer(directory, ["def f(x): return x + 1", "the quick brown fox"])
+    target = TargetAdapter.from_pretrained(directory)
+    heads_dir = _heads_dir(tmp_path, target, "h", [0.4, 0.2])
+    heads, config = load_heads(heads_dir)
+    heads.init_lm_heads_from(target.lm_head())  # with zero blocks the depth-1 head is the target's lm_head,
+    # so it hits where the target's argmax repeats, as it does over a run of one token
+    generator = torch.Generator().manual_seed(2)
+    sequences = []
+    for category, token in (("a", 7), ("b", 50), ("a", 120)):
+        ids = torch.cat([torch.randint(3, 300, (11,), generator=generator), torch.full((10,), token),
+                         torch.randint(3, 300, (6,), generator=generator)]).tolist()
+        sequences.append((ids, 5, category))
+    tops, expected = [], {}
+    with torch.inference_mode():
+        for ids, prompt_len, category in sequences:
+            out = target(torch.tensor([ids]), config.tap_layers)
+            top, want = out.logits[0].softmax(-1).max(-1)
+            draft = heads(out.taps[-1], num_heads=1)[0, 0].argmax(-1)
+            rows = [(bool(draft[t - 1] == want[t]), float(top[t])) for t in range(prompt_len, len(ids))]
+            tops += [p for _, p in rows]
+            for name in (category, "all"):
+                expected.setdefault(name, []).extend(rows)
+    sure = sorted(tops)[len(tops) // 2]
+    monkeypatch.setattr(learning_curve, "SURE", sure)
+    got = learning_curve.category_top1(heads, config, target, sequences)
+    assert set(got) == {"a", "b", "all"}
+    for name, rows in expected.items():
+        sure_rows = [hit for hit, p in rows if p >= sure]
+        assert got[name]["positions"] == len(rows)
+        assert got[name]["top1"] == pytest.approx(sum(hit for hit, _ in rows) / len(rows))
+        assert got[name]["sure_share"] == pytest.approx(len(sure_rows) / len(rows))
+        assert got[name]["sure_top1"] == pytest.approx(sum(sure_rows) / max(len(sure_rows), 1))
+    assert 0 < got["all"]["sure_share"] < 1 and 0 < got["all"]["top1"] < 1
+    assert got["all"]["top1"] == pytest.approx(learning_curve.fixed_set_top1(heads, config, target, sequences, 1)[0])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [text]}) + "\n"
+                               for i, (c, text) in enumerate([("x", "def f(x):"), ("y", "the quick")])))
+    assert learning_curve.main(["--point", f"1000={heads_dir}", "--eval-prompts", str(prompts), "--target",
+                                str(directory), "--max-new-tokens", "4", "--dtype", "float32", "--by-category"]) == 0
+    table = capsys.readouterr().out
+    assert [line.split(" | ")[1] for line in table.splitlines() if line.startswith(f"| {heads_dir} |")] == \
+        ["x", "y", "all"]

@@ -27,8 +27,8 @@ def prose(seed: int, sentences: int = 12) -> str:
 
 
 def code_reply(seed: int) -> str:
-    return f"Here is one way:\n\n```python\ndef f{seed}(xs):\n    return [x * {seed} for x in xs if x > {seed % 7}]\n```\n" \
-           + prose(seed + 1000, 6)
+    code = f"def f{seed}(xs):\n    return [x * {seed} for x in xs if x > {seed % 7}]"
+    return f"Here is one way:\n\n```python\n{code}\n```\n" + prose(seed + 1000, 6)
 
 
 @pytest.fixture(scope="module")
