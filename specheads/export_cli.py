@@ -100,5 +100,6 @@ def _export_llama_cpp(args) -> int:
                            log=print)
     served = f"-m {out}/target.gguf " if not args.no_target else "-m TARGET.gguf "
     print(f"exported {args.heads_dir} for llama.cpp -> {out}; serve with:\n"
-          f"  llama-server {served}-md {out}/heads.gguf --spec-type draft-eagle3 --spec-draft-n-max 3")
+          f"  llama-server {served}-md {out}/heads.gguf --spec-type draft-eagle3 --spec-draft-n-max 8 "
+          "--spec-draft-p-min 0.8   # (+ --poll 0 on a few cores: README \"Serving on a CPU with llama.cpp\")")
     return 0
