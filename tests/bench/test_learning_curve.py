@@ -152,8 +152,8 @@ def test_eval_prompts_need_a_target(tmp_path):
 
 def test_category_top1_splits_depth_1_by_category_and_by_the_targets_certainty(tmp_path, monkeypatch, capsys):
     """Depth-1 hits counted by hand from the heads' and the target's own forwards, over sequences
-    that are not replies (the split does not care); SURE is set to
-    the median of the target's top probabilities so that both sides of it hold positions."""
+    that are not replies (the split does not care); SURE is set to the median of the target's top
+    probabilities so that both sides of it hold positions."""
     directory = make_tiny_model("llama", tmp_path / "target", vocab_size=300)
     make_byte_bpe_tokenizer(directory, ["def f(x): return x + 1", "the quick brown fox"])
     target = TargetAdapter.from_pretrained(directory)
