@@ -64,13 +64,18 @@ OWN_FLAGS = frozenset({"-m", "--model", "--host", "--port", "-t", "--threads", "
 def draft_args(heads_gguf: str | os.PathLike, draft_max: int, draft_p_min: float = 0.0) -> list[str]:
     """llama-server's flags to draft with an EAGLE-3 heads GGUF: up to draft_max tokens a step,
     and (draft_p_min > 0) only while the draft's top probability is at least draft_p_min."""
+    check_draft(draft_max, draft_p_min)
+    args = ["-md", str(heads_gguf), "--spec-type", EAGLE3_SPEC_TYPE, "--spec-draft-n-max", str(draft_max)]
+    return args + (["--spec-draft-p-min", f"{draft_p_min:g}"] if draft_p_min > 0 else [])
+
+
+def check_draft(draft_max: int, draft_p_min: float) -> None:
+    """A one-line error for a draft length or probability floor llama-server cannot take."""
     if draft_max < 1:
         raise ValueError(f"--llama-cpp-draft-max (llama-server's --spec-draft-n-max) must be >= 1, got {draft_max}")
     if not 0.0 <= draft_p_min <= 1.0:
         raise ValueError(f"--llama-cpp-draft-p-min (llama-server's --spec-draft-p-min) must be in [0, 1], "
                          f"got {draft_p_min}")
-    args = ["-md", str(heads_gguf), "--spec-type", EAGLE3_SPEC_TYPE, "--spec-draft-n-max", str(draft_max)]
-    return args + (["--spec-draft-p-min", f"{draft_p_min:g}"] if draft_p_min > 0 else [])
 
 
 def server_args(text: str | None) -> list[str]:

@@ -155,12 +155,13 @@ def run(args) -> int:
             require_matplotlib()
         except ImportError as err:
             raise UserError(f"--plot: {err}") from err
-    if args.llama_cpp is not None:  # a missing or too-old llama.cpp fails before any model loads
-        from specheads.bench.llama_cpp import draft_args, find_server, server_args
+    llama_cpp_extra = []  # --llama-cpp-args as llama-server flags
+    if args.llama_cpp is not None:  # a missing or too-old llama.cpp, or a bad flag, fails before any model loads
+        from specheads.bench.llama_cpp import check_draft, find_server, server_args
 
         find_server(args.llama_cpp)
-        draft_args("heads.gguf", args.llama_cpp_draft_max, args.llama_cpp_draft_p_min)
-        server_args(args.llama_cpp_args)
+        check_draft(args.llama_cpp_draft_max, args.llama_cpp_draft_p_min)
+        llama_cpp_extra = server_args(args.llama_cpp_args)
     prompts = load_prompts(args.prompts, limit=args.limit, per_category=args.per_category)
     # (read first: a bad prompts file fails before any model loads)
 
@@ -209,7 +210,7 @@ def run(args) -> int:
                                                                     trust_remote_code=args.trust_remote_code))
     report["tuning"] = tuning
     if args.llama_cpp is not None:
-        report["llama_cpp"] = llama_cpp_rows(args, report, encoded, target, heads_list, heads_dirs)
+        report["llama_cpp"] = llama_cpp_rows(args, llama_cpp_extra, report, encoded, target, heads_list, heads_dirs)
     report["step_costs"] = step_costs(target, heads_list)
     print(format_report(report))
     if "llama_cpp" in report:
@@ -247,11 +248,12 @@ def step_costs(target, heads_list: list[tuple]) -> list[dict]:
             for label, module, config in heads_list]
 
 
-def llama_cpp_rows(args, report: dict, encoded, target, heads_list: list[tuple], heads_dirs: list[str]) -> dict:
+def llama_cpp_rows(args, extra_args: list[str], report: dict, encoded, target, heads_list: list[tuple],
+                   heads_dirs: list[str]) -> dict:
     """bench/llama_cpp.py's rows: the converter beside DIR if it has one, else the pinned source's."""
     import torch
 
-    from specheads.bench.llama_cpp import bench_llama_cpp, server_args
+    from specheads.bench.llama_cpp import bench_llama_cpp
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads.export_llama_cpp import LlamaCppError, find_converter, pinned_source
 
@@ -268,5 +270,5 @@ def llama_cpp_rows(args, report: dict, encoded, target, heads_list: list[tuple],
                            target_dir=target.identity.name_or_path, heads=eagle3, converter=converter,
                            outtype="f32" if target.dtype == torch.float32 else "bf16",
                            draft_max=args.llama_cpp_draft_max, draft_p_min=args.llama_cpp_draft_p_min,
-                           extra_args=server_args(args.llama_cpp_args),
+                           extra_args=extra_args,
                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
