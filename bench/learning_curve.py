@@ -26,6 +26,9 @@ the target's own previous tokens), over every reply position from the one after 
 `--by-category` adds a table of depth-1 top-1 per prompt category of the fixed set, overall and
 at the positions where the target is sure of its token (top probability >= SURE): where the
 heads miss although the target is sure, the text is not to blame; what the heads learnt is.
+Its last rows slice all positions by prompt length, by position in the reply and by whether
+the wanted token is in the prompt, so that a length or position effect shows apart from the
+kind of text.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from specheads.bench.plot import OWN_TREE_SOURCES, require_matplotlib
 
 
 SURE = 0.95  # category_top1: the target's top probability from which a position counts as one it is sure of
+PROMPT_EDGES = (0, 61, 121, 251)  # category_top1's slices by prompt length in tokens: 0-60, 61-120, 121-250, 251+
+REPLY_EDGES = (0, 16, 48)  # and by the position's index in the reply: 0-15, 16-47, 48+
+IN_PROMPT, NOT_IN_PROMPT = "wanted token in the prompt", "wanted token not in the prompt"
 
 
 @dataclass(frozen=True)
@@ -117,24 +123,52 @@ def fixed_set_top1(heads, config, target, sequences: list[tuple], depths: int,
     return [h / c if c else 0.0 for h, c in zip(hits or [], counts or [])]
 
 
+def bucket(value: int, edges: tuple[int, ...]) -> str:
+    """The edges' interval holding value: "lo-hi" (both included), or "lo+" past the last edge."""
+    index = max(i for i, edge in enumerate(edges) if value >= edge)
+    return f"{edges[index]}+" if index + 1 == len(edges) else f"{edges[index]}-{edges[index + 1] - 1}"
+
+
+def slice_names() -> list[str]:
+    """category_top1's slices, in table order."""
+    prompt = [f"prompt of {bucket(edge, PROMPT_EDGES)} tokens" for edge in PROMPT_EDGES]
+    return prompt + [f"reply tokens {bucket(edge, REPLY_EDGES)}" for edge in REPLY_EDGES] + [IN_PROMPT, NOT_IN_PROMPT]
+
+
 def category_top1(heads, config, target, sequences: list[tuple[list[int], int, str]],
                   target_outputs: dict | None = None) -> dict[str, dict]:
     """Depth-1 top-1 per prompt category (and "all") over (token ids, prompt length, category)
     sequences, overall and at the positions where the target is sure (its top probability >= SURE):
-    {category: {"positions", "top1", "sure_share", "sure_top1"}}. Where the heads miss although the
-    target is sure, the miss is the heads' (their data or capacity), not the text's entropy."""
+    {name: {"positions", "top1", "sure_share", "sure_top1"}}, the categories sorted, then "all", then
+    the same over slices of all positions: by the prompt's length in tokens (PROMPT_EDGES), by the
+    position's index in the reply (REPLY_EDGES), and by whether the token wanted there is one of the
+    prompt's (copying). Where the heads miss although the target is sure, the miss is the heads'
+    (their data or capacity), not the text's entropy; the slices tell a length or position effect
+    from one of the kind of text."""
     tally: dict[str, list[int]] = {}
-    for (draft_JL, want_L, top_L), (_, prompt_len, category) in zip(
+    for (draft_JL, want_L, top_L), (ids, prompt_len, category) in zip(
             first_candidates(heads, config, target, sequences, 1, target_outputs), sequences):
-        hit_T = draft_JL[0, prompt_len - 1:-1] == want_L[prompt_len:]
-        sure_T = top_L[prompt_len:] >= SURE
-        for name in (category, "all"):
-            counts = tally.setdefault(name, [0, 0, 0, 0])
-            for i, value in enumerate((hit_T.sum(), hit_T.numel(), (hit_T & sure_T).sum(), sure_T.sum())):
-                counts[i] += int(value)
-    return {name: {"positions": n, "top1": hits / n if n else 0.0, "sure_share": sure / n if n else 0.0,
-                   "sure_top1": sure_hits / sure if sure else 0.0}
-            for name, (hits, n, sure_hits, sure) in tally.items()}
+        hit_T = (draft_JL[0, prompt_len - 1:-1] == want_L[prompt_len:]).tolist()
+        sure_T = (top_L[prompt_len:] >= SURE).tolist()
+        prompt_tokens = set(ids[:prompt_len])
+        length_slice = f"prompt of {bucket(prompt_len, PROMPT_EDGES)} tokens"
+        for index, (hit, sure, want) in enumerate(zip(hit_T, sure_T, want_L[prompt_len:].tolist())):
+            copy_slice = IN_PROMPT if want in prompt_tokens else NOT_IN_PROMPT
+            for name in (category, "all", length_slice, f"reply tokens {bucket(index, REPLY_EDGES)}", copy_slice):
+                counts = tally.setdefault(name, [0, 0, 0, 0])
+                counts[0] += hit
+                counts[1] += 1
+                counts[2] += hit and sure
+                counts[3] += sure
+    slices = slice_names()
+    order = sorted(name for name in tally if name != "all" and name not in slices) + ["all"] + slices
+    rows = {}
+    for name in order:
+        if name in tally:
+            hits, n, sure_hits, sure = tally[name]
+            rows[name] = {"positions": n, "top1": hits / n, "sure_share": sure / n,
+                          "sure_top1": sure_hits / sure if sure else 0.0}
+    return rows
 
 
 def eval_sequences(target, tokenizer, prompts_path: str, limit: int | None, max_new_tokens: int):
@@ -270,12 +304,12 @@ def score_on_fixed_set(points: list[CurvePoint], args) -> list[CurvePoint]:
 
 
 def format_categories(points: list[CurvePoint]) -> str:
-    """Markdown: each point's category_top1, one row per category."""
+    """Markdown: each point's category_top1, one row per category, then "all", then the slices."""
     lines = [f"| heads | category | reply positions | top-1 depth 1 | target sure (p >= {SURE:.2f}) | "
              "top-1 where sure |",
              "|---|---|---:|---:|---:|---:|"]
     for p in points:
-        for name, c in sorted(p.by_category.items(), key=lambda item: (item[0] == "all", item[0])):
+        for name, c in p.by_category.items():
             lines.append(f"| {p.label} | {name} | {c['positions']} | {c['top1']:.3f} | {c['sure_share']:.2f} | "
                          f"{c['sure_top1']:.3f} |")
     return "\n".join(lines)
@@ -298,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "takes it (default auto: the device's fast dtype)")
     p.add_argument("--by-category", action="store_true",
                    help="with --eval-prompts: also depth-1 top-1 per prompt category, overall and where the target "
-                        "is sure of its token (a second table)")
+                        "is sure of its token, and over slices by prompt length, reply position and copying (a second "
+                        "table)")
     p.add_argument("--out", help="write the PNG here")
     args = p.parse_args(argv)
     if args.depths < 1:

@@ -153,7 +153,8 @@ def test_eval_prompts_need_a_target(tmp_path):
 def test_category_top1_splits_depth_1_by_category_and_by_the_targets_certainty(tmp_path, monkeypatch, capsys):
     """Depth-1 hits counted by hand from the heads' and the target's own forwards, over sequences
     that are not replies (the split does not care); SURE is set to the median of the target's top
-    probabilities so that both sides of it hold positions."""
+    probabilities so that both sides of it hold positions, and the slices' edges so that each
+    slice by prompt length and by reply position holds some."""
     directory = make_tiny_model("llama", tmp_path / "target", vocab_size=300)
     make_byte_bpe_tokenizer(directory, ["def f(x): return x + 1", "the quick brown fox"])
     target = TargetAdapter.from_pretrained(directory)
@@ -163,24 +164,33 @@ def test_category_top1_splits_depth_1_by_category_and_by_the_targets_certainty(t
     # so it hits where the target's argmax repeats, as it does over a run of one token
     generator = torch.Generator().manual_seed(2)
     sequences = []
-    for category, token in (("a", 7), ("b", 50), ("a", 120)):
+    for (category, token), prompt_len in zip((("a", 7), ("b", 50), ("a", 120)), (5, 8, 5)):
         ids = torch.cat([torch.randint(3, 300, (11,), generator=generator), torch.full((10,), token),
                          torch.randint(3, 300, (6,), generator=generator)]).tolist()
-        sequences.append((ids, 5, category))
+        sequences.append((ids, prompt_len, category))
     tops, expected = [], {}
     with torch.inference_mode():
         for ids, prompt_len, category in sequences:
             out = target(torch.tensor([ids]), config.tap_layers)
             top, want = out.logits[0].softmax(-1).max(-1)
             draft = heads(out.taps[-1], num_heads=1)[0, 0].argmax(-1)
-            rows = [(bool(draft[t - 1] == want[t]), float(top[t])) for t in range(prompt_len, len(ids))]
-            tops += [p for _, p in rows]
-            for name in (category, "all"):
-                expected.setdefault(name, []).extend(rows)
+            for t in range(prompt_len, len(ids)):
+                row = (bool(draft[t - 1] == want[t]), float(top[t]))
+                tops.append(row[1])
+                copied = "wanted token in the prompt" if int(want[t]) in ids[:prompt_len] else \
+                    "wanted token not in the prompt"
+                for name in (category, "all", "prompt of 0-5 tokens" if prompt_len <= 5 else "prompt of 6+ tokens",
+                             "reply tokens 0-7" if t - prompt_len < 8 else "reply tokens 8+", copied):
+                    expected.setdefault(name, []).append(row)
     sure = sorted(tops)[len(tops) // 2]
     monkeypatch.setattr(learning_curve, "SURE", sure)
+    monkeypatch.setattr(learning_curve, "PROMPT_EDGES", (0, 6))
+    monkeypatch.setattr(learning_curve, "REPLY_EDGES", (0, 8))
     got = learning_curve.category_top1(heads, config, target, sequences)
-    assert set(got) == {"a", "b", "all"}
+    assert list(got) == ["a", "b", "all", "prompt of 0-5 tokens", "prompt of 6+ tokens", "reply tokens 0-7",
+                         "reply tokens 8+"] + [name for name in ("wanted token in the prompt",
+                                                                 "wanted token not in the prompt") if name in expected]
+    assert "wanted token not in the prompt" in got
     for name, rows in expected.items():
         sure_rows = [hit for hit, p in rows if p >= sure]
         assert got[name]["positions"] == len(rows)
@@ -195,5 +205,6 @@ def test_category_top1_splits_depth_1_by_category_and_by_the_targets_certainty(t
     assert learning_curve.main(["--point", f"1000={heads_dir}", "--eval-prompts", str(prompts), "--target",
                                 str(directory), "--max-new-tokens", "4", "--dtype", "float32", "--by-category"]) == 0
     table = capsys.readouterr().out
-    assert [line.split(" | ")[1] for line in table.splitlines() if line.startswith(f"| {heads_dir} |")] == \
+    assert [line.split(" | ")[1] for line in table.splitlines() if line.startswith(f"| {heads_dir} |")][:3] == \
         ["x", "y", "all"]
+    assert "| prompt of 0-5 tokens |" in table or "| prompt of 6+ tokens |" in table
