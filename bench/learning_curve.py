@@ -145,6 +145,11 @@ def category_top1(heads, config, target, sequences: list[tuple[list[int], int, s
     prompt's (copying). Where the heads miss although the target is sure, the miss is the heads'
     (their data or capacity), not the text's entropy; the slices tell a length or position effect
     from one of the kind of text."""
+    slices = slice_names()
+    for _, _, category in sequences:
+        if category == "all" or category in slices:
+            raise ValueError(f"prompt category {category!r} is the name of one of --by-category's own rows "
+                             f"(all, {', '.join(slices)}): rename it in the prompts file")
     tally: dict[str, list[int]] = {}
     for (draft_JL, want_L, top_L), (ids, prompt_len, category) in zip(
             first_candidates(heads, config, target, sequences, 1, target_outputs), sequences):
@@ -160,7 +165,6 @@ def category_top1(heads, config, target, sequences: list[tuple[list[int], int, s
                 counts[1] += 1
                 counts[2] += hit and sure
                 counts[3] += sure
-    slices = slice_names()
     order = sorted(name for name in tally if name != "all" and name not in slices) + ["all"] + slices
     rows = {}
     for name in order:

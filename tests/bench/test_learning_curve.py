@@ -4,6 +4,7 @@ directory's calibration, tau from its bench report at its own tree, a table and 
 training loss's own rule; --series groups the points."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -191,6 +192,9 @@ def test_category_top1_splits_depth_1_by_category_and_by_the_targets_certainty(t
                          "reply tokens 8+"] + [name for name in ("wanted token in the prompt",
                                                                  "wanted token not in the prompt") if name in expected]
     assert "wanted token not in the prompt" in got
+    for taken in ("all", "reply tokens 8+"):
+        with pytest.raises(ValueError, match=re.escape(f"category '{taken}' is the name of one of --by-category's")):
+            learning_curve.category_top1(heads, config, target, sequences[:1] + [(sequences[1][0], 5, taken)])
     for name, rows in expected.items():
         sure_rows = [hit for hit, p in rows if p >= sure]
         assert got[name]["positions"] == len(rows)
