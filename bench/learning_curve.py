@@ -34,6 +34,7 @@ kind of text.
 from __future__ import annotations
 
 import argparse
+import bisect
 import io
 import json
 from dataclasses import dataclass, replace
@@ -125,7 +126,7 @@ def fixed_set_top1(heads, config, target, sequences: list[tuple], depths: int,
 
 def bucket(value: int, edges: tuple[int, ...]) -> str:
     """The edges' interval holding value: "lo-hi" (both included), or "lo+" past the last edge."""
-    index = max(i for i, edge in enumerate(edges) if value >= edge)
+    index = bisect.bisect_right(edges, value) - 1
     return f"{edges[index]}+" if index + 1 == len(edges) else f"{edges[index]}-{edges[index + 1] - 1}"
 
 

@@ -51,6 +51,9 @@ BUILD_ENTRY = "llama.cpp/build-llama-cpp-python-0.3.36-static-native"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF")
 EAGLE3_SPEC_TYPE = "draft-eagle3"
+# The draft the export's serve command recommends: the best of eleven llama-server settings with the
+# session-18 GPU heads on 2 cores (README "Serving on a CPU with llama.cpp"); the bench's defaults stay llama.cpp's own
+SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN = 8, 0.8
 NGRAM_SPEC_TYPE = "ngram-simple"
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 900.0

@@ -85,6 +85,7 @@ def run(args) -> int:
 
 
 def _export_llama_cpp(args) -> int:
+    from specheads.bench.llama_cpp import SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, draft_args
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads.export_llama_cpp import check_target_dir, export_llama_cpp, find_converter, pinned_source
     from specheads.heads.heads_dir import read_heads_config
@@ -99,7 +100,7 @@ def _export_llama_cpp(args) -> int:
                            outtype=args.outtype, pre_tokenizer=args.pre_tokenizer, with_target=not args.no_target,
                            log=print)
     served = f"-m {out}/target.gguf " if not args.no_target else "-m TARGET.gguf "
+    draft = " ".join(draft_args(f"{out}/heads.gguf", SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN))
     print(f"exported {args.heads_dir} for llama.cpp -> {out}; serve with:\n"
-          f"  llama-server {served}-md {out}/heads.gguf --spec-type draft-eagle3 --spec-draft-n-max 8 "
-          "--spec-draft-p-min 0.8   # (+ --poll 0 on a few cores: README \"Serving on a CPU with llama.cpp\")")
+          f"  llama-server {served}{draft}   # (+ --poll 0 on a few cores: README \"Serving on a CPU with llama.cpp\")")
     return 0
