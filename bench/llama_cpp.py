@@ -43,17 +43,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specheads.bench.harness import PromptRun, summarise
-from specheads.heads.export_llama_cpp import LLAMA_CPP_PYTHON, LlamaCppError
+from specheads.heads.export_llama_cpp import (EAGLE3_SPEC_TYPE, LLAMA_CPP_PYTHON, SERVE_DRAFT_MAX,
+                                              SERVE_DRAFT_P_MIN, LlamaCppError, check_draft, draft_args)
 
 SERVER = "llama-server"
 BUILD_TARGETS = ("llama-server", "llama-bench", "llama-cli")
 BUILD_ENTRY = "llama.cpp/build-llama-cpp-python-0.3.36-static-native"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF")
-EAGLE3_SPEC_TYPE = "draft-eagle3"
-# The draft the export's serve command recommends: the best of eleven llama-server settings with the
-# session-18 GPU heads on 2 cores (README "Serving on a CPU with llama.cpp"); the bench's defaults stay llama.cpp's own
-SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN = 8, 0.8
 NGRAM_SPEC_TYPE = "ngram-simple"
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 900.0
@@ -62,23 +59,6 @@ METRIC = "llamacpp:spec_decode_num_"  # + draft_tokens_total | accepted_tokens_t
 OWN_FLAGS = frozenset({"-m", "--model", "--host", "--port", "-t", "--threads", "-np", "--parallel", "-c",
                        "--ctx-size", "--metrics", "--no-webui", "-md", "--model-draft", "--spec-draft-model",
                        "--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "--draft-p-min"})
-
-
-def draft_args(heads_gguf: str | os.PathLike, draft_max: int, draft_p_min: float = 0.0) -> list[str]:
-    """llama-server's flags to draft with an EAGLE-3 heads GGUF: up to draft_max tokens a step,
-    and (draft_p_min > 0) only while the draft's top probability is at least draft_p_min."""
-    check_draft(draft_max, draft_p_min)
-    args = ["-md", str(heads_gguf), "--spec-type", EAGLE3_SPEC_TYPE, "--spec-draft-n-max", str(draft_max)]
-    return args + (["--spec-draft-p-min", f"{draft_p_min:g}"] if draft_p_min > 0 else [])
-
-
-def check_draft(draft_max: int, draft_p_min: float) -> None:
-    """A one-line error for a draft length or probability floor llama-server cannot take."""
-    if draft_max < 1:
-        raise ValueError(f"--llama-cpp-draft-max (llama-server's --spec-draft-n-max) must be >= 1, got {draft_max}")
-    if not 0.0 <= draft_p_min <= 1.0:
-        raise ValueError(f"--llama-cpp-draft-p-min (llama-server's --spec-draft-p-min) must be in [0, 1], "
-                         f"got {draft_p_min}")
 
 
 def server_args(text: str | None) -> list[str]:

@@ -27,7 +27,8 @@ draft depth get num_heads = IMPORTED_EAGLE_DEPTH (serving's default tree depth).
 EAGLE-1/2 kind "eagle" (one tap, no fc) has no export format.
 
 All writes are atomic: the output directory is built under a temporary name beside OUT and
-renamed into place.
+renamed into place. Every output carries a model card (README.md, heads/model_card.py) for its
+layout. HEADS_DIR and FOREIGN_DIR may be Hugging Face Hub repo ids (heads_dir.resolve_heads_dir).
 
 LoRA runs (training/lora.py) change the target, so their heads only fit the adapted target.
 `export_merged(RUN_DIR, OUT)` (`specheads export RUN_DIR --format merged --out OUT`) loads
@@ -49,9 +50,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads import atomic, export_eagle3, export_medusa
+from specheads.heads import atomic, export_eagle3, export_medusa, model_card
 from specheads.heads.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
-                                       build_heads, read_heads_config, write_weights_dir)
+                                       build_heads, read_heads_config, resolve_heads_dir, write_weights_dir)
 from specheads.heads.target import DTYPES, TargetIdentity
 
 FORMATS = {  # format -> (heads kind, weights file name)
@@ -62,6 +63,9 @@ FORMATS = {  # format -> (heads kind, weights file name)
 TORCH_TWINS = {"medusa": export_medusa.MEDUSA_TORCH_WEIGHTS_NAME}  # also torch.save'd: Medusa's runtime reads it
 _TO_FOREIGN = {"eagle3": export_eagle3.to_eagle3, "medusa": export_medusa.to_medusa,
                "vllm-medusa": export_medusa.to_vllm_medusa}
+# What a Hub id given to import_heads fetches: the config and every weights file a layout may use.
+IMPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, export_medusa.MEDUSA_WEIGHTS_NAME, export_medusa.MEDUSA_TORCH_WEIGHTS_NAME,
+                "medusa_lm_head.bin", "model.pt", "model.bin", "pytorch_model.bin")
 IMPORTED_EAGLE_DEPTH = 4  # num_heads (draft depth) of EAGLE-3 heads that do not record one
 EXPECTED_LAYOUTS = (
     "EAGLE-3 (config.json architectures [\"LlamaForCausalLMEagle3\"] + model.safetensors), "
@@ -74,6 +78,7 @@ def export_heads(heads_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathL
     """Write the heads in `heads_dir` to `out_dir` in foreign format `fmt`."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {sorted(FORMATS)}")
+    heads_dir = resolve_heads_dir(heads_dir)
     config = read_heads_config(heads_dir)
     kind = FORMATS[fmt][0]
     if config.kind != kind:
@@ -86,7 +91,8 @@ def export_heads(heads_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathL
         raise FileNotFoundError(f"heads directory {str(heads_dir)!r} has no {WEIGHTS_NAME}")
     foreign_config, foreign_state = _TO_FOREIGN[fmt](config.to_dict(), load_file(str(weights)))
     foreign_config.setdefault("specheads", config.to_dict())
-    return write_weights_dir(out_dir, foreign_config, foreign_state, FORMATS[fmt][1], TORCH_TWINS.get(fmt))
+    return write_weights_dir(out_dir, foreign_config, foreign_state, FORMATS[fmt][1], TORCH_TWINS.get(fmt),
+                             card=config, layout=fmt)
 
 
 def detect_format(config: dict, source: str = "config.json") -> str:
@@ -110,7 +116,7 @@ def detect_format(config: dict, source: str = "config.json") -> str:
 def import_heads(foreign_dir: str | os.PathLike, out_dir: str | os.PathLike,
                  target: TargetIdentity | str | os.PathLike | None = None) -> Path:
     """Read heads in a foreign layout (auto-detected) into a specheads heads directory."""
-    foreign_dir = Path(foreign_dir)
+    foreign_dir = resolve_heads_dir(foreign_dir, IMPORT_FILES)
     foreign = _read_json(foreign_dir / CONFIG_NAME)
     fmt = detect_format(foreign, str(foreign_dir / CONFIG_NAME))
     state = _read_weights(foreign_dir, FORMATS[fmt][1])
@@ -131,7 +137,7 @@ def import_heads(foreign_dir: str | os.PathLike, out_dir: str | os.PathLike,
     config = _heads_config(FORMATS[fmt][0], fields, identity, embedded, state)
     config.check_fits(identity, source=source)
     _check_loads(config, state, source)
-    return write_weights_dir(out_dir, config.to_dict(), state, WEIGHTS_NAME)
+    return write_weights_dir(out_dir, config.to_dict(), state, WEIGHTS_NAME, card=config)
 
 
 def resolve_target(target: TargetIdentity | str | os.PathLike) -> TargetIdentity:
@@ -244,6 +250,7 @@ def export_merged(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Pat
         config.target = identity
         shutil.copytree(heads_dir, tmp / MERGED_HEADS_SUBDIR)  # weights and any extras (tuning.json); new config
         atomic.write_text(tmp / MERGED_HEADS_SUBDIR / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+        model_card.write_card(tmp / MERGED_HEADS_SUBDIR, config, published=out_dir / MERGED_HEADS_SUBDIR)
     return out_dir
 
 

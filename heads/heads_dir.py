@@ -4,6 +4,14 @@
     <dir>/model.safetensors  the head weights (EAGLE heads: the draft-vocab maps d2t/t2d
                              too; Medusa heads with a draft vocab: token_map)
 
+    <dir>/README.md          the model card (heads/model_card.py): Hub metadata, training data,
+                             held-out acceptance, serve commands per runtime
+    <dir>/tuning.json        `specheads tune`'s sweep, once tuned
+
+Every reader takes a local directory or a Hugging Face Hub repo id (`org/name`), resolved by
+`resolve_heads_dir` (a local path wins; a Hub id goes through huggingface_hub's
+snapshot_download and its cache).
+
 Head kinds: "medusa" (heads/medusa.py); "eagle3" and its EAGLE-1/2 variant "eagle"
 (heads/eagle3.py). For the EAGLE kinds `num_heads` is the number of draft depths the head
 is trained and calibrated for (the training-time-test steps) and `num_layers` its decoder
@@ -26,13 +34,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specheads.heads import atomic
-from specheads.heads.target import TargetIdentity
+from specheads.heads import atomic, model_card
+from specheads.heads.target import TargetIdentity, _looks_like_hub_id
 
 FORMAT_NAME = "specheads"
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+TUNING_NAME = "tuning.json"
+HUB_FILES = (CONFIG_NAME, WEIGHTS_NAME, TUNING_NAME, model_card.CARD_NAME)  # what a Hub id fetches
 HEAD_KINDS = ("medusa", "eagle3", "eagle")
 EAGLE_KINDS = ("eagle3", "eagle")
 
@@ -48,6 +58,9 @@ class HeadsConfig:
     target: TargetIdentity
     tree: dict | None = None  # {"paths": [[rank, ...], ...], ...}; read by serving/decode/config.py parse_tree_field
     calibration: dict | None = None  # per-depth top-k accuracy measured after training
+    # What training saw (training/trainer.py training_record): data source and split, tokens with
+    # loss in it, steps and tokens per step, LoRA. None for heads imported or written before it.
+    training: dict | None = None
     # EAGLE kinds only (None for Medusa):
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
@@ -164,25 +177,72 @@ def build_heads(config: HeadsConfig) -> nn.Module:
 
 
 def write_weights_dir(directory: str | os.PathLike, config: dict, state: dict[str, torch.Tensor],
-                      weights_name: str = WEIGHTS_NAME, torch_twin: str | None = None) -> Path:
+                      weights_name: str = WEIGHTS_NAME, torch_twin: str | None = None,
+                      card: HeadsConfig | None = None, layout: str = "specheads") -> Path:
     """config.json + one safetensors file (and, with `torch_twin`, the same tensors
-    torch.save'd under that name), written atomically (atomic.staged_dir)."""
+    torch.save'd under that name) + with `card`, the model card of those heads in `layout`
+    (heads/model_card.py), written atomically (atomic.staged_dir)."""
     with atomic.staged_dir(directory) as tmp:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / weights_name), metadata={"format": "pt"})
         if torch_twin is not None:
             torch.save(tensors, tmp / torch_twin)
         atomic.write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
+        if card is not None:
+            model_card.write_card(tmp, card, layout, published=directory)
     return Path(directory)
 
 
 def save_heads(directory: str | os.PathLike, heads: nn.Module, config: HeadsConfig) -> Path:
-    return write_weights_dir(directory, config.to_dict(), heads.state_dict())
+    """The heads directory: config, weights and model card."""
+    return write_weights_dir(directory, config.to_dict(), heads.state_dict(), card=config)
+
+
+def resolve_heads_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = HUB_FILES) -> Path:
+    """Where the heads that `name_or_path` names are on disk. A local path is used as it is (a
+    local path wins over a Hub id). Otherwise a Hub repo id (`org/name`) is fetched with
+    huggingface_hub's snapshot_download (only `files`), which answers from the Hub cache first
+    (HF_HOME / HF_HUB_CACHE) and asks the Hub nothing under HF_HUB_OFFLINE=1. A name that is
+    neither fails with one line naming it and what was tried."""
+    path = Path(name_or_path).expanduser()
+    name = str(name_or_path)
+    if path.exists() or not _looks_like_hub_id(name):
+        return path
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    tried = f"heads {name!r}: no local directory of that name, and"
+    try:
+        return Path(snapshot_download(name, allow_patterns=list(files), library_name="specheads"))
+    except HFValidationError as err:
+        raise FileNotFoundError(f"{tried} it is not a Hub repo id either ({_first_line(err)})") from None
+    except LocalEntryNotFoundError:
+        if constants.is_offline_mode():
+            raise FileNotFoundError(f"{tried} the Hub cache ({constants.HF_HUB_CACHE}) has no snapshot of the Hub repo "
+                                    f"{name!r}; offline (HF_HUB_OFFLINE is set), so the Hub was not asked: download "
+                                    f"it once with network access (`hf download {name}`) or pass a local "
+                                    "directory") from None
+        raise FileNotFoundError(f"{tried} the Hub repo {name!r} is neither in the Hub cache "
+                                f"({constants.HF_HUB_CACHE}) nor reachable (no network?)") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise FileNotFoundError(f"{tried} the Hub has no model repo {name!r} that this account can read (a private "
+                                "or gated repo needs `hf auth login`)") from None
+    except HfHubHTTPError as err:
+        raise FileNotFoundError(f"{tried} fetching the Hub repo {name!r} failed: {_first_line(err)}") from None
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def read_heads_config(directory: str | os.PathLike) -> HeadsConfig:
-    directory = Path(directory)
+    """The HeadsConfig of a heads directory or Hub id (resolve_heads_dir)."""
+    directory = resolve_heads_dir(directory)
     path = directory / CONFIG_NAME
+    if not directory.exists():
+        raise FileNotFoundError(f"heads directory {str(directory)!r} does not exist; pass a directory written by "
+                                "`specheads train` or a Hub repo id (org/name)")
     if not path.is_file():
         raise FileNotFoundError(f"heads directory {str(directory)!r} has no {CONFIG_NAME}; expected a "
                                 "directory written by `specheads train` (config.json + model.safetensors)")
@@ -195,8 +255,9 @@ def read_heads_config(directory: str | os.PathLike) -> HeadsConfig:
 
 def load_heads(directory: str | os.PathLike, target: TargetIdentity | None = None,
                device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[nn.Module, HeadsConfig]:
-    """Load heads; with `target`, first check they fit it (hidden, vocab, architecture)."""
-    directory = Path(directory)
+    """Load heads from a directory or Hub id (resolve_heads_dir); with `target`, first check
+    they fit it (hidden, vocab, architecture)."""
+    directory = resolve_heads_dir(directory)
     config = read_heads_config(directory)
     if target is not None:
         config.check_fits(target, source=f"heads at {str(directory)!r}")
@@ -214,14 +275,12 @@ def load_heads(directory: str | os.PathLike, target: TargetIdentity | None = Non
     return heads, config
 
 
-TUNING_NAME = "tuning.json"
-
-
 def update_tree(directory: str | os.PathLike, tree: dict, tuning_report: dict | None = None) -> HeadsConfig:
     """Replace the heads directory's `tree` (config.json) and, with a report, write
-    tuning.json beside it (`specheads tune`'s measured sweep). Each file is replaced
-    atomically; the report is written first, so a config's tree never points at a missing
-    or older sweep. -> the updated config."""
+    tuning.json beside it (`specheads tune`'s measured sweep), then its model card. Each file
+    is replaced atomically; the report is written first, so a config's tree never points at a
+    missing or older sweep. -> the updated config."""
+    check_writable(directory)
     directory = Path(directory)
     config = read_heads_config(directory)
     if not isinstance(tree, dict) or not (tree.get("paths") or tree.get("dynamic")):
@@ -231,10 +290,20 @@ def update_tree(directory: str | os.PathLike, tree: dict, tuning_report: dict | 
         atomic.write_text(directory / TUNING_NAME, json.dumps(tuning_report, indent=2) + "\n")
     config.tree = dict(tree)
     atomic.write_text(directory / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+    model_card.write_card(directory, config)
     return config
+
+
+def check_writable(name_or_path: str | os.PathLike) -> None:
+    """A one-line error when `name_or_path` is not a local heads directory that can be written
+    back (a Hub id resolves into the read-only Hub cache). Call it before work whose result is
+    stored in the directory."""
+    if not Path(name_or_path).expanduser().is_dir() and _looks_like_hub_id(str(name_or_path)):
+        raise ValueError(f"heads {str(name_or_path)!r} is a Hub repo id; its files in the Hub cache are not ours to "
+                         f"rewrite: download them (`hf download {name_or_path} --local-dir DIR`) and pass DIR")
 
 
 def read_tuning(directory: str | os.PathLike) -> dict | None:
     """The sweep `specheads tune` stored in the heads directory, or None when never tuned."""
-    path = Path(directory) / TUNING_NAME
+    path = resolve_heads_dir(directory) / TUNING_NAME
     return json.loads(path.read_text()) if path.is_file() else None

@@ -346,6 +346,15 @@ def _resume(recipe: Recipe, parts: StepParts, sampler: BlockSampler, output_dir:
     return manifest["step"], manifest
 
 
+def training_record(recipe: Recipe, data_tokens: int, world_size: int) -> dict:
+    """What the heads directory records about training (HeadsConfig.training; its model card
+    shows it): the data, its tokens with loss, and the tokens the steps processed."""
+    data, train = recipe.data, recipe.train
+    return {"data": data.source, "split": data.split, "data_tokens": data_tokens, "steps": train.steps,
+            "tokens_per_step": train.micro_batch_size * train.grad_accum * world_size * data.seq_len,
+            "lora": recipe.lora is not None}
+
+
 def _current_lr(engine) -> float:
     if engine.lr_scheduler is not None:
         return float(engine.get_lr()[0])
@@ -375,6 +384,7 @@ def _finish(recipe: Recipe, parts: StepParts, config: HeadsConfig, eval_blocks: 
             checkpoint.barrier()
             return heads_dir
         config = parts.source.finish(config, output_dir, lambda message: _say(dist, message))
+        config.training = training_record(recipe, parts.source.blocks.report.num_tokens, dist.world_size)
         save_heads(heads_dir, heads, config)
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
         _say(dist, f"held-out top-1 per head {top1}; tree of {config.tree['num_nodes']} nodes, expected "

@@ -99,7 +99,8 @@ def test_medusa_export_has_documented_keys_and_semantics(fmt, tmp_path):
     weights_name = "medusa_lm_head.safetensors" if fmt == "medusa" else "model.safetensors"
     # Medusa's own runtime (MedusaModel.from_pretrained) torch.loads only medusa_lm_head.pt.
     twins = ["medusa_lm_head.pt"] if fmt == "medusa" else []
-    assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == sorted(["config.json", weights_name] + twins)
+    assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == \
+        sorted(["README.md", "config.json", weights_name] + twins)
     state = load_file(str(tmp_path / "foreign" / weights_name))
     assert sorted(state) == expected_medusa_keys(fmt)
     for twin in twins:
@@ -255,7 +256,7 @@ def test_export_replaces_atomically(tmp_path):
     out.mkdir()
     (out / "stale.txt").write_text("old")
     export_heads(tmp_path / "heads", "vllm-medusa", out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "heads"]  # no temp dirs left
 
 

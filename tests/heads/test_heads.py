@@ -105,7 +105,7 @@ def test_heads_directory_round_trip(tmp_path, tiny_llama_dir):
         torch.nn.init.normal_(p, std=0.1)
     config = medusa_config(target.identity)
     out = save_heads(tmp_path / "heads", heads, config)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["heads"]  # no temp dirs left behind
     loaded, loaded_config = load_heads(out, target=target.identity)
     assert loaded_config == config
@@ -135,7 +135,8 @@ def test_written_artefacts_have_ordinary_modes(tmp_path, tiny_llama_dir):
     mode = lambda path: stat.S_IMODE(path.stat().st_mode)  # noqa: E731
     assert [mode(heads_dir), mode(cache)] == [0o755, 0o755]
     assert {p.name: mode(p) for p in [*heads_dir.iterdir(), *cache.iterdir(), tmp_path / "report.json"]} == \
-        {"config.json": 0o644, "model.safetensors": 0o644, "weights.bin": 0o644, "report.json": 0o644}
+        {"config.json": 0o644, "model.safetensors": 0o644, "README.md": 0o644, "weights.bin": 0o644,
+         "report.json": 0o644}
 
 
 def test_heads_of_another_target_fail_naming_both_values(tmp_path, tiny_llama_dir, tiny_qwen2_dir):

@@ -1,0 +1,133 @@
+"""Heads by Hugging Face Hub id (heads/heads_dir.py resolve_heads_dir): every reader of a heads
+directory takes `org/name`, resolved through huggingface_hub's snapshot_download and its cache.
+
+Nothing touches the network: the tests build a Hub cache in the layout huggingface_hub writes
+(models--ORG--NAME/blobs, snapshots/REV -> blobs, refs/main) and point HF_HUB_CACHE at it, with
+HF_HUB_OFFLINE=1. huggingface_hub reads both when it is imported, so the commands run in a fresh
+Python process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specheads.heads.export import export_heads
+from specheads.heads.heads_dir import read_heads_config, resolve_heads_dir
+
+from test_export import make_medusa_dir
+
+REPO_ID, EXPORT_ID, MISSING_ID = "specheads-test/tiny-medusa", "specheads-test/tiny-medusa-vllm", "specheads-test/gone"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def put_in_hub_cache(cache: Path, repo_id: str, source: Path) -> Path:
+    """Store `source`'s files as huggingface_hub stores a download of `repo_id` at REVISION."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / REVISION
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(source.iterdir()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+def run_python(code: str, cache: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+LOAD_AND_EXPORT = """
+import json, sys
+import torch
+from specheads.cli import main
+from specheads.heads.export import import_heads
+from specheads.heads.heads_dir import load_heads, read_tuning
+original, out = sys.argv[1], sys.argv[2]
+
+def same(a, b):
+    a, b = a.state_dict(), b.state_dict()
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+hub, hub_config = load_heads("{repo}")
+reference, _ = load_heads(original)
+report = {{"same_as_original": same(hub, reference), "kind": hub_config.kind, "tuning": read_tuning("{repo}"),
+          "export_rc": main(["export", "{repo}", "--format", "vllm-medusa", "--out", out + "/vllm"])}}
+imported = import_heads("{export}", out + "/imported")
+report["imported_same"] = same(load_heads(imported)[0], reference)
+print(json.dumps(report))
+""".format(repo=REPO_ID, export=EXPORT_ID)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """(Hub cache, the heads it holds) with a heads directory and a vLLM Medusa export in it."""
+    tmp = tmp_path_factory.mktemp("hub")
+    make_medusa_dir(tmp / "heads")
+    (tmp / "heads" / "tuning.json").write_text('{"winner": "chain-3"}\n')
+    export_heads(tmp / "heads", "vllm-medusa", tmp / "export")
+    put_in_hub_cache(tmp / "cache", REPO_ID, tmp / "heads")
+    put_in_hub_cache(tmp / "cache", EXPORT_ID, tmp / "export")
+    return tmp / "cache", tmp / "heads"
+
+
+def test_commands_load_and_export_heads_by_hub_id_from_the_cache(hub, tmp_path):
+    cache, heads = hub
+    result = run_python(LOAD_AND_EXPORT, cache, tmp_path, str(heads), str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"same_as_original": True, "kind": "medusa", "tuning": {"winner": "chain-3"}, "export_rc": 0,
+                      "imported_same": True}
+    exported = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert torch.equal(exported["lm_heads.0.weight"], load_file(str(heads / "model.safetensors"))["lm_head_weight"][0])
+    assert (tmp_path / "vllm" / "README.md").is_file()
+
+
+def test_a_local_directory_wins_over_a_hub_id(hub, tmp_path):
+    cache, _ = hub
+    make_medusa_dir(tmp_path / REPO_ID, draft_vocab=40)  # ./specheads-test/tiny-medusa: other heads, same name
+    code = (f"from specheads.heads.heads_dir import read_heads_config, resolve_heads_dir\n"
+            f"print(resolve_heads_dir('{REPO_ID}'), read_heads_config('{REPO_ID}').draft_vocab_size)")
+    result = run_python(code, cache, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [REPO_ID, "40"]
+    result = run_python(code, cache, tmp_path / REPO_ID)  # elsewhere, the same name is the Hub's
+    assert result.returncode == 0, result.stderr[-3000:]
+    resolved, draft_vocab = result.stdout.split()
+    assert resolved == str(cache / f"models--{REPO_ID.replace('/', '--')}" / "snapshots" / REVISION)
+    assert draft_vocab == "None"
+
+
+def test_a_missing_hub_id_is_one_line_naming_it_and_what_was_tried(hub, tmp_path):
+    cache, _ = hub
+    result = run_python("import sys; from specheads.cli import main; sys.exit(main(sys.argv[1:]))", cache, tmp_path,
+                        "export", MISSING_ID, "--format", "medusa", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    line = lines[0]
+    assert line.startswith(f"specheads export: error: heads {MISSING_ID!r}: no local directory of that name")
+    assert f"the Hub cache ({cache}) has no snapshot of the Hub repo {MISSING_ID!r}" in line
+    assert "offline (HF_HUB_OFFLINE is set)" in line
+
+
+def test_names_that_are_no_hub_id_stay_local_paths(tmp_path):
+    assert resolve_heads_dir(tmp_path / "nowhere") == tmp_path / "nowhere"
+    assert resolve_heads_dir("runs/demo/heads") == Path("runs/demo/heads")  # two slashes: a path, never an id
+    with pytest.raises(FileNotFoundError, match="'runs/demo/heads' does not exist; pass a directory written by"):
+        read_heads_config("runs/demo/heads")
+    with pytest.raises(FileNotFoundError, match="not a Hub repo id either"):
+        resolve_heads_dir("org/bad name")
