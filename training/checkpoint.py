@@ -20,6 +20,16 @@ rewrites `latest` (temp file + rename). So `latest` never names a partial checkp
 a directory that `latest` does not name is never loaded. A checkpoint named by `latest`
 that lacks a file is an error, not a silent restart.
 
+Disk space: before writing, each rank compares its part's size (the tensors it saves; rank 0
+adds the weights) with the free space where it writes (shutil.disk_usage), and a write that
+runs out of space anyway (ENOSPC or EDQUOT from Python, safetensors' "No space left on device",
+torch.save's "unexpected pos" / "PytorchStreamWriter failed writing file" while the disk is
+full) is caught. Either way every rank raises DiskFullError together (the ranks agree by an
+all-reduce where they would otherwise wait at a barrier), its one line naming the directory,
+what the checkpoint needs and what is free; the partial checkpoint is removed, and `latest`
+still names the last whole checkpoint, so re-running the same command after freeing space
+resumes from it exactly.
+
 Loading uses safetensors and `torch.load(weights_only=True)`. DeepSpeed's optimizer
 state dicts hold a few Python objects (the loss scaler, ZeRO's stage enum and fragment
 maps); they are saved as plain values and restored onto the live optimizer's objects.
@@ -29,6 +39,7 @@ Resuming needs the same world size, ZeRO stage and precision as the run that sav
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import random
@@ -36,6 +47,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specheads.heads import atomic
@@ -47,10 +59,19 @@ WEIGHTS = "heads.safetensors"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 KEEP_LAST = 2  # complete checkpoints kept on disk
 UNSAVED = "<specheads: restored from the live optimizer>"
+HEADROOM = 1 << 20  # bytes a checkpoint part needs beyond its tensors (zip, pickle and JSON records)
+# What writers say when the disk fills: safetensors (Rust I/O errors), torch.save's zip writer
+OUT_OF_SPACE = ("No space left on device", "Disk quota exceeded", "(os error 28)", "(os error 122)")
+TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed writing file", "file write failed")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint named by `latest` that cannot be resumed from."""
+    """A checkpoint named by `latest` that cannot be resumed from, or one that could not be saved."""
+
+
+class DiskFullError(CheckpointError):
+    """The disk (or quota) ran out while saving a checkpoint; nothing was published and `latest`
+    still names the last whole checkpoint. The message is one line."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -180,7 +201,8 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
                     recipe_dict: dict, precision: str, extra: dict | None = None, adapter: bool = False) -> Path:
     """Collective: all ranks call it at the same step. Returns the checkpoint directory.
     `extra` (JSON values, rank 0's) is merged into the manifest, e.g. the W&B run id.
-    adapter: the engine trains a LoRA adapter too (trained_state), saved beside the heads."""
+    adapter: the engine trains a LoRA adapter too (trained_state), saved beside the heads.
+    Out of disk space: DiskFullError on every rank (module docstring)."""
     rank, world_size = _rank_world()
     root = Path(output_dir) / CHECKPOINTS_DIR
     name = checkpoint_name(step)
@@ -189,39 +211,142 @@ def save_checkpoint(output_dir: str | os.PathLike, engine, step: int, sampler_st
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    tmp.mkdir(parents=True, exist_ok=True)  # ranks on another node's disk
     heads_weights, adapter_weights = trained_state(engine, adapter)  # collective under ZeRO
-    with atomic.temp_path(tmp / rank_file(rank)) as path:
-        torch.save({"optimizer": to_plain(engine.optimizer.state_dict()),
-                    "loss_scaler": _scaler_state(engine.optimizer), "rng": _rng_state()}, path)
-    barrier()
-    final = root / name
+    rank_state = {"optimizer": to_plain(engine.optimizer.state_dict()),
+                  "loss_scaler": _scaler_state(engine.optimizer), "rng": _rng_state()}
+    need = state_bytes(rank_state) + HEADROOM
     if rank == 0:
-        save_file(heads_weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        atomic.fsync(tmp / WEIGHTS)
-        files = [WEIGHTS] + [rank_file(r) for r in range(world_size)]
-        if adapter:
-            save_file(adapter_weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            atomic.fsync(tmp / ADAPTER_WEIGHTS)
-            files.append(ADAPTER_WEIGHTS)
-        missing = [f for f in files if not (tmp / f).is_file()]
-        if missing:
-            raise CheckpointError(f"checkpoint {tmp} is missing {missing} after all ranks wrote; not publishing it")
-        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        manifest = {
-            "step": step, "world_size": world_size, "zero_stage": engine.zero_optimization_stage(),
-            "precision": precision, "sampler": sampler_state, "scheduler": scheduler,
-            "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                       "skipped_steps": engine.skipped_steps},
-            "files": files, "adapter": adapter, "recipe": recipe_dict, **(extra or {}),
-        }
-        atomic.write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        atomic.fsync(tmp)
-        atomic.replace_dir(tmp, final)
-        atomic.fsync(root)
-        atomic.write_text(root / LATEST, name + "\n")
-        _prune(root, keep=name)
-    barrier()
-    return final
+        need += state_bytes([heads_weights, adapter_weights]) + HEADROOM
+    problem = free_space_problem(tmp, need)
+    if problem is None:
+        problem = _out_of_space(lambda: _torch_save(rank_state, tmp / rank_file(rank), need), tmp, need)
+    _stop_if_any_rank_failed(problem, engine, root, name)
+    if rank == 0:
+        problem = _out_of_space(lambda: _publish(root, name, engine, step, sampler_state, recipe_dict, precision,
+                                                 extra, adapter, heads_weights, adapter_weights), tmp, need)
+    _stop_if_any_rank_failed(problem, engine, root, name)
+    return root / name
+
+
+def _publish(root: Path, name: str, engine, step: int, sampler_state: dict, recipe_dict: dict, precision: str,
+             extra: dict | None, adapter: bool, heads_weights: dict, adapter_weights: dict | None) -> None:
+    """Rank 0, after every rank wrote its file: weights, manifest, rename into place, then `latest`."""
+    _, world_size = _rank_world()
+    tmp, final = root / f".tmp-{name}", root / name
+    save_file(heads_weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    atomic.fsync(tmp / WEIGHTS)
+    files = [WEIGHTS] + [rank_file(r) for r in range(world_size)]
+    if adapter:
+        save_file(adapter_weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        atomic.fsync(tmp / ADAPTER_WEIGHTS)
+        files.append(ADAPTER_WEIGHTS)
+    missing = [f for f in files if not (tmp / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {tmp} is missing {missing} after all ranks wrote; not publishing it")
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    manifest = {
+        "step": step, "world_size": world_size, "zero_stage": engine.zero_optimization_stage(),
+        "precision": precision, "sampler": sampler_state, "scheduler": scheduler,
+        "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                   "skipped_steps": engine.skipped_steps},
+        "files": files, "adapter": adapter, "recipe": recipe_dict, **(extra or {}),
+    }
+    atomic.write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    atomic.fsync(tmp)
+    atomic.replace_dir(tmp, final)
+    atomic.fsync(root)
+    atomic.write_text(root / LATEST, name + "\n")
+    _prune(root, keep=name)
+
+
+def state_bytes(obj) -> int:
+    """Bytes of the tensors in `obj` (nested dicts, lists, tuples), each storage counted once:
+    what torch.save or safetensors writes, less their few records."""
+    storages = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(storages.values())
+
+
+def free_space_problem(directory: Path, need: int) -> str | None:
+    """Why `need` bytes will not fit where `directory` is (its filesystem's free space), or None."""
+    free = shutil.disk_usage(directory).free
+    return None if free >= need else f"needs about {_size(need)} in {directory.parent}, which has {_size(free)} free"
+
+
+def _torch_save(obj, path: Path, need: int) -> None:
+    """torch.save, atomically; its writer's "unexpected pos" while the disk is full becomes ENOSPC
+    (judged while the partial file still holds the space it took)."""
+    with atomic.temp_path(path) as tmp:
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as err:
+            written = tmp.stat().st_size if tmp.exists() else 0
+            if any(marker in str(err) for marker in TORCH_WRITE_FAILED) and \
+                    shutil.disk_usage(tmp.parent).free < max(need - written, HEADROOM):
+                raise OSError(errno.ENOSPC, f"No space left on device (torch.save: {err})") from err
+            raise
+
+
+def _out_of_space(write, directory: Path, need: int) -> str | None:
+    """Run write(); -> None when it wrote, the one-line reason when the disk or quota ran out.
+    Any other failure propagates."""
+    try:
+        write()
+    except (OSError, SafetensorError) as err:
+        quota = getattr(err, "errno", None) == errno.EDQUOT or "quota" in str(err).lower()
+        if getattr(err, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and \
+                not any(marker in str(err) for marker in OUT_OF_SPACE):
+            raise
+        free = shutil.disk_usage(directory.parent).free
+        what = "ran over the disk quota" if quota else "ran out of disk space"
+        return (f"{what} while being written (it needs about {_size(need)} in {directory.parent}; {_size(free)} is "
+                "free now)")
+    return None
+
+
+def _stop_if_any_rank_failed(problem: str | None, engine, root: Path, name: str) -> None:
+    """Collective: raise DiskFullError on every rank when any rank had a problem; rank 0 first
+    removes the partial checkpoint so the space it took is free again."""
+    if _all_ranks_ok(problem is None, engine):
+        return
+    rank, _ = _rank_world()
+    latest = root / LATEST
+    named = latest.read_text().strip() if latest.is_file() else ""
+    if rank == 0:
+        shutil.rmtree(root / f".tmp-{name}", ignore_errors=True)
+        if named != name:  # renamed into place but never named by `latest`
+            shutil.rmtree(root / name, ignore_errors=True)
+    kept = f"`latest` still names {named}" if named else "there was no earlier checkpoint, so a re-run starts over"
+    reason = problem or "could not be written by another rank (out of disk space: see its error line)"
+    raise DiskFullError(f"disk full: checkpoint {name} {reason}; it was not saved. Nothing was lost: {kept}. Free "
+                        "space there and re-run the same command to resume")
+
+
+def _all_ranks_ok(ok: bool, engine) -> bool:
+    """Whether every rank is ok (one rank alone: `ok`); a barrier for all ranks either way."""
+    _, world_size = _rank_world()
+    if world_size == 1:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=getattr(engine, "device", None) or "cpu")
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _prune(root: Path, keep: str) -> None:
