@@ -128,6 +128,9 @@ def test_merged_export_decodes_losslessly_against_the_merged_target(lora_run, ta
     assert (out / "target" / "config.json").is_file() and (out / "target" / "tokenizer.json").is_file()
     config = json.loads((out / "heads" / "config.json").read_text())
     assert config["target"]["name_or_path"] == str((out / "target").resolve())
+    card = (out / "heads" / "README.md").read_text()  # the model card names the merged target, not the base
+    assert f"specheads serve --target {(out / 'target').resolve()} --heads {out / 'heads'}" in card
+    assert "LoRA adapter" in card
     assert not list(tmp_path.glob(".merged.tmp-*"))
     merged = AutoModelForCausalLM.from_pretrained(out / "target")
     base = AutoModelForCausalLM.from_pretrained(target_with_tokenizer)
