@@ -297,11 +297,11 @@ def distinct_weights(heads: list[tuple[str, str]]) -> list[tuple[str, str, list[
     model.safetensors, in first-seen order. Heads directories that differ only in their tree
     (a calibrated copy, a tuned one, a chain) give llama.cpp the same draft GGUF, so their rows
     would time one thing several times."""
-    from specheads.heads.heads_dir import WEIGHTS_NAME
+    from specheads.heads.heads_dir import WEIGHTS_NAME, resolve_heads_dir
 
     groups: dict[str, tuple[str, str, list[str]]] = {}
     for label, directory in heads:
-        digest = hashlib.sha256((Path(directory) / WEIGHTS_NAME).read_bytes()).hexdigest()
+        digest = hashlib.sha256((resolve_heads_dir(directory) / WEIGHTS_NAME).read_bytes()).hexdigest()
         if digest in groups:
             groups[digest][2].append(label)
         else:
