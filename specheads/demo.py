@@ -76,7 +76,11 @@ class DemoWorkdir:
         self.path = path
         marker = path / MARKER
         if marker.is_file():
-            self.outputs = list(json.loads(marker.read_text())["outputs"])
+            try:
+                self.outputs = [str(name) for name in json.loads(marker.read_text())["outputs"]]
+            except (ValueError, KeyError, TypeError) as err:
+                raise UserError(f"{str(marker)!r} is not the demo's list of what it wrote ({err}); "
+                                "give a new or empty --workdir") from err
         elif path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise UserError(f"--workdir {str(path)!r} exists and was not made by specheads demo (it has no {MARKER}); "
                             "give a new or empty directory")
@@ -145,9 +149,11 @@ def demo_recipes(args) -> dict[str, tuple[Path, str]]:
     if recipe.target.name_or_path != args.target:
         raise UserError(f"--recipe {args.recipe} trains heads for {recipe.target.name_or_path!r}; the demo's target "
                         f"is {args.target!r} (for another target use specheads train / tune / bench)")
+    kind = recipe.heads.kind
+    same = kind in recipes and recipes[kind][0].resolve() == path.resolve()  # the demo's own: its usual run dir
     if real:
         recipes.clear()
-    recipes[recipe.heads.kind] = (path, path.stem)
+    recipes[kind] = (path, REAL_RUN_DIR if real and same else kind if same else path.stem)
     return recipes
 
 
@@ -195,7 +201,7 @@ def run_recipe(args, run_dir: Path, recipe_args: list[str], overrides: list[str]
     if run_dir.exists():
         shutil.rmtree(run_dir)
     sets = [f"train.output_dir={run_dir}", *overrides, *args.overrides]
-    rc = train_main([*recipe_args, *sum((["--set", o] for o in sets), [])])
+    rc = train_main([*recipe_args, *sum((["--set", o] for o in sets), [])], single_process=True)
     if rc == EXIT_USER_ERROR:  # train printed which input is wrong
         raise UserError(f"training {run_dir.name} heads stopped on the error above")
     if rc != 0:

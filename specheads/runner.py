@@ -65,9 +65,9 @@ def load_inference_target(name_or_path: str, *, heads: Sequence[str] = (), dtype
 
 
 DEVICE_HELP = "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N"
-ENFORCE_EAGER_HELP = ("run every forward eagerly: no CUDA graphs (by default, on a CUDA device, each verify forward "
-                      "is captured once per shape and replayed, with the tree-attention kernel: "
-                      "serving/decode/graphs.py); as vLLM's --enforce-eager")
+ENFORCE_EAGER_HELP = ("run every forward eagerly, as vLLM's --enforce-eager: no CUDA graphs (by default, on a CUDA "
+                      "device, the engine's forwards are captured once per shape and replayed, verifying with the "
+                      "tree-attention kernel: serving/decode/graphs.py)")
 
 
 def resolve_device(device: str = "auto") -> str:

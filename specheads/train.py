@@ -135,7 +135,9 @@ def release_shm_buffer() -> None:
         (Path("/dev/shm") / name).unlink()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, single_process: bool = False) -> int:
+    """single_process: train in this one process even where several GPUs would be refused
+    (`specheads demo`'s small heads)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     from specheads.data.text import DataError
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             from specheads.training.dry_run import dry_run
 
             return dry_run(recipe, recipe_path, args.world_size)
-        _refuse_one_of_several_gpus(argv)
+        if not single_process:
+            _refuse_one_of_several_gpus(argv)
         from specheads.training.trainer import TrainingStopped, run
 
         try:

@@ -378,6 +378,8 @@ def test_demo_recipe_replaces_the_demos_recipe_of_its_kind():
         "medusa": ("smollm2-135m-medusa.yaml", "smollm2-135m-medusa")}
     assert recipes("embedded:tiny", None) == {"medusa": ("tiny-medusa.yaml", "medusa"),
                                               "eagle3": ("tiny-eagle3.yaml", "eagle3")}
+    assert recipes("embedded:tiny", "tiny-eagle3") == recipes("embedded:tiny", None)  # its own: same run dirs
+    assert recipes("embedded:smollm2", "smollm2-135m-eagle3") == recipes("embedded:smollm2", None)
     assert recipes("embedded:tiny", str(shipped["tiny-medusa-lora"])) == {
         "medusa": ("tiny-medusa-lora.yaml", "tiny-medusa-lora"), "eagle3": ("tiny-eagle3.yaml", "eagle3")}
 
