@@ -90,8 +90,8 @@ def resolve_recipe(name_or_path: str | os.PathLike) -> Path:
     name = path.name.removesuffix(".yaml") if path.parent in (Path("."), Path("recipes")) else None
     if name in shipped:
         return shipped[name]
-    raise UserError(f"recipe {str(name_or_path)!r} is neither a file nor a shipped recipe; shipped: "
-                    f"{', '.join(shipped)} (specheads recipes lists them)")
+    raise UserError(f"recipe {str(name_or_path)!r} does not exist: not a file, nor a shipped recipe's name "
+                    f"({', '.join(shipped)}; `specheads recipes` lists them)")
 
 
 def format_recipes() -> str:

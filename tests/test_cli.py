@@ -29,7 +29,7 @@ SUBCOMMANDS = ["train", "recipes", "generate", "demo", "bench", "tune", "serve",
 # flag or file checked before any model loads, on a machine without CUDA (no_cuda).
 USER_ERRORS = [
     (["train", "--profile", "cpu", "{tmp}/absent.yaml"], "absent.yaml"),  # a leading option reaches train too
-    (["train", "no-such-recipe"], "neither a file nor a shipped recipe"),
+    (["train", "no-such-recipe"], "nor a shipped recipe's name"),
     (["recipes", "no-such-recipe"], "tiny-medusa"),
     (["generate", "--target", "{tmp}/t", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "--target", "{tmp}/t", "--prompt", "x", "--device", "cuda"], "--device cuda: torch sees no CUDA"),
