@@ -346,7 +346,7 @@ def engine_kwargs(fallback: bool, cuda_graphs: str | None = None) -> dict:
     """SpeculativeDecoder kwargs: fallback=False keeps every step speculative (measures the
     heads and tree themselves); True keeps the engine's default per-request fallback policy.
     cuda_graphs ("capture" on a GPU, "eager" for the same static-shape path uncaptured) verifies
-    through the tree-attention kernel, as `generate --cuda-graphs` and `serve --cuda-graphs` do."""
+    through the tree-attention kernel, as generate and serve do on a CUDA device."""
     graphs = {} if cuda_graphs is None else {"cuda_graphs": cuda_graphs, "attn_impl": "tree"}
     return graphs if fallback else {"fallback": None, **graphs}
 

@@ -6,7 +6,7 @@ how much data their own model needs.
         [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N] [--by-category]]
 
 Each point is one training run: TOKENS (the reply tokens it trained on, the x axis), its heads
-directory and, optionally, a `specheads bench --json` report of those heads. From the heads
+directory and, optionally, a `specheads bench --output-json` report of those heads. From the heads
 directory: held-out top-1 accuracy per draft depth (the calibration training writes,
 `calibration.accuracy[depth][0]`: the share of held-out positions where the head's first
 candidate is the target's own next token, given the target's own previous tokens). From the
@@ -205,7 +205,7 @@ def bench_tau(report: dict, source: str) -> float:
                 break
             return float(tau)
     raise ValueError(f"{source}: no engine-heads method at the heads directory's own tree with a tau; expected a "
-                     "`specheads bench --heads DIR --json OUT` report")
+                     "`specheads bench --heads DIR --output-json OUT` report")
 
 
 def load_point(num_tokens: int, heads_dir: str, bench_json: str | None, series: str = "") -> CurvePoint:

@@ -139,7 +139,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     if args.torch_threads is not None:
         command += ["--torch-threads", str(args.torch_threads)]
     if args.lookup is not None:
-        command += ["--lookup", str(args.lookup)]
+        command += ["--lookup-num-tokens", str(args.lookup)]
     process = subprocess.Popen(command, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="the started server's torch threads (1 avoids OpenMP oversubscription on a busy machine)")
     parser.add_argument("--lookup", type=int, default=None, metavar="N",
-                        help="the started server's --lookup (default: what the heads directory stores; 0: off)")
+                        help="the started server's --lookup-num-tokens (default: what the heads directory stores; "
+                             "0: off)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     try:

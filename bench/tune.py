@@ -388,7 +388,8 @@ def format_tuning(report: dict) -> str:
         lines += ["", f"n-gram lookup ({lookup['num_tokens']} tokens) on {report['winner']}, measured again side by "
                       f"side: {lookup['with']['tokens_per_s']:.1f} tok/s (tau {fmt(lookup['with']['tau'], '.2f')}) "
                       f"with, {lookup['without']['tokens_per_s']:.1f} tok/s without: "
-                      f"{'stored (generate/serve use it; --lookup 0 turns it off)' if lookup['chosen'] else 'not used'}"]
+                      + ("stored (generate/serve use it; --lookup-num-tokens 0 turns it off)" if lookup["chosen"]
+                         else "not used")]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Optional offline hidden-state cache: run the target over the packed blocks once, store
 what training reads from it, and read it back batch by batch.
 
-    specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
+    specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
 
 Layout of DIR: `manifest.json` (target identity, taps, top-k, shapes, dtype, shard list)
 and `shard-00000.safetensors`, ... each holding `blocks_per_shard` blocks:
@@ -82,7 +82,7 @@ def write_cache(target, blocks: PackedBlocks, taps: list[int], out_dir: str | Pa
     target.check_taps(taps)
     out = Path(out_dir)
     if (out / MANIFEST).exists():
-        raise DataError(f"{out} already holds a feature cache ({MANIFEST}); choose another --out or remove it")
+        raise DataError(f"{out} already holds a feature cache ({MANIFEST}); choose another --output or remove it")
     num_blocks, seq_len = blocks.input_ids.shape
     top_k = resolve_top_k(top_k, target.vocab_size)
     total = estimate_bytes(num_blocks, seq_len, target.hidden_size, len(taps), target.vocab_size, top_k, target.dtype)

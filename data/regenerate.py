@@ -28,7 +28,7 @@ turn is decoded as soon as its previous reply ends, in the same row: its prefill
 the new user turn, the conversation so far already being in that row's KV cache (as far as
 the re-rendered conversation repeats the generated tokens). On a GPU, new rows and next
 turns wait for a group of free rows and are prefilled together, whole, in one forward
-(generate_many's prefill_group), and `--cuda-graphs` replays each decode step. A reply
+(generate_many's prefill_group), and CUDA graphs replay each decode step. A reply
 that comes out empty ends its conversation before that turn (counted); a conversation left
 without any reply is skipped as "empty reply".
 

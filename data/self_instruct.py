@@ -160,7 +160,7 @@ def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *
     """The target's answer to each (kind, instruction), cleaned: -> (kind, candidate) pairs.
     Greedy at temperature 0; above it, sampled (top-p TOP_P), the i-th answer with its own
     seed drawn from `seed`, so a seed gives the same candidates on a rerun. On a CUDA device
-    the decode steps replay CUDA graphs, as `data regenerate --cuda-graphs` does."""
+    the decode steps replay CUDA graphs, as `data regenerate` does there."""
     from specheads.data.chat import ensure_chat_template, generation_prompt_ids
     from specheads.data.regenerate import load_generation_target, target_continuations
     from specheads.data.text import load_tokenizer

@@ -31,7 +31,7 @@ renamed into place. Every output carries a model card (README.md, heads/model_ca
 layout. HEADS_DIR and FOREIGN_DIR may be Hugging Face Hub repo ids (heads_dir.resolve_heads_dir).
 
 LoRA runs (training/lora.py) change the target, so their heads only fit the adapted target.
-`export_merged(RUN_DIR, OUT)` (`specheads export RUN_DIR --format merged --out OUT`) loads
+`export_merged(RUN_DIR, OUT)` (`specheads export RUN_DIR --format merged --output OUT`) loads
 the base target named in RUN_DIR/adapter/specheads_lora.json, applies the PEFT adapter,
 merges it into the weights (merge_and_unload) and writes OUT/target (save_pretrained, with
 the base's tokenizer) and OUT/heads (the run's heads, their target identity now naming

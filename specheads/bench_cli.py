@@ -2,9 +2,9 @@
 
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
-                    [--json OUT.json] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D] [--device D]
-                    [--cuda-graphs] [--llama-cpp DIR [--llama-cpp-draft-max N] [--llama-cpp-draft-p-min P]
-                                                     [--llama-cpp-args "FLAGS"]]
+                    [--output-json OUT.json|-] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D]
+                    [--device auto|cpu|cuda[:N]] [--enforce-eager]
+                    [--llama-cpp DIR [--llama-cpp-draft-max N] [--llama-cpp-draft-p-min P] [--llama-cpp-args "FLAGS"]]
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
 each, through the target tokenizer's chat template when it has one, else raw text.
@@ -31,10 +31,13 @@ llama.cpp-plain. --llama-cpp-draft-p-min P drafts only while the draft's top pro
 flags to every llama.cpp row (say "--poll 0"). See bench/llama_cpp.py. JSON: "llama_cpp":
 {"config", "methods": [{"name", "kind", "server_args", "overall": SUMMARY}]}.
 
-JSON (--json), schema "specheads.bench/1":
+On a CUDA device every engine method verifies through CUDA graphs and the tree-attention
+kernel (the HF methods run as transformers does) unless --enforce-eager.
+
+JSON (--output-json PATH; `-` prints it on stdout and the tables on stderr), schema "specheads.bench/1":
     {"schema": "specheads.bench/1",
      "config": {"target", "heads", "prompts", "max_new_tokens", "num_prompts", "device",
-                "cuda_graphs",       # --cuda-graphs: every engine method verified through graphs + kernel
+                "cuda_graphs",       # every engine method verified through graphs + kernel (CUDA, no --enforce-eager)
                 "dtype",             # what every method ran in ("auto" resolved), HF baselines included
                 "dtype_requested",   # --dtype as given
                 "layout",            # "packed" | "plain": the engine's linear weights (heads/cpu_layout.py)
@@ -72,11 +75,12 @@ JSON (--json), schema "specheads.bench/1":
 
 from __future__ import annotations
 
-import json
 import sys
 
 from specheads.errors import UserError
-from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP, cuda_graphs_problem
+from specheads.options import (add_device_options, add_lookup_option, add_output_json_option, apply_device_options,
+                               human_output, write_json_report)
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def int_list(text: str, option: str, example: str) -> list[int]:
@@ -101,16 +105,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--per-category", type=int, default=None, metavar="N",
                    help="use only the first N prompts of each category (applied before --limit)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--tree-nodes", action="append", default=[], metavar="N[,N...]",
                    help="also bench calibrated trees of N draft nodes (repeatable or comma-separated)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                    help="HF prompt-lookup draft length (0: skip prompt lookup)")
-    p.add_argument("--lookup-num-tokens", type=int, default=10,
-                   help="the engine's n-gram lookup draft length, benched alone (engine-lookup) and with each "
-                        "heads directory (engine-<heads>+lookup); 0: skip")
+    add_lookup_option(p, 10, "the engine's n-gram lookup draft length, benched alone (engine-lookup) and with each "
+                             "heads directory (engine-<heads>+lookup); 0: skip")
     p.add_argument("--draft-model", help="small draft model for HF assisted generation (same tokenizer)")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
+    add_output_json_option(p, old_json="path")
     p.add_argument("--plot", metavar="OUT.png",
                    help="write a PNG of charts (acceptance by depth; speedup vs tree size; tokens/s per method "
                         "over prompts); needs matplotlib: pip install 'specheads[plot]'")
@@ -118,9 +121,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-fallback", action="store_true",
                    help="never let the engine switch a request to plain decoding (measures the heads themselves)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP + " (every engine method; the HF "
-                   "methods run as transformers does)")
+    add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--llama-cpp", metavar="DIR", help="also bench llama.cpp (plain, n-gram, drafting with the EAGLE-3 "
                    "heads) from the llama-server in DIR, DIR/bin or DIR/build/bin")
@@ -142,8 +143,7 @@ def run(args) -> int:
                         ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0 (0: skip that method), got {value}")
-    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
-        raise ValueError(problem)
+    apply_device_options(args)
     tree_nodes = [n for text in args.tree_nodes for n in int_list(text, "--tree-nodes", "8,16,32")]
     heads_dirs = [part for text in args.heads for part in text.split(",") if part.strip()]
     if tree_nodes and not heads_dirs:
@@ -212,19 +212,17 @@ def run(args) -> int:
     if args.llama_cpp is not None:
         report["llama_cpp"] = llama_cpp_rows(args, llama_cpp_extra, report, encoded, target, heads_list, heads_dirs)
     report["step_costs"] = step_costs(target, heads_list)
-    print(format_report(report))
+    out = human_output(args)
+    print(format_report(report), file=out)
     if "llama_cpp" in report:
         from specheads.bench.llama_cpp import format_llama_cpp
 
-        print("\n" + format_llama_cpp(report["llama_cpp"]))
+        print("\n" + format_llama_cpp(report["llama_cpp"]), file=out)
     for table in report["step_costs"]:
         print(f"\n### {'step costs with ' + table['heads'] if 'heads' in table else 'step costs'}\n\n"
-              + StepCostTable.from_json(table).format())
-    if args.json_out:
-        from specheads.heads import atomic
-
-        atomic.write_text(args.json_out, json.dumps(report, indent=2) + "\n")
-        print(f"\nJSON report: {args.json_out}", file=sys.stderr)
+              + StepCostTable.from_json(table).format(), file=out)
+    if args.output_json:
+        write_json_report(args.output_json, report)
     if args.plot:
         from specheads.bench.plot import write_plots
 

@@ -1,16 +1,23 @@
 """The `specheads` command line.
 
-    specheads train RECIPE.yaml [--set dotted.key=value ...]
-    specheads generate --target T [--heads H] --prompt TEXT [--max-new-tokens N] [--json]
-    specheads demo [--workdir DIR]
-    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa|llama.cpp --out DIR
-    specheads export --import FOREIGN_DIR --out DIR [--target T]
+    specheads train RECIPE [--set dotted.key=value ...] [--dry-run]    (RECIPE: a shipped name or a YAML path)
+    specheads recipes [NAME]
+    specheads generate --target T [--heads H] --prompt TEXT [--max-new-tokens N] [--output-json PATH|-]
+    specheads demo [--target embedded:smollm2|embedded:tiny] [--workdir DIR]
+    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa|merged|llama.cpp --output DIR
+    specheads export --import FOREIGN_DIR --output DIR [--target T]
     specheads serve --target T [--heads H] [--host H] [--port N] [--api-key KEY] [--max-concurrency N]
-    specheads bench --target T [--heads H] [--prompts FILE.jsonl] [--json OUT] [--plot OUT.png] [--llama-cpp DIR]
+    specheads bench --target T [--heads H] [--prompts FILE.jsonl] [--output-json PATH] [--plot OUT.png]
     specheads tune --target T --heads H [--prompts FILE.jsonl] [--budget-s S]
     specheads data regenerate --target T --input FILE --output FILE
-    specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR
+    specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR
     specheads llama-cpp build
+
+Every command that runs a model takes `--device` (default auto: CUDA when torch sees a GPU,
+else the CPU) and, where the engine decodes, replays CUDA graphs on a GPU unless
+`--enforce-eager`; both are resolved by specheads/runner.py. The shared option names and the
+parser conventions (defaults in every --help, no abbreviations, deprecated spellings):
+specheads/options.py. `build_parser()` returns the whole parser tree, `train` included.
 
 Every subcommand imports its machinery lazily so `specheads --help` is instant. User
 errors (bad paths, mismatched heads, bad recipes) print one clear line and exit 2
@@ -22,11 +29,13 @@ and the deepspeed launcher use).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from specheads import __version__
 from specheads.errors import EXIT_USER_ERROR, UserError
-from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP
+from specheads.options import (Parser, add_device_options, add_lookup_option, add_output_json_option,
+                               apply_device_options, write_json_report)
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def _add_generate(sub) -> None:
@@ -35,22 +44,19 @@ def _add_generate(sub) -> None:
                    help=TARGET_HELP)
     p.add_argument("--heads", help="heads directory (config.json + model.safetensors); omit for plain decoding")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--device", default="cpu")
+    add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the output ends before it")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (0: all)")
     p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with heads")
-    p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="also draft up to N tokens by n-gram lookup in the context (0: off; "
-                        "default: what `specheads tune` stored in the heads directory)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
+    add_lookup_option(p, old="--lookup")
+    add_output_json_option(p, old_json="switch")
 
 
 def _add_demo(sub) -> None:
@@ -58,27 +64,44 @@ def _add_demo(sub) -> None:
                                     "tune, bench them against HF greedy and prompt lookup")
     p.add_argument("--target", default="embedded:smollm2", choices=["embedded:smollm2", "embedded:tiny"],
                    help="embedded:smollm2 (a real chat model, ~25 min on 2 cores) or embedded:tiny (the quick path)")
-    p.add_argument("--workdir", default="runs/demo", help="where the heads and checkpoints go")
-    p.add_argument("--recipe", default=None, help="Medusa recipe to train (default: the shipped tiny-medusa.yaml)")
+    p.add_argument("--workdir", default="runs/demo",
+                   help="where the demo's data, heads, checkpoints and bench report go (reused by the next run)")
+    p.add_argument("--recipe", default=None,
+                   help="recipe to train instead of the demo's own (a shipped name or a YAML path; its target must "
+                        "be --target's). Default: smollm2-135m-eagle3 for embedded:smollm2; tiny-medusa and "
+                        "tiny-eagle3 for embedded:tiny (the recipe replaces tiny-medusa)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted recipe override, repeatable")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--retrain", action="store_true", help="train even if the workdir already has heads")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt in tune and bench")
+    add_device_options(p)
+    p.add_argument("--retrain", action="store_true",
+                   help="distil, train and tune again: deletes the demo's own outputs in --workdir first "
+                        "(never a file the demo did not write)")
+
+
+def _add_recipes(sub) -> None:
+    p = sub.add_parser("recipes", help="list the shipped recipes (`specheads train NAME` trains one)",
+                       description="List the recipes shipped with specheads, or print one (a copy to edit: "
+                                   "specheads recipes NAME > my-recipe.yaml).")
+    p.add_argument("name", nargs="?", help="print this recipe's YAML instead of the list")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specheads", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    # Listed for `specheads --help` only: main() hands `train ...` to specheads/train.py before
-    # parsing, since an argparse REMAINDER here cannot take a leading option such as --help.
-    sub.add_parser("train", help="train heads from a recipe (DeepSpeed)")
+    """The whole `specheads` parser tree (every subcommand, `train` included); main() uses it
+    for every command but `train`, which goes to specheads/train.py's parser of the same options."""
+    from specheads import bench_cli, data_cli, export_cli, llama_cpp_cli, serve_cli, train, tune_cli
+
+    parser = Parser(prog="specheads", description="Train speculative-decoding heads (Medusa, EAGLE-3) on a frozen "
+                    "Hugging Face model and serve it faster with them. `specheads COMMAND --help` for a command's "
+                    "options.")
+    parser.add_argument("--version", action="version", version=f"specheads {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train.add_arguments(sub.add_parser("train", help="train heads from a recipe (DeepSpeed)",
+                                       description=train.DESCRIPTION))
+    _add_recipes(sub)
     _add_generate(sub)
     _add_demo(sub)
-    from specheads import bench_cli, data_cli, export_cli, llama_cpp_cli, serve_cli
-
     bench_cli.add_parser(sub)
-    from specheads import tune_cli
-
     tune_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     export_cli.add_parser(sub)
@@ -88,15 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
-    from specheads.runner import cuda_graphs_problem, load_decoder
+    from specheads.runner import load_decoder
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
-        raise UserError(problem)
+    apply_device_options(args)
     decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
-                                      trust_remote_code=args.trust_remote_code, lookup_num_tokens=args.lookup,
-                                      cuda_graphs=args.cuda_graphs)
+                                      trust_remote_code=args.trust_remote_code,
+                                      lookup_num_tokens=args.lookup_num_tokens, cuda_graphs=args.cuda_graphs)
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not prompt_ids:
         raise UserError("--prompt is empty after tokenization; give at least one token of text")
@@ -110,30 +132,41 @@ def cmd_generate(args) -> int:
                              speculate=not args.no_speculate)
     except ValueError as error:
         raise UserError(str(error)) from error
-    if not args.json:
+    streaming = args.output_json != "-"  # the text on stdout, unless the JSON report goes there
+    if streaming:
         print(args.prompt, end="", flush=True)
     pieces = []
     for delta in stream:
         pieces.append(delta.text)
-        if not args.json:
+        if streaming:
             print(delta.text, end="", flush=True)
     text, result = "".join(pieces), stream.result
     stats = result.stats
     report = {"text": text, "num_tokens": len(result.tokens), "finish_reason": result.finish_reason,
-              "speculative": (args.heads is not None or bool(args.lookup)) and not args.no_speculate,
+              "speculative": (args.heads is not None or bool(args.lookup_num_tokens)) and not args.no_speculate,
               "alpha": stats.alpha,
               "tau": stats.tau, "tokens_per_s": stats.tokens_per_s, "steps": stats.steps,
               "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
               "fallback": stats.fallback, "fallback_reason": stats.fallback_reason,
               "lookup_accepted": stats.lookup_accepted}
-    if args.json:
-        print(json.dumps(report))
-    else:
+    if streaming:
         print()
         acceptance = f"alpha={stats.alpha:.3f} tau={stats.tau:.2f}" if stats.speculative_steps \
             else "no speculative step"  # alpha and tau measure drafts (serving/decode/stats.py)
         print(f"\n[{len(result.tokens)} tokens, finish={result.finish_reason}] {acceptance} "
               f"tokens/s={stats.tokens_per_s:.1f}", file=sys.stderr)
+    if args.output_json is not None:
+        write_json_report(args.output_json, report)
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    from specheads.train import format_recipes, resolve_recipe
+
+    if args.name is None:
+        print(format_recipes())
+    else:
+        print(resolve_recipe(args.name).read_text(), end="")
     return 0
 
 
@@ -148,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "recipes":
+            return cmd_recipes(args)
         if args.command == "tune":
             from specheads import tune_cli
 

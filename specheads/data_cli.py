@@ -4,8 +4,11 @@
         [--self-instruct-fraction F] [--self-instruct-temperature X]] [--context-from FILE [--context-fraction F]]
     specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
-                              [--device cuda [--cuda-graphs]]
-    specheads data cache --target T --data SOURCE --taps 2,5,8 --out DIR [--max-gb G] [--top-k K]
+                              [--device auto|cpu|cuda[:N]] [--enforce-eager]
+    specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
+
+--device defaults to auto (CUDA when torch sees a GPU, else the CPU); on a CUDA device
+regenerate replays its decode steps as CUDA graphs unless --enforce-eager.
 
 `add_parser(subparsers)` registers the "data" command on the top-level parser and
 `run(args)` executes it (the returned int is the exit status). Machinery is imported
@@ -18,8 +21,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specheads.errors import EXIT_USER_ERROR
-from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP
+from specheads.errors import EXIT_USER_ERROR, UserError
+from specheads.options import add_device_options, add_renamed_option, apply_device_options
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("prompts", help="write chat prompts built locally (data/chat_prompts.py) for regenerate")
     p.add_argument("--output", required=True, help="output .jsonl of {id, category, turns} records")
     p.add_argument("--num", type=int, default=6000, help="number of prompts (distinct first turns)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt mix (and of sampled self-instruct)")
     p.add_argument("--follow-up-fraction", type=float, default=0.5,
                    help="fraction of prompts with a second user turn (multi-turn replies)")
     p.add_argument("--third-turn-fraction", type=float, default=0.5,
@@ -51,7 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="question.jsonl whose turns must not appear (MT-bench is always checked); repeatable")
     p.add_argument("--batch-size", type=int, default=96, help="with --self-instruct: sequences per forward")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--device", default="cpu")
+    add_device_options(p, graphs=False)
 
     p = sub.add_parser("report", help="tokens, turns, distinct prompts and draft-vocab coverage of chat data")
     p.add_argument("--input", required=True, help="chat records (regenerate's output): .jsonl/.json/.parquet")
@@ -70,30 +74,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--batch-size", type=int, default=96,
                    help="records per resumable batch; their replies decode together, this many sequences per forward")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (rerun continues)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
-    p.add_argument("--trust-remote-code", action="store_true")
+    add_device_options(p)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
 
     p = sub.add_parser("cache", help="cache target hidden states + logits over packed blocks (safetensors shards)")
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)
-    p.add_argument("--data", required=True, help="data source, as in a recipe's data.source")
+    add_renamed_option(p, "--input", "--data", required=True, help="data source, as in a recipe's data.source")
     p.add_argument("--taps", required=True, help="comma-separated tap layers, e.g. 2,5,8")
-    p.add_argument("--out", required=True, help="output directory")
+    add_renamed_option(p, "--output", "--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--max-records", type=int, default=None)
+    p.add_argument("--text-field", default="text", help="the text field of plain-text records")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per packed block")
+    p.add_argument("--max-records", type=int, default=None, help="use only the first N records")
     p.add_argument("--top-k", type=int, default=-1, help="logits kept per position; 0 = full, -1 = auto by vocab")
     p.add_argument("--max-gb", type=float, default=50.0, help="refuse to start above this estimated size")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--blocks-per-shard", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8, help="blocks per target forward")
+    p.add_argument("--blocks-per-shard", type=int, default=256, help="blocks per safetensors shard")
     p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--trust-remote-code", action="store_true")
+    add_device_options(p, graphs=False)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     return parser
 
 
@@ -105,6 +108,8 @@ def _prompts(args) -> int:
         raise ValueError(f"--context-fraction must be in [0, 1], got {args.context_fraction}")
     if args.self_instruct and args.target is None:
         raise ValueError("--self-instruct needs --target (the model that writes the prompts)")
+    if args.self_instruct:
+        apply_device_options(args)
     num_context = round(args.num * args.context_fraction) if args.context_from else 0
     num_rest = args.num - num_context
     if not num_rest:
@@ -151,10 +156,9 @@ def _report(args) -> int:
 
 def _regenerate(args) -> int:
     from specheads.data.regenerate import regenerate
-    from specheads.runner import cuda_graphs_problem, resolve_target_name
+    from specheads.runner import resolve_target_name
 
-    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
-        raise ValueError(problem)
+    apply_device_options(args)
     progress = regenerate(resolve_target_name(args.target), args.input, args.output, tokenizer_path=args.tokenizer,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                           device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches,
@@ -173,15 +177,16 @@ def _cache(args) -> int:
         taps = [int(t) for t in args.taps.split(",") if t.strip()]
     except ValueError:
         raise ValueError(f"--taps: expected comma-separated layer numbers like 2,5,8, got {args.taps!r}") from None
+    apply_device_options(args)
     path = resolve_target_name(args.target)
     target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
                                            trust_remote_code=args.trust_remote_code)
-    records = load_records(args.data)[:args.max_records]
+    records = load_records(args.input)[:args.max_records]
     eos = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else None
-    blocks = build_blocks(args.data, records, args.text_field, args.seq_len, args.tokenizer or path,
+    blocks = build_blocks(args.input, records, args.text_field, args.seq_len, args.tokenizer or path,
                           eos_token_id=eos, vocab_size=target.vocab_size, trust_remote_code=args.trust_remote_code)
     print(f"cache data {blocks.report.summary()}")
-    manifest = write_cache(target, blocks, taps, args.out, top_k=args.top_k, batch_size=args.batch_size,
+    manifest = write_cache(target, blocks, taps, args.output, top_k=args.top_k, batch_size=args.batch_size,
                            blocks_per_shard=args.blocks_per_shard, max_gb=args.max_gb)
     print(f"feature cache: {manifest}")
     return 0
@@ -197,7 +202,7 @@ def run(args) -> int:
             return _regenerate(args)
         if args.data_command == "cache":
             return _cache(args)
-    except (ValueError, FileNotFoundError) as err:  # DataError is a ValueError
+    except (UserError, ValueError, FileNotFoundError) as err:  # DataError is a ValueError
         print(f"specheads data {args.data_command}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
     print(f"specheads data: unknown command {args.data_command!r}", file=sys.stderr)

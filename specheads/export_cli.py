@@ -1,9 +1,9 @@
 """`specheads export`: convert heads to the layouts other engines load, or import them back.
 
-    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa --out DIR
-    specheads export RUN_DIR --format merged --out DIR
-    specheads export HEADS_DIR --format llama.cpp --out DIR [--target T] [--llama-cpp SRC] [--outtype bf16]
-    specheads export --import FOREIGN_DIR --out DIR [--target MODEL_DIR_OR_HUB_ID]
+    specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa --output DIR
+    specheads export RUN_DIR --format merged --output DIR
+    specheads export HEADS_DIR --format llama.cpp --output DIR [--target T] [--llama-cpp SRC] [--outtype bf16]
+    specheads export --import FOREIGN_DIR --output DIR [--target MODEL_DIR_OR_HUB_ID]
 
 `--format merged` takes a LoRA run (train.output_dir of a recipe with a `lora` section) and
 writes DIR/target (base target + adapter merged, with its tokenizer) and DIR/heads (whose
@@ -26,6 +26,7 @@ heads/export.py for the formats.
 
 from __future__ import annotations
 
+from specheads.options import add_renamed_option
 from specheads.runner import TARGET_HELP, resolve_target_name
 
 FORMAT_CHOICES = ("eagle3", "medusa", "vllm-medusa", "merged", "llama.cpp")
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
                         "target + heads), llama.cpp (EAGLE-3 heads -> GGUF draft + target for llama-server)")
     p.add_argument("--import", dest="import_dir", metavar="FOREIGN_DIR",
                    help="read heads in a foreign layout (auto-detected) into a specheads heads directory")
-    p.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    add_renamed_option(p, "--output", "--out", required=True, help="output directory (replaced atomically)")
     p.add_argument("--target", help="with --import: the target the heads were trained on (needed when the heads "
                                     "do not record it); with --format llama.cpp: the target to convert (default: "
                                     f"the one the heads record): {TARGET_HELP}")
@@ -60,9 +61,9 @@ def run(args) -> int:
     if args.import_dir is not None:
         if args.heads_dir is not None or args.format is not None:
             raise ValueError("--import takes no HEADS_DIR or --format; use either "
-                             "`export HEADS_DIR --format F --out DIR` or `export --import FOREIGN_DIR --out DIR`")
+                             "`export HEADS_DIR --format F --output DIR` or `export --import FOREIGN_DIR --output DIR`")
         target = resolve_target_name(args.target) if args.target is not None else None
-        out = import_heads(args.import_dir, args.out, target=target)
+        out = import_heads(args.import_dir, args.output, target=target)
         print(f"imported {args.import_dir} -> {out}")
         return 0
     if args.heads_dir is None or args.format is None:
@@ -76,10 +77,10 @@ def run(args) -> int:
     if args.format == "merged":
         from specheads.heads.export import export_merged
 
-        out = export_merged(args.heads_dir, args.out)
+        out = export_merged(args.heads_dir, args.output)
         print(f"merged the LoRA run {args.heads_dir} -> {out}/target (model + tokenizer) and {out}/heads")
         return 0
-    out = export_heads(args.heads_dir, args.format, args.out)
+    out = export_heads(args.heads_dir, args.format, args.output)
     print(f"exported {args.heads_dir} as {args.format} -> {out}")
     return 0
 
@@ -96,7 +97,7 @@ def _export_llama_cpp(args) -> int:
                          f"{args.heads_dir!r} holds {config.kind} heads")
     target = check_target_dir(resolve_target_name(args.target or config.target.name_or_path))
     source = args.llama_cpp if args.llama_cpp is not None else pinned_source(default_cache_dir())
-    out = export_llama_cpp(args.heads_dir, args.out, target_dir=target, converter=find_converter(source),
+    out = export_llama_cpp(args.heads_dir, args.output, target_dir=target, converter=find_converter(source),
                            outtype=args.outtype, pre_tokenizer=args.pre_tokenizer, with_target=not args.no_target,
                            log=print)
     served = f"-m {out}/target.gguf " if not args.no_target else "-m TARGET.gguf "

@@ -4,6 +4,11 @@ tune, demo), and `load_decoder` builds a ready decoder on it. Embedded names (`e
 `embedded:smollm2`) and GGUF files are resolved first; heads are checked against the target
 before their weights are used.
 
+Where a command runs is decided here too, once for every command: `resolve_device` turns
+`--device` ("auto", the default: CUDA when torch sees a GPU, else the CPU) into a device, and
+`resolve_cuda_graphs` decides whether verify forwards replay CUDA graphs (on by default on a
+CUDA device, off with `--enforce-eager`).
+
 `specheads train` loads its target in training/trainer.py instead: DESIGN.md lets training/
 import heads and data but not this package, and under ZeRO-3 the load runs inside DeepSpeed's
 context. It resolves names through the same data/tiny_target.resolve_target."""
@@ -11,6 +16,8 @@ context. It resolves names through the same data/tiny_target.resolve_target."""
 from __future__ import annotations
 
 from typing import Sequence
+
+from specheads.errors import UserError
 
 # What every command's --target accepts (resolved by resolve_target_name).
 TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
@@ -57,15 +64,44 @@ def load_inference_target(name_or_path: str, *, heads: Sequence[str] = (), dtype
     return target
 
 
-CUDA_GRAPHS_HELP = ("capture each verify forward as a CUDA graph and replay it (serving/decode/graphs.py), with "
-                    "the tree-attention kernel; needs --device cuda")
+DEVICE_HELP = "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N"
+ENFORCE_EAGER_HELP = ("run every forward eagerly, as vLLM's --enforce-eager: no CUDA graphs (by default, on a CUDA "
+                      "device, the engine's forwards are captured once per shape and replayed, verifying with the "
+                      "tree-attention kernel: serving/decode/graphs.py)")
 
 
-def cuda_graphs_problem(device: str) -> str | None:
-    """What is wrong with --cuda-graphs on `device`, or None: checked before any model loads."""
-    if not device.startswith("cuda"):
-        return f"--cuda-graphs needs --device cuda (CUDA graphs record GPU work), got --device {device}"
-    return None
+def resolve_device(device: str = "auto") -> str:
+    """The device a command runs on, from its --device: "auto" is "cuda" when
+    torch.cuda.is_available(), else "cpu"; an explicit CUDA device must be one torch sees.
+    Checked before any model loads."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise UserError(f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from err
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__}, CUDA build "
+                            f"{torch.version.cuda}); use --device cpu, or auto")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise UserError(f"--device {device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def resolve_cuda_graphs(device: str, requested: bool | None = None) -> bool:
+    """Whether verify forwards replay CUDA graphs on `device` (a resolved one): by default
+    (None) on a CUDA device and off elsewhere; False (--enforce-eager) off; True (asked for
+    explicitly) on, which needs a CUDA device."""
+    on_cuda = device.startswith("cuda")
+    if requested is None:
+        return on_cuda
+    if requested and not on_cuda:
+        raise UserError(f"CUDA graphs need a CUDA device (they record GPU work), got --device {device}")
+    return requested
 
 
 def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", device: str = "cpu",
@@ -78,14 +114,14 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens.
     cuda_graphs: verify through captured CUDA graphs and the tree-attention kernel (a CUDA
     device only; on an H200 a SmolLM2-shaped forward went from 30 ms eager to 3.1 ms)."""
-    if cuda_graphs and (problem := cuda_graphs_problem(device)):
-        raise ValueError(problem)
+    if cuda_graphs and not str(device).startswith("cuda"):
+        raise ValueError(f"cuda_graphs needs a CUDA device (CUDA graphs record GPU work), got device {device!r}")
     from specheads.heads.heads_dir import load_heads
     from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
     from specheads.serving.decode.lookup import LookupConfig
 
     if lookup_num_tokens is not None and lookup_num_tokens < 0:
-        raise ValueError(f"--lookup must be >= 0 (0: off), got {lookup_num_tokens}")
+        raise ValueError(f"--lookup-num-tokens must be >= 0 (0: off), got {lookup_num_tokens}")
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens else None
     adapter, tokenizer = load_target_and_tokenizer(target, heads=[heads] if heads is not None else [], dtype=dtype,
                                                    device=device, trust_remote_code=trust_remote_code,

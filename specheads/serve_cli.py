@@ -1,13 +1,15 @@
 """`specheads serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     specheads serve --target T [--heads H] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                    [--max-concurrency N] [--max-queue N] [--max-model-len N]
+                    [--max-concurrency N] [--max-queue N] [--max-model-len N] [--lookup-num-tokens N]
+                    [--device auto|cpu|cuda[:N]] [--enforce-eager]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus).
 The server starts listening at once and loads the model in the background (/health
 answers 503 until it is ready). Ctrl-C / SIGTERM drains: in-flight requests finish (up to
 --graceful-timeout seconds), new ones get 503. How requests are validated, scheduled and
-answered: serving/server/app.py.
+answered: serving/server/app.py. On a CUDA device (the default when torch sees a GPU) every
+verify forward replays a CUDA graph with the tree-attention kernel, unless --enforce-eager.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import os
 
 from specheads.errors import UserError
-from specheads.runner import CUDA_GRAPHS_HELP, DTYPE_HELP, TARGET_HELP
+from specheads.options import add_device_options, add_lookup_option, apply_device_options
+from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> None:
@@ -23,11 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)
     p.add_argument("--heads", help="heads directory; omit to serve with plain decoding")
-    p.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="also draft up to N tokens by n-gram lookup in the context (0: off; "
-                        "default: what `specheads tune` stored in the heads directory)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    add_lookup_option(p, old="--lookup")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $SPECHEADS_API_KEY, else no auth)")
@@ -44,16 +45,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the tokenizer's; without one, specheads' documented fallback)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--device", default="cpu")
+    add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's); 1 avoids oversubscription on a shared machine")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--cuda-graphs", action="store_true", help=CUDA_GRAPHS_HELP)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's and the server's log level")
 
 
 def run(args) -> int:
-    from specheads.runner import cuda_graphs_problem, load_decoder
+    from specheads.runner import load_decoder
     from specheads.serving.server.server import serve
     from specheads.serving.server.state import ServeConfig
 
@@ -72,11 +73,10 @@ def run(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECHEADS_API_KEY") or None
     for flag, value, minimum in (("--max-concurrency", args.max_concurrency, 1), ("--max-queue", args.max_queue, 0),
                                  ("--max-model-len", args.max_model_len, 2), ("--max-body-bytes", args.max_body_bytes, 1),
-                                 ("--lookup", args.lookup, 0)):
+                                 ("--lookup-num-tokens", args.lookup_num_tokens, 0)):
         if value is not None and value < minimum:
             raise UserError(f"{flag} must be >= {minimum}, got {value}")
-    if args.cuda_graphs and (problem := cuda_graphs_problem(args.device)):
-        raise UserError(problem)
+    apply_device_options(args)
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             raise UserError(f"--torch-threads must be >= 1, got {args.torch_threads}")
@@ -94,7 +94,7 @@ def run(args) -> int:
     def loader():
         decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
                                           trust_remote_code=args.trust_remote_code, progress=False,
-                                          lookup_num_tokens=args.lookup, cuda_graphs=args.cuda_graphs)
+                                          lookup_num_tokens=args.lookup_num_tokens, cuda_graphs=args.cuda_graphs)
         if chat_template is None:
             # The same documented fallback that training renders chats with (data/chat.py),
             # so chat requests to a template-less target see the format the heads were trained on.

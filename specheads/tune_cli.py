@@ -2,20 +2,22 @@
 
     specheads tune --target T --heads H [--prompts FILE.jsonl] [--max-new-tokens N] [--budget-s S]
                    [--max-settings N] [--depths 1,2,3] [--node-budgets 4,8,16] [--lookup-num-tokens N]
-                   [--json OUT]
+                   [--output-json PATH|-] [--device auto|cpu|cuda[:N]]
 
 Prompts are Spec-Bench `question.jsonl` records (default: the shipped bench set). The
 winner goes into HEADS/config.json's `tree` (used by generate, serve and bench by
 default) and the whole sweep into HEADS/tuning.json. The winner is then measured with and
 without n-gram lookup drafts (--lookup-num-tokens, 0: skip); lookup is stored when faster. How settings are chosen and
-measured: bench/tune.py.
+measured: bench/tune.py. Trees are measured eagerly (no CUDA graphs), on --device (default
+auto: CUDA when torch sees a GPU, else the CPU).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
+from specheads.options import (add_device_options, add_lookup_option, add_output_json_option, apply_device_options,
+                               human_output, write_json_report)
 from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
@@ -26,17 +28,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--heads", required=True, help="heads directory to tune (its config.json tree is replaced)")
     p.add_argument("--prompts", help="Spec-Bench question.jsonl (default: the shipped bench set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt and tree")
     p.add_argument("--budget-s", type=float, default=120.0, help="measurement time budget in seconds")
     p.add_argument("--max-settings", type=int, default=16, help="most tree settings measured")
     p.add_argument("--depths", help="depth limits to sweep, e.g. 1,2,3 (default: 1..heads' depth)")
     p.add_argument("--node-budgets", help="draft-node budgets to sweep, e.g. 4,8,16")
-    p.add_argument("--lookup-num-tokens", type=int, default=10,
-                   help="also measure the winner with n-gram lookup drafts of N tokens and store lookup when it "
-                        "is faster (0: skip)")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="also write the sweep report here")
+    add_lookup_option(p, 10, "also measure the winner with n-gram lookup drafts of N tokens and store lookup when it "
+                             "is faster (0: skip)")
+    add_output_json_option(p, old_json="path")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--device", default="cpu")
+    add_device_options(p, graphs=False)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -55,6 +56,7 @@ def run(args) -> int:
     depths = int_list(args.depths, "--depths", "1,2,3") if args.depths else None
     budgets = tuple(int_list(args.node_budgets, "--node-budgets", "4,8,16")) if args.node_budgets else NODE_BUDGETS
     prompts = load_prompts(args.prompts, limit=args.limit)  # a bad file fails before any model loads
+    apply_device_options(args)
 
     from specheads.bench.tune import format_tuning, tune_heads_dir
     from specheads.heads.heads_dir import read_heads_config
@@ -68,11 +70,9 @@ def run(args) -> int:
                             eos_token_id=tokenizer.eos_token_id, max_settings=args.max_settings, depths=depths,
                             node_budgets=budgets, progress=not args.quiet, lookup_num_tokens=args.lookup_num_tokens,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(format_tuning(report))
+    print(format_tuning(report), file=human_output(args))
     print(f"\nstored tree {report['winner']!r} in {args.heads}/config.json (sweep: {args.heads}/tuning.json)",
           file=sys.stderr)
-    if args.json_out:
-        from specheads.heads import atomic
-
-        atomic.write_text(args.json_out, json.dumps(report, indent=2) + "\n")
+    if args.output_json:
+        write_json_report(args.output_json, report)
     return 0

@@ -132,7 +132,7 @@ def test_cli_generate_matches_hf_and_reports_metrics(embedded, embedded_target_d
     prompt = "def join(a, *p):\n    "
     # fp32, the exact mode (the default "auto" is bf16 on a CPU with native bf16).
     proc = run_cli("generate", "--target", str(embedded_target_dir), "--heads", str(trained_heads_dir),
-                   "--prompt", prompt, "--max-new-tokens", "32", "--json", "--dtype", "float32")
+                   "--prompt", prompt, "--max-new-tokens", "32", "--output-json", "-", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -148,7 +148,7 @@ def test_cli_generate_matches_hf_and_reports_metrics(embedded, embedded_target_d
     # Prompt lookup without heads: the same text, drafted from the prompt's own n-grams.
     repeated = prompt * 4
     looked_up = run_cli("generate", "--target", str(embedded_target_dir), "--prompt", repeated, "--max-new-tokens",
-                        "32", "--lookup", "8", "--json", "--dtype", "float32")
+                        "32", "--lookup-num-tokens", "8", "--output-json", "-", "--dtype", "float32")
     assert looked_up.returncode == 0, looked_up.stderr
     report = json.loads(looked_up.stdout)
     ids = tokenizer(repeated, add_special_tokens=False)["input_ids"]
@@ -197,7 +197,7 @@ def test_demo_trains_tunes_and_benches_both_heads(embedded_target_dir, tmp_path,
                         "BENCH_LIMIT": 3}.items():
         monkeypatch.setattr(demo, name, value)
     args = argparse.Namespace(target="embedded:tiny", workdir=str(tmp_path / "demo"), recipe=None,
-                              max_new_tokens=16, retrain=False,
+                              max_new_tokens=16, retrain=False, device="auto", cuda_graphs=None,
                               overrides=["train.steps=8", "train.zero_stage=0", "train.save_every=1000",
                                          "calibrate.eval_batches=1", "data.seq_len=128"])
     assert demo.run_demo(args) == 0
@@ -232,7 +232,7 @@ def test_the_real_model_demo_trains_tunes_and_benches(tmp_path, monkeypatch, cap
     monkeypatch.setattr(demo, "REAL_BENCH_PROMPTS", 2)
     monkeypatch.setattr(demo, "REAL_TUNE_BUDGET_S", 3.0)
     args = argparse.Namespace(target="embedded:smollm2", workdir=str(tmp_path / "demo"), recipe=None,
-                              max_new_tokens=12, retrain=False, overrides=[])
+                              max_new_tokens=12, retrain=False, overrides=[], device="auto", cuda_graphs=None)
     assert demo.run_demo(args) == 0
     out = capsys.readouterr().out
     assert "engine-eagle3[tuned," in out and "hf-prompt-lookup" in out

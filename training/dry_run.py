@@ -8,10 +8,13 @@ real run would use, and returns 0.
 The target's config comes from, in order: the embedded targets' (`embedded:tiny`: its
 cached build, else its spec; `embedded:smollm2`: its cached conversion, else the shipped
 config), a GGUF file's metadata (a `.gguf` target or a directory holding exactly one), a
-local directory with config.json, a local .json file,
-or the config shipped for a known hub id in `recipes/configs/<name>.json` (`<name>` is the
-hub id's last part, lower-cased: meta-llama/Llama-3.1-8B-Instruct ->
-llama-3.1-8b-instruct.json). Any other hub id is an error: a dry run never goes online.
+local directory with config.json, a local .json file, a hub id's config.json through
+huggingface_hub (the local HF cache first; online, that one small file is downloaded into
+it; never the weights), or, when the hub cannot give it (offline: HF_HUB_OFFLINE, no
+network; a gated repo without a token), the config shipped for a known hub id in
+`recipes/configs/<name>.json` (`<name>` is the hub id's last part, lower-cased:
+meta-llama/Llama-3.1-8B-Instruct -> llama-3.1-8b-instruct.json), which the output names
+along with why the hub could not be used. Any other hub id is an error saying why, in one line.
 
 World size for the estimate: `--world-size N`, else WORLD_SIZE from the environment, else
 the `--num_gpus G [--num_nodes M]` of the recipe's launch line (its first comment, G x M),
@@ -79,7 +82,7 @@ def _configs_dir() -> Path:
 
 
 def load_target_config(name_or_path: str, trust_remote_code: bool = False):
-    """-> (transformers config, where it came from). Never downloads anything."""
+    """-> (transformers config, where it came from). Never downloads weights."""
     from transformers import AutoConfig
 
     if name_or_path.startswith("embedded:"):
@@ -94,13 +97,43 @@ def load_target_config(name_or_path: str, trust_remote_code: bool = False):
         return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code), str(path / "config.json")
     if path.is_file() and path.suffix == ".json":
         return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code), str(path)
+    hub_config, why_not = hub_config_file(name_or_path)
+    if hub_config is not None:
+        return (AutoConfig.from_pretrained(str(hub_config.parent), trust_remote_code=trust_remote_code),
+                f"{hub_config} (the hub's {name_or_path})")
     shipped = shipped_config_path(name_or_path)
     if shipped.is_file():
-        return AutoConfig.from_pretrained(str(shipped), trust_remote_code=trust_remote_code), str(shipped)
+        return (AutoConfig.from_pretrained(str(shipped), trust_remote_code=trust_remote_code),
+                f"{shipped} (the copy shipped with specheads: {why_not})")
     known = sorted(p.stem for p in _configs_dir().glob("*.json"))
-    raise FileNotFoundError(f"target {name_or_path!r}: a dry run reads config.json locally and never downloads; "
-                            f"no local directory of that name and no shipped config {shipped.name} "
-                            f"(shipped: {known}). Pass a local model directory or save its config.json there.")
+    raise FileNotFoundError(f"target {name_or_path!r}: no local directory of that name, and its config.json {why_not}; "
+                            f"no shipped config {shipped.name} either (shipped: {', '.join(known)}). Pass a local "
+                            "model directory, or run the dry run once where the hub is reachable.")
+
+
+def hub_config_file(repo_id: str) -> tuple[Path | None, str]:
+    """(the hub model's config.json in the local HF cache, fetched into it when online; or
+    None and why not, as words that follow "its config.json")."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HFValidationError, HfHubHTTPError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError)
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json")), ""
+    except HFValidationError:
+        return None, "cannot come from the hub: it is not a hub id (org/name)"
+    except LocalEntryNotFoundError:  # before EntryNotFoundError: it is one
+        if constants.HF_HUB_OFFLINE:
+            return None, "is not in the local HF cache and the hub is off (HF_HUB_OFFLINE is set)"
+        return None, "is not in the local HF cache and the hub could not be reached (no network?)"
+    except GatedRepoError:
+        return None, "is gated on the hub: log in (`hf auth login`) with an account that has access"
+    except RepositoryNotFoundError:
+        return None, "cannot come from the hub: no such model there (or it is private: log in)"
+    except EntryNotFoundError:
+        return None, "is not in the hub repo"
+    except HfHubHTTPError as err:
+        return None, f"could not be fetched from the hub ({str(err).splitlines()[0]})"
 
 
 def _embedded_config(name: str):

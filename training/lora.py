@@ -19,7 +19,7 @@ to the original, at no extra cost. A KL term would need a second, adapter-disabl
 forward per micro step (about 1.5x the step's compute) for a small difference on
 self-distilled data. On data that is not self-distilled, CE moves the target towards that
 data: this mode changes the target's outputs by design, and the result is served as the
-merged target (`specheads export RUN_DIR --format merged --out DIR`).
+merged target (`specheads export RUN_DIR --format merged --output DIR`).
 
 The heads see the adapted target's hidden states with gradient, so their loss also trains
 the adapter (as in Medusa-2); the teacher logits are detached so the heads loss cannot pull
@@ -190,7 +190,7 @@ class LoraJoint(OnlineTarget):
     def finish(self, config: HeadsConfig, output_dir: Path, log) -> HeadsConfig:
         """Write `<output_dir>/adapter`; the heads record the target as "<base>+lora:<adapter>"."""
         directory = save_adapter(self.peft_model, Path(output_dir) / ADAPTER_SUBDIR, self.base)
-        log(f"wrote {directory} (serve the merged target: specheads export {output_dir} --format merged --out DIR)")
+        log(f"wrote {directory} (serve the merged target: specheads export {output_dir} --format merged --output DIR)")
         name = f"{config.target.name_or_path}+lora:{directory.resolve()}"
         return dataclasses.replace(config, target=dataclasses.replace(config.target, name_or_path=name))
 

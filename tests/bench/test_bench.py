@@ -117,8 +117,9 @@ def test_run_bench_python_api(bench_setup, tmp_path):
 
 
 def test_run_bench_cuda_graphs_path_is_lossless(bench_setup):
-    """--cuda-graphs builds every engine method on the graph path (static cache, kernel verify);
-    "eager" runs that path uncaptured on a CPU, and fp32 stays token-identical to HF greedy."""
+    """CUDA graphs (bench on a CUDA device) build every engine method on the graph path (static
+    cache, kernel verify); "eager" runs that path uncaptured on a CPU, and fp32 stays
+    token-identical to HF greedy."""
     from specheads.bench.harness import make_methods
 
     _, heads_dir, target = bench_setup
@@ -148,7 +149,7 @@ def test_bench_cli_json(bench_setup, tmp_path, capsys):
     bench_cli.add_parser(parser.add_subparsers(dest="command"))
     out = tmp_path / "report.json"
     args = parser.parse_args(["bench", "--target", str(target_dir), "--heads", str(heads_dir), "--prompts",
-                              str(prompts), "--max-new-tokens", "6", "--tree-nodes", "3", "--json", str(out),
+                              str(prompts), "--max-new-tokens", "6", "--tree-nodes", "3", "--output-json", str(out),
                               "--plot", str(tmp_path / "p.png"), "--no-warmup", "--dtype", "float32"])
     assert bench_cli.run(args) == 0  # fp32, the exact mode: identity to HF greedy is the claim (bf16 gives near-ties)
     assert "| hf-greedy |" in capsys.readouterr().out
@@ -197,7 +198,7 @@ def test_bench_cli_several_heads_side_by_side_with_tuning(bench_setup, tmp_path,
     out = tmp_path / "report.json"
     for heads_args in (["--heads", str(heads_dir), "--heads", str(second)], ["--heads", f"{heads_dir},{second}"]):
         args = parser.parse_args(["bench", "--target", str(target_dir), *heads_args, "--prompts", str(prompts),
-                                  "--max-new-tokens", "5", "--json", str(out), "--plot", str(tmp_path / "p.png"),
+                                  "--max-new-tokens", "5", "--output-json", str(out), "--plot", str(tmp_path / "p.png"),
                                   "--no-warmup", "--prompt-lookup-num-tokens", "0", "--lookup-num-tokens", "0",
                                   "--no-fallback"])
         assert bench_cli.run(args) == 0

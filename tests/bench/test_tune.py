@@ -135,7 +135,7 @@ def test_tuned_lookup_is_stored_and_used_by_default(tmp_path):
     assert load_decoder(str(target_dir), str(heads_dir), progress=False,
                         lookup_num_tokens=3)[0].lookup == LookupConfig(num_tokens=3)
     assert load_decoder(str(target_dir), None, progress=False, lookup_num_tokens=4)[0].lookup.num_tokens == 4
-    with pytest.raises(ValueError, match="--lookup must be >= 0"):
+    with pytest.raises(ValueError, match="--lookup-num-tokens must be >= 0"):
         load_decoder(str(target_dir), str(heads_dir), progress=False, lookup_num_tokens=-1)
 
 
@@ -180,7 +180,7 @@ def test_tune_cli(setup, tmp_path, capsys):
     tune_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["tune", "--target", str(target_dir), "--heads", str(heads_dir), "--prompts",
                               str(prompts), "--max-new-tokens", "6", "--budget-s", "20", "--depths", "1,2",
-                              "--node-budgets", "3", "--json", str(tmp_path / "t.json"), "--quiet"])
+                              "--node-budgets", "3", "--output-json", str(tmp_path / "t.json"), "--quiet"])
     assert tune_cli.run(args) == 0
     out = capsys.readouterr().out
     assert "(chosen)" in out

@@ -340,8 +340,8 @@ def test_regenerate_cli_and_its_user_errors(chat_tok, target_512, tmp_path, caps
     argv[argv.index(str(output))] = str(foreign)
     assert data_cli.run(parser.parse_args(argv)) == 2
     assert "exists without foreign.jsonl.progress.json" in capsys.readouterr().err
-    assert data_cli.run(parser.parse_args(argv + ["--cuda-graphs"])) == 2
-    assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err
+    assert data_cli.run(parser.parse_args(argv + ["--device", "cuda:7"])) == 2  # checked before any model loads
+    assert "--device cuda:7: torch sees" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- feature cache
@@ -405,8 +405,8 @@ def test_cache_cli_prints_the_estimate_and_refuses_over_the_limit(chat_tok, targ
     parser = argparse.ArgumentParser(prog="specheads")
     data_cli.add_parser(parser.add_subparsers(dest="command"))
     source = write_jsonl(tmp_path / "chat.jsonl", [openai(CHATS[i % 3]) for i in range(4)])
-    argv = ["data", "cache", "--target", str(target_512), "--data", str(source), "--taps", "0,2",
-            "--out", str(tmp_path / "cache"), "--tokenizer", str(chat_tok), "--seq-len", "32"]
+    argv = ["data", "cache", "--target", str(target_512), "--input", str(source), "--taps", "0,2",
+            "--output", str(tmp_path / "cache"), "--tokenizer", str(chat_tok), "--seq-len", "32"]
     assert data_cli.run(parser.parse_args(argv + ["--max-gb", "1e-9"])) == 2
     captured = capsys.readouterr()
     assert "feature cache:" in captured.out and "over the limit" in captured.err

@@ -270,13 +270,13 @@ def run_cli(argv):
 
 def test_cli_export_and_import(tmp_path, capsys):
     make_medusa_dir(tmp_path / "heads")
-    assert run_cli(["export", str(tmp_path / "heads"), "--format", "medusa", "--out", str(tmp_path / "m")]) == 0
+    assert run_cli(["export", str(tmp_path / "heads"), "--format", "medusa", "--output", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "medusa_lm_head.safetensors").is_file()
-    assert run_cli(["export", "--import", str(tmp_path / "m"), "--out", str(tmp_path / "back")]) == 0
+    assert run_cli(["export", "--import", str(tmp_path / "m"), "--output", str(tmp_path / "back")]) == 0
     assert "imported" in capsys.readouterr().out
     assert read_config(tmp_path / "back") == read_config(tmp_path / "heads")
     with pytest.raises(ValueError, match="--format"):
-        run_cli(["export", str(tmp_path / "heads"), "--out", str(tmp_path / "x")])
+        run_cli(["export", str(tmp_path / "heads"), "--output", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="only used with --import"):
-        run_cli(["export", str(tmp_path / "heads"), "--format", "medusa", "--out", str(tmp_path / "x"),
+        run_cli(["export", str(tmp_path / "heads"), "--format", "medusa", "--output", str(tmp_path / "x"),
                  "--target", "t"])

@@ -138,19 +138,19 @@ def test_cli_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
     from test_export import make_medusa_dir
 
     make_medusa_dir(tmp_path / "medusa")
-    assert run_cli(["export", str(tmp_path / "medusa"), "--format", "llama.cpp", "--out", str(tmp_path / "o")]) == 2
+    assert run_cli(["export", str(tmp_path / "medusa"), "--format", "llama.cpp", "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "EAGLE-3" in err and "medusa" in err
     write_eagle3_heads(tmp_path / "heads", tiny_target_dir)
     capsys.readouterr()
-    argv = ["export", str(tmp_path / "heads"), "--format", "llama.cpp", "--out", str(tmp_path / "o"),
+    argv = ["export", str(tmp_path / "heads"), "--format", "llama.cpp", "--output", str(tmp_path / "o"),
             "--target", str(tiny_target_dir)]
     assert run_cli(argv + ["--llama-cpp", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "does not exist" in err
     assert run_cli(argv + ["--llama-cpp", str(fake_llama_cpp(tmp_path / "old", knows_eagle3=False))]) == 2
     assert "too old" in capsys.readouterr().err
-    assert run_cli(["export", str(tmp_path / "heads"), "--format", "llama.cpp", "--out", str(tmp_path / "o"),
+    assert run_cli(["export", str(tmp_path / "heads"), "--format", "llama.cpp", "--output", str(tmp_path / "o"),
                     "--target", str(tmp_path / "no-such-dir"), "--llama-cpp", str(tmp_path / "old")]) == 2
     assert "local HF directory" in capsys.readouterr().err
 
@@ -158,5 +158,5 @@ def test_cli_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
 def test_parser_lists_the_format():
     parser = argparse.ArgumentParser(prog="specheads")
     export_cli.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["export", "h", "--format", "llama.cpp", "--out", "o"])
+    args = parser.parse_args(["export", "h", "--format", "llama.cpp", "--output", "o"])
     assert (args.format, args.outtype, args.no_target) == ("llama.cpp", "bf16", False)

@@ -270,7 +270,7 @@ def test_generate_cli_takes_a_gguf_target_and_reports_a_bad_one_in_one_line(sour
     from specheads.cli import main
 
     assert main(["generate", "--target", str(source[2]), "--prompt", "def resolve", "--max-new-tokens", "4",
-                 "--json"]) == 0
+                 "--output-json", "-"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_tokens"] == 4
     assert main(["generate", "--target", str(_not_gguf(source, tmp_path)), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -149,10 +149,10 @@ def test_merged_export_decodes_losslessly_against_the_merged_target(lora_run, ta
 def test_merged_export_through_the_cli_and_of_a_non_lora_run(lora_run, tmp_path, capsys):
     from specheads.cli import main as cli_main
 
-    assert cli_main(["export", str(lora_run), "--format", "merged", "--out", str(tmp_path / "m")]) == 0
+    assert cli_main(["export", str(lora_run), "--format", "merged", "--output", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "heads" / "model.safetensors").is_file()
     (tmp_path / "plain" / "heads").mkdir(parents=True)
-    assert cli_main(["export", str(tmp_path / "plain"), "--format", "merged", "--out", str(tmp_path / "n")]) != 0
+    assert cli_main(["export", str(tmp_path / "plain"), "--format", "merged", "--output", str(tmp_path / "n")]) != 0
     assert "is not a LoRA training run" in capsys.readouterr().err
 
 

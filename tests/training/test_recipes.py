@@ -197,13 +197,45 @@ def test_eagle3_heads_use_the_default_taps_and_draft_vocab(capsys):
     assert "taps [2, 16, 29]" in head and "draft vocab 32000" in head
 
 
-def test_unknown_hub_id_fails_without_downloading(capsys, tmp_path):
+def test_unknown_hub_id_offline_fails_in_one_line_saying_so(capsys, tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("# deepspeed --num_gpus 8 --module specheads.train recipes/recipe.yaml\n"
                     "target:\n  name_or_path: some-org/not-shipped-7B\n")
     assert train_main([str(path), "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert "never downloads" in err and "not-shipped-7b.json" in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not in the local HF cache and the hub is off (HF_HUB_OFFLINE is set)" in err[0], err
+    assert "not-shipped-7b.json" in err[0]
+
+
+def test_offline_hub_id_uses_the_shipped_config_and_says_why(capsys):
+    head, _ = dry_run(capsys, RECIPES_DIR / "eagle3-llama-3.1-8b-instruct.yaml")
+    assert "llama-3.1-8b-instruct.json (the copy shipped with specheads: is not in the local HF cache and the hub " \
+           "is off (HF_HUB_OFFLINE is set))" in head
+
+
+def test_hub_id_dry_runs_from_the_local_hf_cache(tmp_path, tiny_llama_dir):
+    """HF_HOME's cache, laid out as huggingface_hub writes it (refs/main -> snapshots/<rev>),
+    offline: the dry run reads the hub id's config.json from there, in its own process so that
+    huggingface_hub reads HF_HOME and HF_HUB_OFFLINE as a user's shell sets them."""
+    import os
+    import subprocess
+    import sys
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-llama"
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("target:\n  name_or_path: acme/tiny-llama\nheads:\n  kind: medusa\n  num_heads: 2\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "WORLD_SIZE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "specheads", "train", str(recipe), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"config: {repo / 'snapshots' / revision / 'config.json'} (the hub's acme/tiny-llama)" in proc.stdout
+    assert counts(proc.stdout)[1] == 2 * (64 * 64 + 64 + 256 * 64)  # the cached config's shapes: K x (block; lm_head)
 
 
 def test_local_target_directory_dry_runs(capsys, tmp_path, tiny_llama_dir):

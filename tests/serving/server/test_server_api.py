@@ -66,7 +66,7 @@ def cli_generate_text(target_dir, heads_dir, prompt: str, max_new_tokens: int) -
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         assert cli_main(["generate", "--target", str(target_dir), "--heads", str(heads_dir), "--prompt", prompt,
-                         "--max-new-tokens", str(max_new_tokens), "--json", "--dtype", "float32"]) == 0
+                         "--max-new-tokens", str(max_new_tokens), "--output-json", "-", "--dtype", "float32"]) == 0
     return json.loads(buffer.getvalue().strip().splitlines()[-1])
 
 
@@ -239,7 +239,7 @@ def test_metrics_route_speaks_prometheus(server, client):
 
 
 def test_lookup_only_server_is_lossless_and_counts_lookup_tokens(tiny_setup):  # noqa: F811
-    """`specheads serve --lookup N` without heads: prompt-lookup decoding on the engine."""
+    """`specheads serve --lookup-num-tokens N` without heads: prompt-lookup decoding on the engine."""
     target_dir, _ = tiny_setup
     prompt = "def f(x):\n" * 4  # this seeded target repeats part of it: a lookup chain gets accepted
     with running_server(target_dir, None, lookup_num_tokens=8) as server:

@@ -62,8 +62,8 @@ def test_serve_rejects_bad_flags(capsys):
 
     assert main(["serve", "--target", "x", "--max-concurrency", "0"]) == 2
     assert "--max-concurrency must be >= 1" in capsys.readouterr().err
-    assert main(["serve", "--target", "x", "--lookup", "-1"]) == 2
-    assert "--lookup must be >= 0" in capsys.readouterr().err
+    assert main(["serve", "--target", "x", "--lookup-num-tokens", "-1"]) == 2
+    assert "--lookup-num-tokens must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--target", "x", "--heads", "/no/such/dir"]) == 2
     assert "--heads" in capsys.readouterr().err
 
