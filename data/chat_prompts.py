@@ -180,7 +180,7 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
 def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int, *, batch_size: int | None = None,
                         seed: int = 0, dtype: str = "auto", self_instruct_fraction: float = 0.0,
                         self_instruct_temperature: float = 0.0, cache_dir: str | Path | None = None,
-                        device: str = "cpu", log=print) -> Path:
+                        device: str = "cpu", thinking: str = "default", log=print) -> Path:
     """The `embedded:chat` data of a target: `num_prompts` prompts (build_prompts; with
     self_instruct_fraction > 0 up to that share written by the target itself, greedily or
     sampled at self_instruct_temperature: data/self_instruct.py) with the target's own greedy
@@ -188,7 +188,8 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     OpenAI-messages JSON lines in the specheads cache;
     generated on first use, resumed if interrupted, then reused.
     On a CUDA device the replies decode from CUDA graphs, 512 sequences per forward (default
-    batch_size; 96 on a CPU): on an H200 that made SmolLM2's replies at about 12,500 tok/s."""
+    batch_size; 96 on a CPU): on an H200 that made SmolLM2's replies at about 12,500 tok/s.
+    thinking: the chat template's thinking mode the replies are generated in (data/chat.py)."""
     from specheads.data.regenerate import _target_fingerprint, regenerate
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads import atomic
@@ -202,6 +203,8 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
                 "max_new_tokens": max_new_tokens, "seed": seed, "dtype": resolved,
                 "self_instruct_fraction": self_instruct_fraction,
                 "self_instruct_temperature": self_instruct_temperature}
+    if thinking != "default":  # keyed only when set, so that data cached before the option stays valid
+        settings["thinking"] = thinking
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     directory = Path(cache_dir or default_cache_dir()) / "chat" / f"{Path(target_path).name}-{key}"
     replies, done = directory / "replies.jsonl", directory / "done.json"
@@ -221,27 +224,29 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
             log(f"{EMBEDDED_CHAT}: the target replies to {num_prompts} prompts (once; cached in {directory})")
             progress = regenerate(target_path, str(prompts), str(replies), batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, dtype=resolved, device=device,
-                                  cuda_graphs="capture" if on_gpu else None, log=log)
+                                  cuda_graphs="capture" if on_gpu else None, log=log, thinking=thinking)
             atomic.write_json(done, {**settings, "summary": progress.summary()})
     return replies
 
 
 def report_chat_data(path: str | Path, tokenizer_path: str, draft_vocab_size: int | None = None,
-                     eval_paths: list[str | Path] = ()) -> dict:
+                     eval_paths: list[str | Path] = (), thinking: str = "default") -> dict:
     """What a file of chat records (regenerate's output) holds: conversations, reply tokens (the
     tokens under the assistant loss mask, as training counts them: data/chat.py), conversations by
     number of replies, distinct first prompts (after normalize), and, given draft_vocab_size and
     evaluation files, the share of the evaluation replies' tokens the draft vocabulary covers (the
-    draft_vocab_size most frequent training reply tokens plus EOS: heads/draft_vocab.py)."""
+    draft_vocab_size most frequent training reply tokens plus EOS: heads/draft_vocab.py).
+    thinking: the chat template's thinking mode, as training renders the records (data/chat.py)."""
     import torch
 
-    from specheads.data.chat import ensure_chat_template
+    from specheads.data.chat import ensure_chat_template, thinking_kwargs
     from specheads.data.text import load_records, load_tokenizer
     from specheads.heads.draft_vocab import build_draft_vocab
 
     tokenizer = load_tokenizer(tokenizer_path)
     ensure_chat_template(tokenizer)
-    ids, replies, firsts, skipped = _reply_tokens(load_records(str(path)), tokenizer)
+    template_kwargs = thinking_kwargs(tokenizer, thinking)
+    ids, replies, firsts, skipped = _reply_tokens(load_records(str(path)), tokenizer, template_kwargs)
     report = {"conversations": len(replies), "reply_tokens": len(ids), "replies": sum(replies),
               "conversations_by_replies": dict(sorted(Counter(replies).items())),
               "distinct_first_prompts": len(firsts), "skipped": dict(skipped)}
@@ -249,25 +254,30 @@ def report_chat_data(path: str | Path, tokenizer_path: str, draft_vocab_size: in
         vocab_size = max(len(tokenizer), max(ids, default=0) + 1)
         counts_V = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)
         _, t2d_V = build_draft_vocab(counts_V, draft_vocab_size, [tokenizer.eos_token_id])
-        eval_ids = [t for p in eval_paths for t in _reply_tokens(load_records(str(p)), tokenizer)[0]]
+        eval_ids = [t for p in eval_paths for t in _reply_tokens(load_records(str(p)), tokenizer, template_kwargs)[0]]
         covered = sum(bool(t2d_V[t]) for t in eval_ids if t < vocab_size)
         report.update(draft_vocab_size=draft_vocab_size, eval_reply_tokens=len(eval_ids),
                       eval_coverage=covered / max(len(eval_ids), 1))
     return report
 
 
-def _reply_tokens(records: list, tokenizer) -> tuple[list[int], list[int], set[str], Counter]:
+def _reply_tokens(records: list, tokenizer, template_kwargs: dict | None = None,
+                  ) -> tuple[list[int], list[int], set[str], Counter]:
     """-> (reply token ids of every record, replies per chat record, normalized first user turns,
     skipped counts by reason). Text and token records count every token as a reply token."""
-    from specheads.data.chat import tokenize_conversation
+    from specheads.data.chat import TemplateError, tokenize_conversation
     from specheads.data.records import Conversation, normalize_record
 
     ids, replies, firsts, skipped = [], [], set(), Counter()
     for record in records:
         document, reason = normalize_record(record)
         if isinstance(document, Conversation):
-            tokens, mask = tokenize_conversation(tokenizer, document)
-            ids += [t for t, keep in zip(tokens, mask) if keep]
+            try:
+                chat = tokenize_conversation(tokenizer, document, template_kwargs)
+            except TemplateError as err:
+                skipped[str(err)] += 1
+                continue
+            ids += [t for tokens, mask in chat.sequences for t, keep in zip(tokens, mask) if keep]
             messages = document.to_list()
             replies.append(sum(m["role"] == "assistant" for m in messages))
             first_user = next((m["content"] for m in messages if m["role"] == "user"), None)

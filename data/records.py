@@ -2,7 +2,9 @@
 
 Accepted shapes (checked in this order, per record, so one file may mix them):
   - ShareGPT: `conversations`, a list of {"from", "value"}; `from` in human/user, gpt/assistant, system;
-  - OpenAI:   `messages`, a list of {"role", "content"}; `role` in user, assistant, system;
+  - OpenAI:   `messages`, a list of {"role", "content"}; `role` in user, assistant, system; an
+              assistant turn may carry its reasoning as `reasoning_content` (a string; null or
+              "" = none), as vLLM, DeepSeek and Qwen3's template name it;
   - text:     a string in the text field (`DataConfig.text_field`, "text" by default);
   - tokens:   `input_ids`, a list of token ids (pre-tokenized; needs no tokenizer).
 
@@ -19,11 +21,14 @@ from dataclasses import dataclass
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
 OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+REASONING_KEY = "reasoning_content"
 
 
 @dataclass(frozen=True)
 class Conversation:
-    messages: tuple[dict, ...]  # each {"role": "system"|"user"|"assistant", "content": str}
+    # each {"role": "system"|"user"|"assistant", "content": str}, an assistant turn with
+    # its non-empty "reasoning_content": str when the record gave one
+    messages: tuple[dict, ...]
 
     def to_list(self) -> list[dict]:
         return [dict(m) for m in self.messages]
@@ -52,7 +57,16 @@ def _conversation(turns, field: str, role_key: str, content_key: str,
             return None, f"{field!r} turn {content_key!r} is not a string"
         if not content.strip():
             return None, f"{field!r} has an empty turn"
-        messages.append({"role": roles[role], "content": content})
+        message = {"role": roles[role], "content": content}
+        reasoning = turn.get(REASONING_KEY)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                return None, f"{field!r} turn {REASONING_KEY!r} is not a string"
+            if message["role"] != "assistant":
+                return None, f"{field!r} has {REASONING_KEY!r} on a {message['role']} turn"
+            if reasoning.strip():
+                message[REASONING_KEY] = reasoning
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         return None, f"{field!r} has no assistant turn"
     return Conversation(tuple(messages)), None

@@ -1,6 +1,7 @@
 """Self-distillation data: rewrite every assistant turn with the target itself.
 
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
+                              [--thinking default|on|off]
 
 Heads learn to predict the target, so training on the target's own replies (rather than
 on another model's) raises acceptance. For each conversation and each assistant turn i,
@@ -32,6 +33,13 @@ turns wait for a group of free rows and are prefilled together, whole, in one fo
 that comes out empty ends its conversation before that turn (counted); a conversation left
 without any reply is skipped as "empty reply".
 
+Thinking mode (--thinking, data/chat.py): on or off sets the template's `enable_thinking`
+(Qwen3's switch) in every prompt; default leaves the template's own. A reply that thinks
+(`<think>R</think>C`) is written as {"role": "assistant", "content": C, "reasoning_content": R}
+(reply_message); when it becomes an earlier turn of the next prompt, the template keeps or
+strips R as it does at inference (Qwen3 strips the reasoning of replies before the last user
+turn), and training renders it the same way (data/chat.py's turn-by-turn sequences).
+
 Resumable: output lines are appended in input order, WRITE_EVERY (64) records at a time (or
 --batch-size, if smaller) once every record before them is done, flushed and fsynced; then
 OUTPUT.progress.json is replaced atomically with the next input record, the output's byte
@@ -51,7 +59,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specheads.data.chat import ensure_chat_template, generation_prompt_ids
+from specheads.data.chat import ensure_chat_template, generation_prompt_ids, reply_message, thinking_kwargs
 from specheads.data.records import Conversation, normalize_record
 from specheads.data.text import DataError, load_records, load_tokenizer
 from specheads.heads import atomic
@@ -72,6 +80,7 @@ class Progress:
     num_empty_kept: int = 0  # generations that came out empty; the original reply was kept
     num_empty_ended: int = 0  # user-turn records: empty replies that ended their conversation early
     skipped: dict[str, int] = field(default_factory=dict)
+    thinking: str = "default"  # the template's thinking mode the replies were generated in
 
     def summary(self) -> str:
         text = (f"{self.next_record}/{self.num_input_records} records done, {self.num_written} written, "
@@ -93,7 +102,7 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + PROGRESS_SUFFIX)
 
 
-def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int) -> Progress:
+def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int, thinking: str) -> Progress:
     """Fresh progress, or the saved one with the output cut back to its last whole batch."""
     saved = progress_path(output)
     if not saved.exists():
@@ -103,14 +112,15 @@ def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int)
                             "another --output")
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(b"")
-        progress = Progress(str(Path(input_path).resolve()), num_records, max_new_tokens)
+        progress = Progress(str(Path(input_path).resolve()), num_records, max_new_tokens, thinking=thinking)
         atomic.write_json(saved, asdict(progress))
         return progress
     progress = Progress(**json.loads(saved.read_text()))
-    if (progress.input, progress.num_input_records, progress.max_new_tokens) != (
-            str(Path(input_path).resolve()), num_records, max_new_tokens):
+    if (progress.input, progress.num_input_records, progress.max_new_tokens, progress.thinking) != (
+            str(Path(input_path).resolve()), num_records, max_new_tokens, thinking):
         raise DataError(f"{saved} belongs to another run (input {progress.input!r}, {progress.num_input_records} "
-                        f"records, max_new_tokens {progress.max_new_tokens}); choose another --output")
+                        f"records, max_new_tokens {progress.max_new_tokens}, thinking {progress.thinking!r}); "
+                        "choose another --output")
     size = output.stat().st_size if output.exists() else 0
     if size < progress.output_bytes:
         raise DataError(f"output {str(output)!r} is shorter than its progress file says ({size} < "
@@ -227,8 +237,8 @@ class _Job:
     conditioned on the target's own earlier ones (one turn after another). `counts` is what
     the record adds to the progress, applied when its line is written."""
 
-    def __init__(self, index: int, record, tokenizer):
-        self.index, self.tokenizer = index, tokenizer
+    def __init__(self, index: int, record, tokenizer, template_kwargs: dict | None = None):
+        self.index, self.tokenizer, self.template_kwargs = index, tokenizer, template_kwargs
         self.counts: Counter = Counter()
         self.line: str | None = None  # the output line once done (None: skipped)
         self.turns = _user_turns(record)
@@ -239,14 +249,14 @@ class _Job:
                 self.skip_reason = "'turns' is not a non-empty list of non-empty strings"
                 return
             self.messages = [{"role": "user", "content": self.turns[0]}]
-            self.first_prompts = [(0, generation_prompt_ids(tokenizer, self.messages))]
+            self.first_prompts = [(0, generation_prompt_ids(tokenizer, self.messages, template_kwargs))]
             return
         document, reason = normalize_record(record)
         if not isinstance(document, Conversation):
             self.skip_reason = reason or "not a chat record"
             return
         self.messages = [dict(m) for m in document.to_list()]
-        self.first_prompts = [(turn, generation_prompt_ids(tokenizer, self.messages[:turn]))
+        self.first_prompts = [(turn, generation_prompt_ids(tokenizer, self.messages[:turn], template_kwargs))
                               for turn, m in enumerate(self.messages) if m["role"] == "assistant"]
         self.num_waiting = len(self.first_prompts)  # >= 1: normalize_record refuses chats without a reply
 
@@ -258,17 +268,18 @@ class _Job:
             return max((len(prompt) for _, prompt in self.first_prompts), default=0)
         rendered = [m for turn in self.turns for m in ({"role": "user", "content": turn},
                                                         {"role": "assistant", "content": ""})][:-1]
-        return len(generation_prompt_ids(self.tokenizer, rendered)) \
+        return len(generation_prompt_ids(self.tokenizer, rendered, self.template_kwargs)) \
             + (len(self.turns) - 1) * (max_new_tokens + REPLY_SLACK_TOKENS)
 
     def replied(self, turn: int, tokens: list[int]) -> tuple[int, list[int]] | None:
         """A reply to `turn` came in -> the next (turn, prompt) to decode, or None; sets
         `line` once the record is done."""
-        reply = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        message = reply_message(self.tokenizer, tokens)  # its reasoning apart, if it thought
+        reply = message["content"]
         self.counts["num_turns"] += 1
         if self.turns is None:  # a chat record: every turn was asked at once
             if reply:
-                self.messages[turn]["content"] = reply
+                self.messages[turn] = message
             else:
                 self.counts["num_empty_kept"] += 1
             self.num_waiting -= 1
@@ -279,10 +290,10 @@ class _Job:
             self.messages.pop()
             self.counts["num_empty_ended"] += 1
         else:
-            self.messages.append({"role": "assistant", "content": reply})
+            self.messages.append(message)
             if len(self.messages) // 2 < len(self.turns):
                 self.messages.append({"role": "user", "content": self.turns[len(self.messages) // 2]})
-                return turn + 1, generation_prompt_ids(self.tokenizer, self.messages)
+                return turn + 1, generation_prompt_ids(self.tokenizer, self.messages, self.template_kwargs)
         if self.messages:
             self._finish()
         else:
@@ -356,7 +367,7 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
                batch_size: int = 96, max_new_tokens: int = 256, dtype: str = "auto", device: str = "cpu",
                trust_remote_code: bool = False, max_batches: int | None = None, log=print,
                progress_bar: bool = True, cuda_graphs: str | None = None,
-               prefill_group: int | None = None) -> Progress:
+               prefill_group: int | None = None, thinking: str = "default") -> Progress:
     """Regenerate `input_path` into `output_path`, resuming a previous run; -> the progress so far.
 
     The replies are decoded by the engine with up to batch_size sequences per forward, in
@@ -364,24 +375,26 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     never waits for a batch of records to drain); lines are written min(batch_size,
     WRITE_EVERY) records at a time. max_batches stops after that many batches of batch_size
     records (a later call continues).
-    cuda_graphs, prefill_group: as in target_continuations.
+    cuda_graphs, prefill_group: as in target_continuations. thinking: the template's thinking
+    mode (module doc).
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise DataError(f"batch size and max new tokens must be >= 1, got {batch_size} and {max_new_tokens}")
     records = load_records(input_path)
     output = Path(output_path)
-    progress = _start(input_path, output, len(records), max_new_tokens)
+    tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
+    ensure_chat_template(tokenizer)
+    template_kwargs = thinking_kwargs(tokenizer, thinking)  # refused before anything is written
+    progress = _start(input_path, output, len(records), max_new_tokens, thinking)
     if progress.next_record >= len(records):
         log(f"regenerate: {output} is complete: {progress.summary()}")
         return progress
     if progress.next_record:
         log(f"regenerate: resuming at record {progress.next_record}")
-    tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
-    ensure_chat_template(tokenizer)
     generator = load_generation_target(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                        pack_weights=False if cuda_graphs else "auto")
     stop = len(records) if max_batches is None else min(len(records), progress.next_record + max_batches * batch_size)
-    jobs = [_Job(index, records[index], tokenizer) for index in range(progress.next_record, stop)]
+    jobs = [_Job(index, records[index], tokenizer, template_kwargs) for index in range(progress.next_record, stop)]
     to_come = sum(job.max_replies for job in jobs)  # at most
     meter = ReplyMeter(progress.num_turns + to_come, "regenerate: the target's replies", progress_bar,
                        initial=progress.num_turns)

@@ -10,12 +10,15 @@ A record is a ShareGPT `conversations` list, an OpenAI `messages` list, text in
 `text_field`, or token ids in an `input_ids` list (pre-tokenized data needs no tokenizer);
 the shape is detected per record (data/records.py). Conversations are rendered with the
 tokenizer's chat template (or a documented fallback) and get a loss mask on assistant
-tokens only (data/chat.py); text and token-id documents are all loss. A conversation longer
-than seq_len is cut to seq_len tokens when `truncate` is on (counted in the report), else
-skipped as "longer than seq_len". Records without usable content are counted by reason and
-reported, never silently dropped. Documents are joined with EOS (loss on it for text, not
-for conversations, whose template ends each reply) and cut into blocks [N, T]; only the
-last block can be padded, and its padding has loss mask 0.
+tokens only (data/chat.py): one sequence per conversation, or one per reply where the
+template rewrites earlier turns (turn by turn, counted in the report), with the template
+kwargs of `thinking` (data/chat.py); text and token-id documents are all loss. A sequence
+longer than seq_len is cut to seq_len tokens when `truncate` is on (counted in the report),
+else skipped as "longer than seq_len" (a reply's sequence of a turn-by-turn conversation is
+counted among `skipped_turns` while the conversation keeps others). Records without usable
+content are counted by reason and reported, never silently dropped. Sequences are joined
+with EOS (loss on it for text, not for conversations, whose template ends each reply) and
+cut into blocks [N, T]; only the last block can be padded, and its padding has loss mask 0.
 
 `BlockSampler` turns the blocks into one deterministic global stream (a seeded
 permutation per epoch) that ranks read interleaved, so a run resumes at an exact sample
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.data.chat import TemplateError, ensure_chat_template, tokenize_conversation
+from specheads.data.chat import TemplateError, ensure_chat_template, thinking_kwargs, tokenize_conversation
 from specheads.data.records import Conversation, normalize_record
 
 EMBEDDED_STDLIB = "embedded:stdlib"
@@ -54,8 +57,12 @@ class DataReport:
     num_tokens: int = 0  # tokens with loss
     num_blocks: int = 0
     num_conversations: int = 0
-    num_truncated: int = 0  # conversations cut to seq_len
+    num_truncated: int = 0  # conversation sequences cut to seq_len
     chat_template: str | None = None  # "tokenizer" | "fallback" when conversations were rendered
+    num_turn_by_turn: int = 0  # conversations trained turn by turn (data/chat.py) ...
+    num_turn_sequences: int = 0  # ... in this many sequences, one per reply
+    skipped_turns: dict[str, int] = field(default_factory=dict)  # their replies' sequences left out, by reason
+    num_reasoning_left_out: int = 0  # replies whose reasoning is not trained on (thinking off, or not rendered)
 
     def summary(self) -> str:
         text = (f"{self.source}: {self.num_documents}/{self.num_records} records used, "
@@ -63,6 +70,15 @@ class DataReport:
         if self.num_conversations:
             text += f"; {self.num_conversations} conversations ({self.chat_template} chat template"
             text += f", {self.num_truncated} truncated to seq_len)" if self.num_truncated else ")"
+        if self.num_turn_by_turn:
+            text += (f"; {self.num_turn_by_turn} of them rendered turn by turn, as {self.num_turn_sequences} "
+                     "sequences (one per reply: the chat template rewrites earlier turns)")
+        if self.skipped_turns:
+            reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(self.skipped_turns.items()))
+            text += f"; {sum(self.skipped_turns.values())} replies left out ({reasons})"
+        if self.num_reasoning_left_out:
+            text += (f"; reasoning of {self.num_reasoning_left_out} replies not trained on (thinking off, "
+                     "or the template does not render it)")
         if self.skipped:
             reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(self.skipped.items()))
             text += f"; skipped {sum(self.skipped.values())} ({reasons})"
@@ -144,46 +160,57 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 @dataclass
 class Tokenized:
-    token_ids: list[list[int]]  # one list per kept document
-    loss_masks: list[list[bool] | None]  # per kept document; None = every token has loss
+    token_ids: list[list[int]]  # one list per sequence (a document, or one reply of a turn-by-turn conversation)
+    loss_masks: list[list[bool] | None]  # per sequence; None = every token has loss
     tokenizer: object | None
     skipped: Counter  # documents dropped at tokenization, by reason
+    num_documents: int = 0  # documents kept
     num_conversations: int = 0
     num_truncated: int = 0
     chat_template: str | None = None
+    num_turn_by_turn: int = 0
+    num_turn_sequences: int = 0
+    skipped_turns: Counter = field(default_factory=Counter)
+    num_reasoning_left_out: int = 0
 
 
 def tokenize_documents(documents: list, tokenizer_path: str | None, trust_remote_code: bool = False,
-                       seq_len: int | None = None, truncate: bool = True, tokenizer=None) -> Tokenized:
-    """Token ids (+ assistant loss masks for conversations) per document.
+                       seq_len: int | None = None, truncate: bool = True, tokenizer=None,
+                       thinking: str = "default") -> Tokenized:
+    """Token ids (+ assistant loss masks for conversations) per document, or per reply of a
+    conversation trained turn by turn.
 
     The tokenizer is loaded only when some document is text or a conversation. A
-    conversation the template cannot split into assistant spans, or (with truncate off)
+    conversation the template cannot split into assistant replies, or (with truncate off)
     one longer than seq_len, is dropped and counted in `skipped`.
     """
     out = Tokenized([], [], tokenizer, Counter())
     if all(isinstance(doc, list) for doc in documents):
         out.token_ids, out.loss_masks = list(documents), [None] * len(documents)
+        out.num_documents = len(documents)
         return out
     if out.tokenizer is None:
         if tokenizer_path is None:
             raise DataError("text records need a tokenizer: set data.tokenizer")
         out.tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     text_ids = _tokenize_texts(out.tokenizer, [doc for doc in documents if isinstance(doc, str)])
+    template_kwargs: dict = {}
     if any(isinstance(doc, Conversation) for doc in documents):
         if not getattr(out.tokenizer, "is_fast", False):
             raise DataError("chat records need a fast tokenizer (assistant spans are found from character "
                             f"offsets); {type(out.tokenizer).__name__} is not one")
         out.chat_template = ensure_chat_template(out.tokenizer)
+        try:
+            template_kwargs = thinking_kwargs(out.tokenizer, thinking)
+        except ValueError as err:  # a thinking mode the template has no switch for
+            raise DataError(str(err)) from err
     for doc in documents:
-        if isinstance(doc, str):
-            out.token_ids.append(next(text_ids))
-            out.loss_masks.append(None)
-        elif isinstance(doc, Conversation):
-            _add_conversation(out, doc, seq_len, truncate)
-        else:
-            out.token_ids.append(doc)
-            out.loss_masks.append(None)
+        if isinstance(doc, Conversation):
+            _add_conversation(out, doc, seq_len, truncate, template_kwargs)
+            continue
+        out.token_ids.append(next(text_ids) if isinstance(doc, str) else doc)
+        out.loss_masks.append(None)
+        out.num_documents += 1
     return out
 
 
@@ -192,27 +219,42 @@ def _tokenize_texts(tokenizer, texts: list[str]):
         yield from tokenizer(texts[start:start + TOKENIZE_CHUNK], add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def _add_conversation(out: Tokenized, conversation: Conversation, seq_len: int | None, truncate: bool) -> None:
+def _add_conversation(out: Tokenized, conversation: Conversation, seq_len: int | None, truncate: bool,
+                      template_kwargs: dict) -> None:
     try:
-        ids, mask = tokenize_conversation(out.tokenizer, conversation)
+        chat = tokenize_conversation(out.tokenizer, conversation, template_kwargs)
     except TemplateError as err:
         out.skipped[str(err)] += 1
         return
     except Exception as err:  # a template may raise anything (jinja errors, raise_exception)
         out.skipped[f"chat template error ({type(err).__name__})"] += 1
         return
-    if seq_len is not None and len(ids) > seq_len:
-        if not truncate:
-            out.skipped["longer than seq_len"] += 1
-            return
-        ids, mask = ids[:seq_len], mask[:seq_len]
-        if not any(mask):
-            out.skipped["no assistant token within seq_len"] += 1
-            return
-        out.num_truncated += 1
+    kept, reasons, num_truncated = [], Counter(), 0
+    for ids, mask in chat.sequences:
+        if seq_len is not None and len(ids) > seq_len:
+            if not truncate:
+                reasons["longer than seq_len"] += 1
+                continue
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            if not any(mask):
+                reasons["no assistant token within seq_len"] += 1
+                continue
+            num_truncated += 1
+        kept.append((ids, mask))
+    if not kept:
+        out.skipped[next(iter(reasons))] += 1
+        return
+    out.skipped_turns.update(reasons)
+    out.num_truncated += num_truncated
+    out.num_documents += 1
     out.num_conversations += 1
-    out.token_ids.append(ids)
-    out.loss_masks.append(mask)
+    out.num_reasoning_left_out += chat.num_reasoning_left_out
+    if chat.turn_by_turn:
+        out.num_turn_by_turn += 1
+        out.num_turn_sequences += len(kept)
+    for ids, mask in kept:
+        out.token_ids.append(ids)
+        out.loss_masks.append(mask)
 
 
 def pack_blocks(documents: list[list[int]], seq_len: int, eos_id: int | None, pad_id: int,
@@ -257,18 +299,23 @@ def _special_ids(tokenizer, eos_token_id: int | None) -> tuple[int | None, int]:
 
 def build_blocks(source: str, records: list, text_field: str, seq_len: int, tokenizer_path: str | None,
                  eos_token_id: int | None = None, vocab_size: int | None = None,
-                 trust_remote_code: bool = False, truncate: bool = True, tokenizer=None) -> PackedBlocks:
-    """Records -> PackedBlocks; fails with a DataError naming `source` when nothing is usable."""
+                 trust_remote_code: bool = False, truncate: bool = True, tokenizer=None,
+                 thinking: str = "default") -> PackedBlocks:
+    """Records -> PackedBlocks; fails with a DataError naming `source` when nothing is usable.
+    thinking: the chat template's thinking mode (data/chat.py's THINKING_MODES)."""
     documents, skipped = extract_documents(records, text_field)
     if not documents:
         raise _empty(source, len(records), skipped, text_field)
-    tokenized = tokenize_documents(documents, tokenizer_path, trust_remote_code, seq_len, truncate, tokenizer)
+    tokenized = tokenize_documents(documents, tokenizer_path, trust_remote_code, seq_len, truncate, tokenizer, thinking)
     skipped.update(tokenized.skipped)
     if not tokenized.token_ids:
         raise _empty(source, len(records), skipped, text_field)
-    report = DataReport(source=source, num_records=len(records), num_documents=len(tokenized.token_ids),
+    report = DataReport(source=source, num_records=len(records), num_documents=tokenized.num_documents,
                         skipped=dict(skipped), num_conversations=tokenized.num_conversations,
-                        num_truncated=tokenized.num_truncated, chat_template=tokenized.chat_template)
+                        num_truncated=tokenized.num_truncated, chat_template=tokenized.chat_template,
+                        num_turn_by_turn=tokenized.num_turn_by_turn,
+                        num_turn_sequences=tokenized.num_turn_sequences, skipped_turns=dict(tokenized.skipped_turns),
+                        num_reasoning_left_out=tokenized.num_reasoning_left_out)
     eos, pad = _special_ids(tokenized.tokenizer, eos_token_id)
     input_ids, loss_mask = pack_blocks(tokenized.token_ids, seq_len, eos, pad, tokenized.loss_masks)
     if vocab_size is not None and int(input_ids.max()) >= vocab_size:
@@ -318,7 +365,7 @@ def train_and_eval_blocks(data, train_name: str, train_records: list, eval_name:
         train_records, eval_records = train_records[:data.max_records], eval_records[:data.max_records]
     build = dict(text_field=data.text_field, seq_len=data.seq_len, tokenizer_path=data.tokenizer or tokenizer_path,
                  eos_token_id=eos_token_id, vocab_size=vocab_size, trust_remote_code=trust_remote_code,
-                 truncate=data.truncate)
+                 truncate=data.truncate, thinking=data.thinking)
     train = build_blocks(train_name, train_records, **build)
     if not eval_records:
         raise DataError(f"evaluation data {eval_name!r} is empty: no records to calibrate the heads on")

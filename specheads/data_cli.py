@@ -4,7 +4,7 @@
         [--self-instruct-fraction F] [--self-instruct-temperature X]] [--context-from FILE [--context-fraction F]]
     specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
-                              [--device auto|cpu|cuda[:N]] [--enforce-eager]
+                              [--thinking default|on|off] [--device auto|cpu|cuda[:N]] [--enforce-eager]
     specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
 
 --device defaults to auto (CUDA when torch sees a GPU, else the CPU); on a CUDA device
@@ -24,6 +24,9 @@ import sys
 from specheads.errors import EXIT_USER_ERROR, UserError
 from specheads.options import add_device_options, add_renamed_option, apply_device_options
 from specheads.runner import DTYPE_HELP, TARGET_HELP
+
+THINKING_HELP = ("chat template thinking mode: default, on or off; on/off set enable_thinking (Qwen3's switch), "
+                 "default leaves the template's own (as a recipe's data.thinking)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -65,6 +68,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="draft vocab: this many most frequent reply tokens of --input (plus EOS)")
     p.add_argument("--eval", action="append", default=[],
                    help="evaluation replies (.jsonl chat or text records) whose tokens the draft vocab should cover")
+    p.add_argument("--thinking", default="default", help=THINKING_HELP)
 
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
     p.add_argument("--target", required=True,
@@ -76,6 +80,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="records per resumable batch; their replies decode together, this many sequences per forward")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (rerun continues)")
+    p.add_argument("--thinking", default="default", help=THINKING_HELP)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
@@ -94,6 +99,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-gb", type=float, default=50.0, help="refuse to start above this estimated size")
     p.add_argument("--batch-size", type=int, default=8, help="blocks per target forward")
     p.add_argument("--blocks-per-shard", type=int, default=256, help="blocks per safetensors shard")
+    p.add_argument("--thinking", default="default", help=THINKING_HELP)
     p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     add_device_options(p, graphs=False)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
@@ -150,7 +156,8 @@ def _report(args) -> int:
     if args.eval and not args.draft_vocab_size:
         raise ValueError("--eval needs --draft-vocab-size (the draft vocab whose coverage is measured)")
     tokenizer = args.tokenizer or resolve_target_name(args.target)
-    print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval)))
+    print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval,
+                                         thinking=args.thinking)))
     return 0
 
 
@@ -162,7 +169,7 @@ def _regenerate(args) -> int:
     progress = regenerate(resolve_target_name(args.target), args.input, args.output, tokenizer_path=args.tokenizer,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                           device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches,
-                          cuda_graphs="capture" if args.cuda_graphs else None)
+                          cuda_graphs="capture" if args.cuda_graphs else None, thinking=args.thinking)
     print(f"regenerate: {args.output}: {progress.summary()}")
     return 0
 
@@ -184,7 +191,8 @@ def _cache(args) -> int:
     records = load_records(args.input)[:args.max_records]
     eos = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else None
     blocks = build_blocks(args.input, records, args.text_field, args.seq_len, args.tokenizer or path,
-                          eos_token_id=eos, vocab_size=target.vocab_size, trust_remote_code=args.trust_remote_code)
+                          eos_token_id=eos, vocab_size=target.vocab_size, trust_remote_code=args.trust_remote_code,
+                          thinking=args.thinking)
     print(f"cache data {blocks.report.summary()}")
     manifest = write_cache(target, blocks, taps, args.output, top_k=args.top_k, batch_size=args.batch_size,
                            blocks_per_shard=args.blocks_per_shard, max_gb=args.max_gb)

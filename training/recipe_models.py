@@ -30,6 +30,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from specheads.data.chat import THINKING_MODES
+
 
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the dotted key and what would be right."""
@@ -77,6 +79,13 @@ LayerList = Annotated[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_len
                       Expected("a non-empty list of ints >= 0, or null")]
 ModuleNames = Annotated[Literal["all-linear"] | Annotated[list[NonBlank], Field(min_length=1)],
                         Expected("a non-empty list of module names (strings), or 'all-linear'")]
+def _thinking_from_yaml(value):
+    """YAML 1.1 reads `thinking: on` / `off` as booleans: true means "on", false "off"."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+Thinking = Annotated[Literal[THINKING_MODES], BeforeValidator(_thinking_from_yaml),
+                     Expected("one of " + ", ".join(repr(mode) for mode in THINKING_MODES))]
 ZeroStage = Annotated[int, Field(ge=0, le=3), Expected("one of [0, 1, 2, 3]")]  # an int: Literal[0, ...] takes true
 # random.seed takes any int, but numpy's and torch's generators stop at 32 bits.
 Seed = Annotated[int, Field(ge=0, lt=2**32), Expected("an int with 0 <= seed < 2**32 (4294967296)")]
@@ -159,6 +168,9 @@ class DataConfig(Section):
     split: Split = Field("train", description="datasets split of source, e.g. train or train[:1%]")
     eval_split: OptionalSplit = Field(None, description="datasets split held out for eval/calibration (of "
                                       "eval_source if set, else of source); null = eval_source / eval_fraction")
+    thinking: Thinking = Field("default", description="chat records: the template's thinking mode (Qwen3's "
+                               "enable_thinking): on, off, or default (the template's own; a template without the "
+                               "switch takes only default). off leaves a record's reasoning out")
     feature_cache: OptionalStr = Field(None, description="directory written by `specheads data cache`, or `auto` "
                                        "(built from the training blocks on first use, in the specheads cache): "
                                        "train from the cached target taps + logits instead of running the target")

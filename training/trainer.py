@@ -206,7 +206,8 @@ def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
     replies = str(self_distilled_chat(target_path, recipe.data.chat_prompts, recipe.data.chat_max_new_tokens,
                                       seed=recipe.train.seed, device=train_device(),
                                       self_instruct_fraction=recipe.data.chat_self_instruct_fraction,
-                                      self_instruct_temperature=recipe.data.chat_self_instruct_temperature))
+                                      self_instruct_temperature=recipe.data.chat_self_instruct_temperature,
+                                      thinking=recipe.data.thinking))
     data = recipe.data.replace(**{name: replies for name in ("source", "eval_source")
                                   if getattr(recipe.data, name) == EMBEDDED_CHAT})
     return recipe.replace(data=data)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specheads.data.chat import FALLBACK_TEMPLATE, assistant_spans, ensure_chat_template
+from specheads.data.chat import FALLBACK_TEMPLATE, TemplateError, ensure_chat_template, reply_turns
 from specheads.data.records import Conversation, normalize_record
 from specheads.data.text import DataError, build_blocks, extract_documents, load_records, load_text_data
 
@@ -157,23 +157,17 @@ def test_tokenizer_without_a_template_uses_the_fallback_and_says_so(plain_tok, c
     assert "fallback" not in capsys.readouterr().out  # announced once per tokenizer
 
 
-def test_template_that_rewrites_past_turns_is_reported():
-    class Rewriting:
-        chat_template = "x"
-
-        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
-            # Drops every assistant reply but the last, as reasoning-stripping templates do.
-            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-            kept = [m for i, m in enumerate(messages) if m["role"] != "assistant" or i == last]
-            text = "".join(f"[{m['role']}]{m['content']}" for m in kept)
-            return text + ("[assistant]" if add_generation_prompt else "")
-
-    from specheads.data.chat import TemplateError
-
-    messages = [{"role": r, "content": c} for r, c in CHATS[0]]
-    with pytest.raises(TemplateError, match="prefix-stable"):
-        assistant_spans(Rewriting(), messages)
-    assert ensure_chat_template(Rewriting()) == "tokenizer"
+def test_a_template_that_does_not_render_the_replies_is_reported(chat_tok):
+    """Templates that rewrite earlier turns are trained turn by turn (test_chat_templates.py);
+    one that leaves the replies out entirely gives nothing to train on, and says so."""
+    tokenizer = load_tok(chat_tok)
+    tokenizer.chat_template = CHATML.replace("{{ m['content'] }}", "{% if m['role'] != 'assistant' %}{{ m['content'] }}"
+                                             "{% endif %}")
+    with pytest.raises(TemplateError, match="does not render the reply after its generation prompt"):
+        reply_turns(tokenizer, [{"role": r, "content": c} for r, c in CHATS[1]])
+    blocks = build_blocks("mem", [openai(CHATS[1]), {"text": "hello"}], "text", 32, None, tokenizer=tokenizer)
+    assert blocks.report.skipped == {"chat template does not render the reply after its generation prompt": 1}
+    assert ensure_chat_template(tokenizer) == "tokenizer"
 
 
 def test_over_long_conversations_are_truncated_or_skipped(chat_tok):

@@ -161,6 +161,20 @@ def test_float_fields_accept_yaml_exponents(tmp_path):
     assert recipe.train.weight_decay == 0.0 and isinstance(recipe.train.weight_decay, float)
 
 
+@pytest.mark.parametrize("value, thinking", [("off", "off"), ("on", "on"), ('"off"', "off"), ("default", "default"),
+                                             ("false", "off"), ("true", "on")])
+def test_thinking_takes_on_off_and_default_as_yaml_writes_them(tmp_path, value, thinking):
+    # YAML 1.1 reads a bare on/off as a boolean; the recipe means the words.
+    assert load_recipe(write(tmp_path, MINIMAL + f"data:\n  thinking: {value}\n")).data.thinking == thinking
+    assert load_recipe(write(tmp_path, MINIMAL), [f"data.thinking={value}"]).data.thinking == thinking
+
+
+@pytest.mark.parametrize("value", ["maybe", "1", "null", "[on]"])
+def test_thinking_refuses_anything_else_naming_the_key(tmp_path, value):
+    with pytest.raises(RecipeError, match=r"^data.thinking: expected one of 'default', 'on', 'off', got "):
+        load_recipe(write(tmp_path, MINIMAL + f"data:\n  thinking: {value}\n"))
+
+
 def test_dotted_overrides(tmp_path):
     path = write(tmp_path, MINIMAL + "train:\n  steps: 100\n")
     recipe = load_recipe(path, ["train.steps=10", "train.lr=0.01", "tracking=wandb", "wandb.project=p",

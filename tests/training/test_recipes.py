@@ -292,3 +292,10 @@ def test_target_dtype_auto_is_the_devices_fast_dtype(capsys, tmp_path, tiny_llam
     path.write_text(path.read_text().replace("dtype: auto", "dtype: fastest"))
     assert train_main([str(path), "--dry-run"]) == 2
     assert "target.dtype" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["eagle3-qwen3-8b.yaml", "medusa-qwen3-8b.yaml"])
+def test_the_qwen3_recipes_train_for_the_thinking_mode_of_their_data(name):
+    # ShareGPT's replies carry no reasoning: Qwen3 with thinking off writes replies like them.
+    recipe = load_recipe(RECIPES_DIR / name)
+    assert recipe.data.source == "Aeala/ShareGPT_Vicuna_unfiltered" and recipe.data.thinking == "off"
