@@ -195,12 +195,15 @@ class TreeStaticLayer(CacheLayerMixin):
         raise NotImplementedError("TreeStaticCache does not support beam search")
 
 
-def _in_place(accepted_A: torch.Tensor) -> bool:
-    """Whether accepted node offsets are 0, 1, ..., A-1 (no entry moves). Checked on a CPU only:
-    on a GPU the check would cost a device sync, more than the gather it saves."""
-    if accepted_A.device.type != "cpu":
+def _in_place(accepted) -> bool:
+    """Whether accepted node offsets ([A] list or tensor) are 0, 1, ..., A-1 (no entry moves).
+    A tensor is checked on a CPU only: on a GPU the check would cost a device sync, more than
+    the gather it saves (the engine passes host lists)."""
+    if not isinstance(accepted, torch.Tensor):
+        return list(accepted) == list(range(len(accepted)))
+    if accepted.device.type != "cpu":
         return False
-    return bool((accepted_A == torch.arange(accepted_A.shape[0])).all())
+    return bool((accepted == torch.arange(accepted.shape[0])).all())
 
 
 class TreeStaticCache(Cache):
@@ -323,13 +326,13 @@ class TreeStaticCache(Cache):
             if accepted is None:
                 num_accepted, accepted_A = num_pending if num_kept is None else num_kept[row], None
             else:
-                accepted_A = torch.as_tensor(accepted, dtype=torch.long, device=device)
-                num_accepted = int(accepted_A.shape[0])
+                num_accepted, accepted_A = len(accepted), accepted
             if num_accepted > num_pending:
                 raise ValueError(f"commit of {num_accepted} nodes for sequence {batch_index}, but the last "
                                  f"forward wrote only {num_pending} pending entries")
             if accepted_A is not None and not _in_place(accepted_A):  # a chain's prefix is where it belongs
-                moves.append((batch_index, self.lengths.host[batch_index], accepted_A))
+                moves.append((batch_index, self.lengths.host[batch_index],
+                              torch.as_tensor(accepted_A, dtype=torch.long, device=device)))
             self.lengths.host[batch_index] += num_accepted
         if moves:
             rows, dst, offsets = [], [], []

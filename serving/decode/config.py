@@ -22,7 +22,7 @@ from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDraft
 from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
 from specheads.serving.decode.lookup import LookupConfig
 from specheads.serving.decode.medusa import MedusaDrafter
-from specheads.serving.decode.trees import DEFAULT_NUM_DRAFT_NODES, DraftTree, DynamicTreeConfig, TreePlan
+from specheads.serving.decode.trees import DEFAULT_NUM_DRAFT_NODES, DraftTree, DynamicTreeConfig
 
 DEFAULT_EAGLE_DEPTH = 4  # EAGLE heads have no head count: without a tree they draft this deep
 
@@ -119,14 +119,17 @@ class SpeculativeDecoder:
                     else StaticEagleDrafter(heads, target.embeddings(), self.tree)
             elif heads is not None:
                 self.drafter = MedusaDrafter(heads, self.tree, target.device, entropy_threshold)
-        self.is_medusa = isinstance(self.drafter, MedusaDrafter)
         self.entropy_threshold = entropy_threshold
         self.lookup = lookup
         self.max_depth = self.tree.max_depth
         # The largest tree a step verifies (sizes the cache).
         self.max_tree_nodes = (dynamic.num_nodes + 1 if dynamic is not None else self.tree.num_nodes) \
             + (lookup.num_tokens if lookup is not None else 0)
-        self.plain_plan = TreePlan(DraftTree.chain(0), target.device)  # speculation off
+        # The sampled accept's uniforms per row and step (serving/decode/accept.py accept_rejection):
+        # the deepest and widest tree this decoder drafts, a lookup chain included.
+        widest = dynamic.top_k if dynamic is not None else self.tree.max_children
+        self.uniform_shape = (max(self.max_depth, lookup.num_tokens if lookup is not None else 0),
+                              widest + (lookup is not None))
         self.fallback = fallback
         self.step_costs = step_costs if step_costs is not None else StepCosts()
         self.attn_impl = attn_impl
@@ -143,7 +146,7 @@ class SpeculativeDecoder:
         """Whether the drafter keeps its own cache over every committed position (EAGLE), so a
         sequence cannot start from positions another one cached; Medusa reads only the last
         position's hidden state."""
-        return self.drafter is not None and not self.is_medusa
+        return self.drafter is not None and self.drafter.keeps_head_cache
 
 
 def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:

@@ -20,8 +20,11 @@ ids through the head's d2t.
   - AdaEDL (`entropy_threshold`): a node whose acceptance bound (serving/decode/sampling.py
     `acceptance_bound`) falls below the threshold gets no children; depth 1 is always drafted.
 
-Both have one entry point, `draft(state) -> (Draft, HeadCache)`: the drafted tree and the
-head cache that now covers all S committed positions. The decode state is not changed.
+Both have one entry point, `draft(states) -> DraftBatch` (serving/decode/draft_batch.py):
+each sequence's drafted tree, as device tensors, with the head cache that now covers all its
+S committed positions. The decode states are not changed. Nothing reads the device back:
+an EAGLE-2 tree keeps a fixed size, num_nodes + 1, and a candidate stopped by AdaEDL is an
+invalid node of it.
 
 Shape legend: S committed positions, A rows committed since the last step, H hidden,
 Vd draft vocab, R ranks used, k top_k, m expanded nodes at one depth, N drafted candidates,
@@ -35,8 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.sampling import acceptance_bound
-from specheads.serving.decode.trees import Draft, DraftTree, DynamicTreeConfig, TreePlan
+from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreePlan
 
 
 @dataclass
@@ -96,6 +100,8 @@ class _LevelLoop:
 class StaticEagleDrafter:
     """A fixed tree, drafted level by level (module doc)."""
 
+    keeps_head_cache = True  # its head's KV cache covers every committed position
+
     def __init__(self, head: nn.Module, embeddings: nn.Module, tree: DraftTree):
         if tree.max_depth == 0:
             raise ValueError("an EAGLE drafter needs a tree with draft nodes")
@@ -116,7 +122,13 @@ class StaticEagleDrafter:
             self.levels.append((parent_local, tree.ranks[nodes].to(device), mask))
 
     @torch.no_grad()
-    def draft(self, state) -> tuple[Draft, HeadCache]:
+    def draft(self, states: list) -> DraftBatch:
+        """Each sequence's tree (one head run each) -> the rows' drafts, with their head caches."""
+        drafted = [self._draft_one(state) for state in states]
+        return DraftBatch.from_plan(self.plan, torch.stack([tokens for tokens, _ in drafted]),
+                                    head_caches=[cache for _, cache in drafted])
+
+    def _draft_one(self, state) -> tuple[torch.Tensor, HeadCache]:
         features, cache = commit_head_rows(self.head, self.embeddings, state)  # [1, 1, H]
         loop = _LevelLoop(self.head, self.embeddings, cache)
         tokens = [state.root]
@@ -126,7 +138,7 @@ class StaticEagleDrafter:
             tokens.append(level_tokens)
             if depth < len(self.levels):  # the last level's features are never read
                 features = loop.run(depth, level_tokens, features[:, parent_local], mask)
-        return Draft(torch.cat(tokens), self.plan), cache
+        return torch.cat(tokens), cache
 
 
 @dataclass
@@ -143,6 +155,8 @@ class DynamicDraft:
 
 class DynamicEagleDrafter:
     """EAGLE-2 trees (and AdaEDL early stopping), drafted anew every step (module doc)."""
+
+    keeps_head_cache = True  # its head's KV cache covers every committed position
 
     def __init__(self, head: nn.Module, embeddings: nn.Module, config: DynamicTreeConfig):
         if not isinstance(config, DynamicTreeConfig):
@@ -179,12 +193,9 @@ class DynamicEagleDrafter:
         max_expanded = (config.depth - 1) * top_k
         ancestors = torch.zeros(max_expanded, max_expanded, dtype=torch.bool, device=device)
         prev_offset, offset = 0, 0  # expanded-row offsets of the previous / current level
+        num_chosen = top_k  # a frontier holds k (depth 1) or k*k nodes; stopped ones score -inf
         for depth in range(1, config.depth):
-            num_live = int(torch.isfinite(scores).sum())
-            if num_live == 0:
-                break  # AdaEDL stopped every branch
-            chosen = scores.topk(min(top_k, num_live)).indices  # [m], frontier-local
-            num_chosen = int(chosen.shape[0])
+            chosen = scores.topk(top_k).indices  # [m], frontier-local
             parent_local = parent_local_frontier[chosen]
             rows = torch.arange(offset, offset + num_chosen, device=device)
             if depth > 1:
@@ -214,34 +225,44 @@ class DynamicEagleDrafter:
             scores=torch.cat([zero] + all_scores))
         return drafted, cache
 
-    def rerank(self, drafted: DynamicDraft) -> tuple[torch.Tensor, DraftTree]:
-        """Keep the best num_nodes candidates; -> (tokens [T] in node order, tree)."""
-        scores = drafted.scores[1:].cpu()
+    def rerank(self, drafted: DynamicDraft) -> dict[str, torch.Tensor]:
+        """Keep the best num_nodes candidates, on the device -> the row's tree: tokens, parents,
+        depths [T], tree_mask [T, T] and valid [T] (T = num_nodes + 1, a fixed size; a kept
+        candidate scored -inf, stopped by AdaEDL, is invalid). Nodes are in creation order,
+        depth-major, so every parent precedes its children and siblings keep their rank order."""
+        scores = drafted.scores[1:]
+        num_keep = min(self.config.num_nodes, int(scores.shape[0]))
         # Stable descending sort: on a tie the earlier-created node (a parent before its child) wins.
-        order = torch.sort(scores, descending=True, stable=True).indices
-        num_keep = min(self.config.num_nodes, int(torch.isfinite(scores).sum()))
-        kept = order[:num_keep] + 1  # global indices
-        parents, ranks, depths = drafted.parents.cpu(), drafted.ranks.cpu(), drafted.depths.cpu()
-        kept_depths = depths[kept]
-        # (depth, parent's new index, rank) order = DraftTree's (depth, path) order, level by level.
-        new_index = torch.full((int(parents.shape[0]),), -1, dtype=torch.long)
-        new_index[0] = 0
-        ordered = [torch.zeros(1, dtype=torch.long)]
-        next_index = 1
-        for depth in range(1, int(kept_depths.max()) + 1 if num_keep else 1):
-            level = kept[kept_depths == depth]
-            level = level[torch.argsort(new_index[parents[level]] * self.config.top_k + ranks[level])]
-            new_index[level] = torch.arange(next_index, next_index + int(level.shape[0]))
-            next_index += int(level.shape[0])
-            ordered.append(level)
-        nodes = torch.cat(ordered)  # [T] global indices in node order
-        parents_T = new_index[parents[nodes]]
-        parents_T[0] = -1
-        tree = DraftTree.from_parents(parents_T, ranks[nodes], depths[nodes])
-        return drafted.tokens[nodes.to(drafted.tokens.device)], tree
+        best = torch.sort(scores, descending=True, stable=True).indices[:num_keep] + 1
+        nodes_T = torch.cat([torch.zeros(1, dtype=torch.long, device=scores.device), best.sort().values])
+        num_nodes = num_keep + 1
+        new_index = torch.full_like(drafted.parents, -1)
+        new_index[nodes_T] = torch.arange(num_nodes, device=scores.device)
+        parents_T = torch.cat([torch.full((1,), -1, device=scores.device), new_index[drafted.parents[nodes_T[1:]]]])
+        valid_T = torch.isfinite(drafted.scores[nodes_T])  # a finite node's ancestors are finite, so kept
+        return {"tokens": drafted.tokens[nodes_T], "parents": parents_T, "depths": drafted.depths[nodes_T],
+                "tree_mask": ancestor_mask(parents_T, self.config.depth), "valid": valid_T}
 
     @torch.no_grad()
-    def draft(self, state) -> tuple[Draft, HeadCache]:
-        drafted, cache = self.expand(state)
-        tokens, tree = self.rerank(drafted)
-        return Draft(tokens, TreePlan(tree, tokens.device)), cache
+    def draft(self, states: list) -> DraftBatch:
+        """Each sequence's EAGLE-2 tree (one expansion each) -> the rows' drafts, with their head caches."""
+        trees, caches = [], []
+        for state in states:
+            drafted, cache = self.expand(state)
+            trees.append(self.rerank(drafted))
+            caches.append(cache)
+        fields = {name: torch.stack([tree[name] for tree in trees]) for name in trees[0]}
+        return DraftBatch(**fields, max_depth=self.config.depth, max_children=self.config.top_k, head_caches=caches)
+
+
+def ancestor_mask(parents_T: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[T, T] bool: node i attends to node j iff j is i or one of its ancestors, from parents
+    [T] (-1: none) in max_depth pointer-jumping steps of tensor ops (no device sync)."""
+    num_nodes = int(parents_T.shape[0])
+    mask = torch.eye(num_nodes, dtype=torch.bool, device=parents_T.device)
+    ancestor = parents_T
+    for _ in range(max_depth):
+        has = ancestor >= 0
+        mask |= torch.nn.functional.one_hot(ancestor.clamp(min=0), num_nodes).bool() & has[:, None]
+        ancestor = torch.where(has, parents_T[ancestor.clamp(min=0)], -1)
+    return mask

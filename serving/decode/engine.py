@@ -41,11 +41,14 @@ Shape legend: n decoding sequences, T tree nodes (padded), V vocab, nH drafter t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from specheads.serving.decode.accept import NO_DISTRIBUTION, Accepted, HostAccepted, concat_accepted
+from specheads.serving.decode.accept import accept as accept_batch
 from specheads.serving.decode.config import SpeculativeDecoder
+from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.decode.fallback import Fallback, SpeculationWindow
 from specheads.serving.decode.graphs import VerifyGraphs, bucket
@@ -53,9 +56,7 @@ from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_mem
 from specheads.serving.decode.lookup import NgramIndex
 from specheads.serving.decode.sampling import SamplingParams, make_generator
 from specheads.serving.decode.stats import DecodeStats, GenerationResult
-from specheads.serving.decode.steps import (DecodeState, Outcome, accept, emit, greedy_tokens, prefill, prefill_many,
-                                            verify)
-from specheads.serving.decode.trees import Draft, LookupTrees
+from specheads.serving.decode.steps import DecodeState, Verified, emit, prefill, prefill_many, verify
 
 
 # At most this many padded prompt tokens go into one prefill forward of several new sequences
@@ -136,7 +137,6 @@ class BatchEngine:
             VerifyGraphs(decoder, self.cache, capture=decoder.cuda_graphs == "capture")
         self.rows: list[Sequence] = []  # row i holds rows[i]
         self.fallback = Fallback(decoder.fallback, decoder.step_costs)
-        self.lookup_trees = LookupTrees(self.target.device)
         self.clock = decoder.step_costs.clock
         if decoder.attn_impl == "tree":
             from specheads.serving.kernels.tree_attention import use_tree_attention
@@ -292,22 +292,22 @@ class BatchEngine:
     def step(self) -> dict[int, list[int]]:
         """One decode step over every joined, unfinished sequence -> {seq_id: new tokens}.
         Sequences added since the last step join (they already emitted their first token).
-        A sequence that fails ends alone with finish_reason "error" (module doc, "Faults")."""
+        A sequence that fails ends alone with finish_reason "error" (module doc, "Faults").
+        Everything up to the accepted tokens runs on the device; their copy to the host is
+        the step's one device sync."""
         batch = self._decoding()
         if not batch:
             return {}
         start = self.clock()
         with torch.inference_mode():
-            drafts, head_caches = self._draft(batch)
+            drafts = self._draft(batch)
             verified = self._verify(batch, drafts)
-            outcomes = [None if one is None else self._guard(seq, accept, draft, *one, seq.sampling, seq.generator,
-                                                             seq.acceptance)
-                        for seq, draft, one in zip(batch, drafts, verified)]
+            accepted, host = self._accept(batch, drafts, verified)
             # commit: each row keeps its accepted entries (a failed row its root alone: that
             # sequence has ended, the entry is never read); a root alone stays where it is
-            self.cache.commit([None if outcome is None or len(outcome.emitted) == 1 else outcome.nodes
-                               for outcome in outcomes], num_kept=[1] * len(outcomes))
-            return self._record(batch, drafts, outcomes, head_caches, self.clock() - start)
+            self.cache.commit([None if seq.error is not None or len(path) == 1 else path
+                               for seq, path in zip(batch, host.paths)], num_kept=[1] * len(batch))
+            return self._record(batch, drafts, verified, accepted, host, self.clock() - start)
 
     def _decoding(self) -> list[Sequence]:
         """The sequences this step decodes (joined, unfinished), moved to rows [0, n); every
@@ -327,115 +327,158 @@ class BatchEngine:
             seq.joined = True
         return batch
 
-    def _draft(self, batch: list[Sequence]) -> tuple[list[Draft], list]:
-        """Every sequence's draft and its drafter's new head cache (None: unchanged); a sequence
-        whose drafting fails ends, with a plain draft as its placeholder in this step's verify."""
-        drafter = self.decoder.drafter
-        drafts: list[Draft | None] = [None] * len(batch)
-        head_caches: list = [seq.state.draft_cache for seq in batch]
+    def _draft(self, batch: list[Sequence]) -> DraftBatch:
+        """The batch's drafts: each drafting sequence's lookup chain (alone, or one more branch),
+        the heads' trees of the rest, every other row its root alone. A sequence whose drafting
+        fails ends, its root alone standing in for it in this step's verify."""
         chains: list[list[int]] = [[] for _ in batch]
-        medusa = []
+        heads_rows = []
         for index, (seq, speculates) in enumerate(zip(batch, self.fallback.drafting(batch))):
+            if not speculates:
+                continue
             alone = False
-            if speculates and seq.lookup is not None:
+            if seq.lookup is not None:
                 chains[index], alone = self._guard(seq, seq.lookup.draft, seq.tokens, int(seq.prompt_1P.shape[1])) \
                     or ([], False)
-            if not speculates or alone or drafter is None:
-                drafts[index] = self._plain_draft(seq)
-            elif self.decoder.is_medusa:
-                medusa.append(index)
-            else:
-                drafted = self._guard(seq, drafter.draft, seq.state)
-                if drafted is not None:
-                    drafts[index], head_caches[index] = drafted
-        if medusa:
-            for index, draft in zip(medusa, self._draft_medusa([batch[i] for i in medusa])):
-                drafts[index] = draft
-        for index, (seq, chain) in enumerate(zip(batch, chains)):
-            if chain and drafts[index] is not None and seq.error is None:
-                drafts[index] = self._guard(seq, self.lookup_trees.add_chain, drafts[index], chain)
-        return [draft if draft is not None and seq.error is None else self._plain_draft(seq)
-                for seq, draft in zip(batch, drafts)], head_caches
+            if not alone and self.decoder.drafter is not None and seq.error is None:
+                heads_rows.append(index)
+        drafted = self._draft_heads([batch[i] for i in heads_rows]) if heads_rows else None
+        if drafted is not None and len(drafted[0]) < len(heads_rows):  # rows whose drafting failed
+            heads_rows = [heads_rows[i] for i in drafted[0]]
+        if len(heads_rows) == len(batch):  # every row drafted (the common case): nothing to pad in
+            drafts = replace(drafted[1], heads_drafted=[True] * len(batch))
+        else:
+            drafts = DraftBatch.merge(DraftBatch.roots(torch.cat([seq.state.root for seq in batch])),
+                                      None if drafted is None else drafted[1], heads_rows)
+        chains = [chain if seq.error is None else [] for seq, chain in zip(batch, chains)]
+        return drafts.with_chains(chains) if any(chains) else drafts
 
-    def _plain_draft(self, seq: Sequence) -> Draft:
-        return Draft(seq.state.root, self.decoder.plain_plan, heads_drafted=False)
-
-    def _draft_medusa(self, seqs: list[Sequence]) -> list[Draft | None]:
-        """One Medusa head call for seqs; on an error, one call per sequence, which finds the faulty one."""
-        def call(group):
-            return self.decoder.drafter.draft(torch.stack([seq.state.hidden[-1] for seq in group]),
-                                              torch.cat([seq.state.root for seq in group]))
-
+    def _draft_heads(self, seqs: list[Sequence]) -> tuple[list[int], DraftBatch] | None:
+        """One drafter call for seqs -> (the drafted rows' indices in seqs, their drafts). On an
+        error, one call per sequence, which finds the faulty one and ends it alone."""
+        drafter = self.decoder.drafter
         try:
-            return call(seqs)
+            return list(range(len(seqs))), drafter.draft([seq.state for seq in seqs])
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
             if is_fatal(err):
                 raise
-            return [self._guard(seq, lambda one=seq: call([one])[0]) for seq in seqs]
+        alone = [self._guard(seq, drafter.draft, [seq.state]) for seq in seqs]
+        rows = [i for i, one in enumerate(alone) if one is not None]
+        if not rows:
+            return None
+        ones = [alone[i] for i in rows]
+        width = max(one.num_nodes for one in ones)
+        padded = [one.padded(width) for one in ones]
+        stacked = {name: torch.cat([getattr(one, name) for one in padded])
+                   for name in ("tokens", "parents", "depths", "tree_mask", "valid")}
+        caches = None if ones[0].head_caches is None else [one.head_caches[0] for one in ones]
+        return rows, DraftBatch(**stacked, max_depth=max(one.max_depth for one in ones),
+                                max_children=max(one.max_children for one in ones), head_caches=caches)
 
-    def _verify(self, batch: list[Sequence], drafts: list[Draft]) -> list[tuple | None]:
-        """ONE forward over rows [0, n) -> per sequence (logits [T, V], taps [T, nH], greedy
-        tokens [T], the root's greedy token on the host). A failed forward of several rows is
-        run again row by row, padded alike so that the rows commit together; a row that fails
-        alone ends (None)."""
+    def _verify(self, batch: list[Sequence], drafts: DraftBatch) -> Verified | None:
+        """ONE forward over rows [0, n). A failed forward of several rows is run again row by
+        row, padded alike so that the rows commit together; a row that fails alone ends (its
+        logits are then zeros, never read)."""
         self.cache.set_rows(0, len(batch))
-        num_nodes = max(draft.plan.num_nodes for draft in drafts)
+        num_nodes = drafts.num_nodes
         if self.graphs is not None:  # a few tree sizes, so a few graphs
             num_nodes = bucket(num_nodes, self.decoder.max_tree_nodes)
         try:
-            logits, taps = retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts, num_nodes, self.graphs),
-                                               f"a verify forward of {len(batch)} sequences")
-            greedy = greedy_tokens(logits)  # one argmax for the whole batch, its roots read in one sync
-            return list(zip(logits, taps, greedy, greedy[:, 0].tolist()))
+            return retry_out_of_memory(lambda: verify(self.decoder, self.cache, drafts, num_nodes, self.graphs),
+                                       f"a verify forward of {len(batch)} sequences")
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
             if is_fatal(err):
                 raise
             if len(batch) == 1:
                 self._fail(batch[0], err)
-                return [None]
-        verified = []
-        for row, (seq, draft) in enumerate(zip(batch, drafts)):
+        rows = []
+        for row, seq in enumerate(batch):
             self.cache.set_rows(row, row + 1, pending_written=True)  # the failed forward's entries are dropped
-            one = self._guard(seq, lambda: retry_out_of_memory(
-                lambda: verify(self.decoder, self.cache, [draft], num_nodes, self.graphs),
+            one = None if seq.error is not None else self._guard(seq, lambda: retry_out_of_memory(
+                lambda: verify(self.decoder, self.cache, drafts.rows([row]), num_nodes, self.graphs),
                 "a verify forward of one sequence"))
-            greedy = None if one is None else greedy_tokens(one[0][0])
-            verified.append(None if one is None else (one[0][0], one[1][0], greedy, int(greedy[0])))
+            rows.append(one)
         self.cache.set_rows(0, len(batch), pending_written=True)
-        return verified
+        done = next((one for one in rows if one is not None), None)
+        if done is None:
+            return None
+        blank = Verified(torch.zeros_like(done.logits), torch.zeros_like(done.taps), torch.zeros_like(done.target_tokens))
+        rows = [blank if one is None else one for one in rows]
+        return Verified(*(torch.cat([getattr(one, name) for one in rows]) for name in ("logits", "taps", "target_tokens")))
 
-    def _record(self, batch: list[Sequence], drafts: list[Draft], outcomes: list[Outcome | None], head_caches: list,
-                seconds: float) -> dict[int, list[int]]:
+    def _accept(self, batch: list[Sequence], drafts: DraftBatch, verified: Verified | None):
+        """Every row's accepted path on the device, then its copy to the host (the step's one
+        sync) -> (Accepted, HostAccepted). If the batched accept fails, each row is accepted
+        alone, which finds the faulty one and ends it; a row whose logits give no distribution
+        ends too."""
+        if verified is None:  # every row failed in the verify
+            return None, HostAccepted.root_only(len(batch))
+        try:
+            accepted = self._accept_rows(batch, drafts, verified, list(range(len(batch))))
+        except Exception as err:  # noqa: BLE001 - isolated below, row by row
+            if is_fatal(err):
+                raise
+            alone = [self._guard(seq, self._accept_rows, batch, drafts, verified, [row]) for row, seq in enumerate(batch)]
+            blank = next((one for one in alone if one is not None), None)
+            if blank is None:
+                return None, HostAccepted.root_only(len(batch))
+            accepted = concat_accepted([blank if one is None else one for one in alone])
+        host = accepted.to_host()
+        for seq, bad in zip(batch, host.bad):
+            if bad and seq.error is None:
+                self._fail(seq, ValueError(NO_DISTRIBUTION))
+        return accepted, host
+
+    def _accept_rows(self, batch: list[Sequence], drafts: DraftBatch, verified: Verified, rows: list[int]) -> Accepted:
+        """The accept of the given rows (all of them, or one alone)."""
+        if len(rows) < len(batch):
+            index = torch.tensor(rows, device=verified.logits.device)
+            drafts = drafts.rows(rows)
+            verified = Verified(*(getattr(verified, name).index_select(0, index)
+                                  for name in ("logits", "taps", "target_tokens")))
+        seqs = [batch[row] for row in rows]
+        return accept_batch(drafts, verified.logits, verified.target_tokens, [seq.sampling for seq in seqs],
+                            [seq.generator for seq in seqs], [seq.acceptance for seq in seqs],
+                            self.decoder.uniform_shape)
+
+    def _record(self, batch: list[Sequence], drafts: DraftBatch, verified: Verified | None, accepted: Accepted | None,
+                host: HostAccepted, seconds: float) -> dict[int, list[int]]:
         """Each sequence's next state, stats and new tokens, then what the step cost and gave,
         told to the fallback policy -> {seq_id: new tokens}."""
         deltas, emitted = {}, []
-        for seq, draft, outcome, head_cache in zip(batch, drafts, outcomes, head_caches):
+        for row, seq in enumerate(batch):
             before = len(seq.tokens)
-            if outcome is not None:
-                self._guard(seq, self._advance, seq, draft, outcome, head_cache, seconds)
+            if seq.error is None:
+                self._guard(seq, self._advance, seq, drafts, verified, accepted, host, row, seconds)
             ok = seq.error is None
-            emitted.append(len(outcome.emitted) if ok else None)
+            emitted.append(len(host.emitted[row]) if ok else None)
             deltas[seq.seq_id] = seq.tokens[before:] if ok else []
-        self.fallback.observe(batch, [draft.plan.max_depth for draft in drafts], emitted,
-                              max(draft.plan.num_nodes for draft in drafts), seconds)
+        self.fallback.observe(batch, host.depths, emitted, drafts.num_nodes, seconds)
         return deltas
 
     @staticmethod
-    def _advance(seq: Sequence, draft: Draft, outcome: Outcome, head_cache, seconds: float) -> None:
-        """One sequence after its committed step: its next decode state, its stats, its output."""
-        state = seq.state
-        hidden = outcome.hidden
-        next_tokens = outcome.root if len(outcome.emitted) == 1 else \
-            torch.cat([draft.tokens[outcome.nodes[1:]], outcome.root])  # a plain step: no device op
-        if seq.keep_head_rows and not draft.heads_drafted:  # the EAGLE head covers these rows on its next run
+    def _advance(seq: Sequence, drafts: DraftBatch, verified: Verified, accepted: Accepted, host: HostAccepted,
+                 row: int, seconds: float) -> None:
+        """One sequence after its committed step: its next decode state, its stats, its output.
+        Device tensors are sliced with host counts: no sync."""
+        state, path, emitted = seq.state, host.paths[row], host.emitted[row]
+        num_nodes = len(path)
+        hidden = verified.taps[row].index_select(0, accepted.path[row, :num_nodes])  # [A, nH]
+        next_tokens = accepted.emitted[row, :num_nodes]  # the token after each accepted node
+        heads_drafted = drafts.heads_drafted is None or drafts.heads_drafted[row]
+        if seq.keep_head_rows and not heads_drafted:  # the EAGLE head covers these rows on its next run
             hidden, next_tokens = torch.cat([state.hidden, hidden]), torch.cat([state.next_tokens, next_tokens])
-        seq.state = DecodeState(cache=state.cache, prefix_len=state.prefix_len + int(outcome.nodes.shape[0]),
-                                root=outcome.root, hidden=hidden, next_tokens=next_tokens, draft_cache=head_cache)
-        seq.stats.count_step(draft.plan.max_depth, len(outcome.emitted) - 1, seconds)
-        if draft.lookup_start is not None:
+        head_cache = state.draft_cache if drafts.head_caches is None or drafts.head_caches[row] is None \
+            else drafts.head_caches[row]
+        seq.state = DecodeState(cache=state.cache, prefix_len=state.prefix_len + num_nodes,
+                                root=accepted.emitted[row, num_nodes - 1:num_nodes], hidden=hidden,
+                                next_tokens=next_tokens, draft_cache=head_cache)
+        seq.stats.count_step(host.depths[row], num_nodes - 1, seconds)
+        lookup_start = None if drafts.lookup_start is None else drafts.lookup_start[row]
+        if lookup_start is not None:
             seq.stats.lookup_steps += 1
-            seq.stats.lookup_accepted += int((outcome.nodes >= draft.lookup_start).sum())
-        seq.finish_reason = emit(seq.tokens, outcome.emitted, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
+            seq.stats.lookup_accepted += sum(node >= lookup_start for node in path)
+        seq.finish_reason = emit(seq.tokens, emitted, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
 
     # --- faults (module doc, "Faults") -----------------------------------------------------
 

@@ -24,8 +24,8 @@ so a loop of period p is drafted for as long as asked (the match just before the
 exactly p back).
 
 `NgramIndex.draft(output)` is the drafter's one entry point: it takes the sequence's output so
-far and returns the chain and whether it goes alone. `DraftTree.with_lookup_chain`
-(serving/decode/trees.py) adds the chain to the heads' tree as one more branch.
+far and returns the chain and whether it goes alone. `DraftBatch.with_chains`
+(serving/decode/draft_batch.py) adds the chain to the heads' tree as one more branch.
 
 Shape legend: T tree nodes of the heads' draft, L lookup tokens, D max depth.
 """

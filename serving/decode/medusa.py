@@ -10,8 +10,8 @@ batch is drafted in one head call.
 
 Entropy cut (`entropy_threshold`, AdaEDL): per sequence and step, the depths from the first
 head whose acceptance bound (serving/decode/sampling.py `acceptance_bound`) falls below the
-threshold are dropped; depth 1 is always kept. The tree cut at each depth is planned once
-(`DraftTree.truncated`); the cut tree's nodes are the full tree's first ones.
+threshold are dropped; depth 1 is always kept. The dropped nodes stay in the row as invalid
+nodes (serving/decode/draft_batch.py), so the cut needs no device sync.
 
 Shape legend: B batch, H hidden, K heads, T tree nodes, R ranks used (max rank + 1), V vocab,
 D tree depth.
@@ -19,31 +19,37 @@ D tree depth.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.serving.decode.sampling import acceptance_bound
-from specheads.serving.decode.trees import Draft, DraftTree, TreePlan
+from specheads.serving.decode.draft_batch import DraftBatch
+from specheads.serving.decode.trees import DraftTree, TreePlan
 
 
-def entropy_cut_depth(head_logits_KV: torch.Tensor, threshold: float, min_depth: int = 1) -> int:
-    """The first depth (> min_depth) whose head's acceptance bound < threshold.
+def entropy_cut_depths(head_logits_KBV: torch.Tensor, threshold: float, min_depth: int = 1) -> torch.Tensor:
+    """Per sequence, the first depth (> min_depth) whose head's acceptance bound < threshold.
 
-    head_logits [K, V]: head k predicts depth k+1. Nodes at the returned depth and deeper are
-    dropped this step; K+1 means no cut. Depths <= min_depth are always kept."""
-    if head_logits_KV.dim() != 2:
-        raise ValueError(f"head_logits must be [K, V] (one row per head), got shape {tuple(head_logits_KV.shape)}")
-    num_heads = int(head_logits_KV.shape[0])
+    head_logits [K, B, V]: head k predicts depth k+1. -> [B] long: nodes at that depth and
+    deeper are dropped this step; K+1 means no cut. Depths <= min_depth are always kept.
+    Tensor ops only (no device sync)."""
+    if head_logits_KBV.dim() != 3:
+        raise ValueError(f"head_logits must be [K, B, V] (heads, sequences, vocab), got shape "
+                         f"{tuple(head_logits_KBV.shape)}")
+    num_heads, batch = int(head_logits_KBV.shape[0]), int(head_logits_KBV.shape[1])
+    no_cut = torch.full((batch,), num_heads + 1, dtype=torch.long, device=head_logits_KBV.device)
     if min_depth >= num_heads:
-        return num_heads + 1
-    low = acceptance_bound(head_logits_KV[min_depth:]) < threshold  # heads min_depth.. -> depths min_depth+1..
-    if not bool(low.any()):
-        return num_heads + 1
-    return min_depth + 1 + int(low.to(torch.uint8).argmax())
+        return no_cut
+    low_KB = acceptance_bound(head_logits_KBV[min_depth:]) < threshold  # heads min_depth.. -> depths min_depth+1..
+    return torch.where(low_KB.any(0), min_depth + 1 + low_KB.long().argmax(0), no_cut)
 
 
 class MedusaDrafter:
+    keeps_head_cache = False  # reads only the last committed position's final hidden state
+
     def __init__(self, heads: nn.Module, tree: DraftTree, device: torch.device,
                  entropy_threshold: float | None = None):
         num_heads = getattr(heads, "num_heads", None)
@@ -62,8 +68,6 @@ class MedusaDrafter:
         self.draft_ids = None if draft_ids is None else draft_ids.to(device)  # [Vd]
         self.head_index = (tree.depths[1:] - 1).to(device)  # [T-1]
         self.rank_index = tree.ranks[1:].to(device)  # [T-1]
-        self.cut_plans = None if entropy_threshold is None else \
-            {cut: TreePlan(tree.truncated(cut), device) for cut in range(1, tree.max_depth + 2)}
 
     @torch.no_grad()
     def draft_tokens(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +83,14 @@ class MedusaDrafter:
             drafted_NB = self.draft_ids[drafted_NB]  # draft ids -> target ids
         return torch.cat([root_B[:, None], drafted_NB.T], dim=1), logits_KBV
 
-    def draft(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> list[Draft]:
-        """B sequences in one head call -> one Draft each (cut per sequence with entropy_threshold)."""
-        tokens_BT, logits_DBV = self.draft_tokens(hidden_BH, root_B)
-        if self.cut_plans is None:
-            return [Draft(tokens_BT[b], self.plan) for b in range(tokens_BT.shape[0])]
-        drafts = []
-        for b in range(tokens_BT.shape[0]):
-            cut = min(entropy_cut_depth(logits_DBV[:, b], self.entropy_threshold), self.tree.max_depth + 1)
-            plan = self.cut_plans[cut]
-            drafts.append(Draft(tokens_BT[b, :plan.num_nodes], plan))
-        return drafts
+    def draft(self, states: list) -> DraftBatch:
+        """B sequences in one head call (each reads its last committed final hidden state and
+        its root) -> their drafts; with entropy_threshold, each row's nodes past its cut depth
+        are invalid."""
+        tokens_BT, logits_DBV = self.draft_tokens(torch.stack([state.hidden[-1] for state in states]),
+                                                  torch.cat([state.root for state in states]))
+        drafts = DraftBatch.from_plan(self.plan, tokens_BT)
+        if self.entropy_threshold is None:
+            return drafts
+        cut_B = entropy_cut_depths(logits_DBV, self.entropy_threshold)
+        return replace(drafts, valid=self.plan.position_offsets[None, :] < cut_B[:, None])

@@ -1,6 +1,7 @@
 """The steps of tree speculative decoding, each written once and batched (a single request is
-a batch of one): prefill, verify, accept, and the output rule (emit). The engine
-(serving/decode/engine.py) runs them, commits, and records.
+a batch of one): prefill, verify and the output rule (emit); accept is
+serving/decode/accept.py's. The engine (serving/decode/engine.py) runs them, commits, and
+records.
 
     prefill -> repeat: draft -> verify -> accept -> commit
 
@@ -11,18 +12,19 @@ last step (all P prompt positions after prefill), `next_tokens` the token after 
 them. Medusa reads the final (post-norm) hidden state at position S-1, the one that chose
 `root`; EAGLE heads read every new row (their own KV cache, `draft_cache`, covers the rest).
 
-- draft (the drafters: serving/decode/medusa.py, eagle.py, lookup.py): a `Draft` per
-  sequence, its tree's T nodes (node 0 = root).
+- draft (the drafters: serving/decode/medusa.py, eagle.py; lookup chains: lookup.py): one
+  `DraftBatch` (serving/decode/draft_batch.py) for the batch, each row a tree of T nodes
+  (node 0 = root), as device tensors.
 - verify: ONE target forward over every sequence's tree, padded to the largest T; node i
   of sequence b sits at position S_b + depth(i) and attends to b's S_b committed keys plus
   its own ancestors (a 4-D bool mask [n, 1, T, max S + T], or the tree-attention kernel
   with per-sequence prefix lengths and packed masks). A padding node sees only itself and
   is never accepted. Its logits are the target's prediction for the token after node i.
-- accept: greedy, the longest root-to-leaf run of nodes whose token is the target's argmax
-  at their parent (serving/decode/trees.py `TreePlan.accept_greedy`), then the target's
-  argmax at the last accepted node (the bonus token, the next root); sampled, tree
-  rejection sampling (serving/decode/sampling.py), which keeps the target's distribution
-  exactly.
+- accept (serving/decode/accept.py): greedy, the deepest node whose every ancestor's token
+  is the target's argmax at its parent, then the target's argmax there (the bonus token,
+  the next root); sampled, tree rejection sampling, which keeps the target's distribution
+  exactly. Tensor operations for the whole batch; their result is the step's one copy to
+  the host.
 - commit (the engine): the cache keeps each sequence's accepted nodes' KV entries (root
   first) in its row and drops the rest (`TreeStaticCache.commit`), and the sequence gets its
   next DecodeState.
@@ -42,8 +44,8 @@ import torch
 
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.cache import TreeStaticCache
-from specheads.serving.decode.sampling import SamplingParams, accept_tree_sampling, target_probs
-from specheads.serving.decode.trees import Draft
+from specheads.serving.decode.draft_batch import DraftBatch
+from specheads.serving.decode.sampling import SamplingParams, target_probs
 
 
 @dataclass
@@ -54,16 +56,6 @@ class DecodeState:
     hidden: torch.Tensor  # [A, nH] drafter taps at positions S-A..S-1 (Medusa: nH = H, final hidden)
     next_tokens: torch.Tensor  # [A] long, the token after each of those positions (ends with root)
     draft_cache: object | None = None  # the EAGLE drafter's head cache over committed positions
-
-
-@dataclass
-class Outcome:
-    """One sequence's accepted step."""
-
-    nodes: torch.Tensor  # [A] long, accepted node indices, root first
-    root: torch.Tensor  # [1] long, the next step's root (the bonus or recovered token)
-    emitted: list[int]  # A tokens: accepted draft tokens + root
-    hidden: torch.Tensor  # [A, nH] drafter taps at the accepted nodes
 
 
 @torch.inference_mode()
@@ -136,71 +128,43 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
 
-def verify(decoder, cache: TreeStaticCache, drafts: list[Draft],
-           num_nodes: int | None = None, graphs=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ONE target forward over the cache's active rows, one draft each (a single sequence is a
-    batch of one), every tree padded to num_nodes (default: the largest) -> (logits [n, T, V],
-    taps [n, T, nH]). decoder: its target, tap_layers and attention choice. graphs: a
-    serving/decode/graphs.py `VerifyGraphs` that runs the forward (static shapes, CUDA graphs)."""
-    num_nodes = num_nodes or max(draft.plan.num_nodes for draft in drafts)
-    device = drafts[0].tokens.device
-    plan = drafts[0].plan
-    if plan.num_nodes == num_nodes and all(draft.plan is plan for draft in drafts):
-        # one tree for every row (plain steps, a static tree): no copy per row
-        tokens_nT = torch.stack([draft.tokens for draft in drafts])
-        offsets_nT = plan.position_offsets.expand(len(drafts), -1)
-        tree_masks = plan.tree_mask.expand(len(drafts), -1, -1)
-    else:
-        tokens_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
-        offsets_nT = torch.zeros(len(drafts), num_nodes, dtype=torch.long, device=device)
-        tree_masks = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(len(drafts), -1, -1).clone()
-        for index, draft in enumerate(drafts):  # padding nodes see only themselves
-            size = draft.plan.num_nodes
-            tokens_nT[index, :size] = draft.tokens
-            offsets_nT[index, :size] = draft.plan.position_offsets
-            tree_masks[index, :size, :size] = draft.plan.tree_mask
+@dataclass
+class Verified:
+    """One verify forward's result for the batch."""
+
+    logits: torch.Tensor  # [n, T, V] the target's prediction for the token after each node
+    taps: torch.Tensor  # [n, T, nH] the drafter's taps at each node
+    target_tokens: torch.Tensor  # [n, T] long, greedy_tokens(logits)
+
+
+def verify(decoder, cache: TreeStaticCache, drafts: DraftBatch, num_nodes: int | None = None,
+           graphs=None) -> Verified:
+    """ONE target forward over the cache's active rows, one draft row each (a single sequence
+    is a batch of one), padded to num_nodes (default: the drafts' T). decoder: its target,
+    tap_layers and attention choice. graphs: a serving/decode/graphs.py `VerifyGraphs` that
+    runs the forward (static shapes, CUDA graphs)."""
+    if num_nodes is not None and num_nodes != drafts.num_nodes:
+        drafts = drafts.padded(num_nodes)
+    tokens_nT, offsets_nT, tree_masks = drafts.tokens, drafts.depths, drafts.tree_mask
     if graphs is not None:
-        return graphs.forward(tokens_nT, offsets_nT, tree_masks)
-    attention_kwargs, mask = {}, None
-    if decoder.attn_impl == "tree" and num_nodes > 1:
-        from specheads.serving.kernels.tree_attention import pack_tree_mask
-
-        attention_kwargs = {"tree_mask": pack_tree_mask(tree_masks), "prefix_len": cache.seq_lens}
-        if decoder.tree_attention_impl is not None:
-            attention_kwargs["tree_attention_impl"] = decoder.tree_attention_impl
-    elif len(drafts) > 1 or not drafts[0].plan.is_chain:
-        mask = cache.attention_mask(tree_masks)
-    # else one chain (a plain step, a chain tree): the model's own causal mask is its tree mask
-    # (padding after it is never read), and it runs the attention of the target's own decoding.
-    out = decoder.target(tokens_nT, decoder.tap_layers, attention_mask=mask,
-                         position_ids=cache.position_ids(offsets_nT), past_key_values=cache, use_cache=True,
-                         **attention_kwargs)
-    return out.logits, torch.cat(out.taps, dim=-1)
-
-
-def accept(draft: Draft, logits_TV: torch.Tensor, hidden_TH: torch.Tensor, target_tokens_T: torch.Tensor,
-           root_token: int | None = None, sampling: SamplingParams | None = None,
-           generator: torch.Generator | None = None, acceptance: str = "rejection") -> Outcome:
-    """One sequence's accepted path from its verify logits (padding rows past its tree ignored).
-    target_tokens_T: greedy_tokens(logits_TV) (the engine takes it for the whole batch at once);
-    root_token: target_tokens_T[0] already read to the host (the engine reads the whole
-    batch's in one device sync; a plain step then needs none of its own)."""
-    plan = draft.plan
-    if sampling is None or sampling.is_greedy:
-        target_tokens_T = target_tokens_T[:plan.num_nodes]
-        if plan.num_nodes == 1:  # a plain step: the target's token
-            return Outcome(nodes=plan.root_only, root=target_tokens_T,
-                           emitted=target_tokens_T.tolist() if root_token is None else [root_token],
-                           hidden=hidden_TH[:1])
-        nodes = plan.accept_greedy(draft.tokens, target_tokens_T)
-        root = target_tokens_T[nodes[-1:]]
-        emitted = torch.cat([draft.tokens[nodes[1:]], root]).tolist()
+        logits, taps = graphs.forward(tokens_nT, offsets_nT, tree_masks)
     else:
-        sample = accept_tree_sampling(draft.tree, draft.tokens, logits_TV[:plan.num_nodes], sampling, generator,
-                                      mode=acceptance)
-        nodes, emitted = sample.nodes, sample.emitted
-        root = torch.tensor(emitted[-1:], dtype=torch.long, device=logits_TV.device)
-    return Outcome(nodes=nodes, root=root, emitted=emitted, hidden=hidden_TH[nodes])
+        attention_kwargs, mask = {}, None
+        if decoder.attn_impl == "tree" and drafts.num_nodes > 1:
+            from specheads.serving.kernels.tree_attention import pack_tree_mask
+
+            attention_kwargs = {"tree_mask": pack_tree_mask(tree_masks), "prefix_len": cache.seq_lens}
+            if decoder.tree_attention_impl is not None:
+                attention_kwargs["tree_attention_impl"] = decoder.tree_attention_impl
+        elif not drafts.is_chain:
+            mask = cache.attention_mask(tree_masks)
+        # else one chain (a plain step, a chain tree): the model's own causal mask is its tree mask
+        # (padding after it is never read), and it runs the attention of the target's own decoding.
+        out = decoder.target(tokens_nT, decoder.tap_layers, attention_mask=mask,
+                             position_ids=cache.position_ids(offsets_nT), past_key_values=cache, use_cache=True,
+                             **attention_kwargs)
+        logits, taps = out.logits, torch.cat(out.taps, dim=-1)
+    return Verified(logits=logits, taps=taps, target_tokens=greedy_tokens(logits))
 
 
 def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int],

@@ -11,18 +11,12 @@ node indices are stable for a given set of paths. All tensors live on the CPU; t
 decoder moves the ones it uses to the target's device once per tree.
 
 Constructors (all return a `DraftTree`): `from_paths` (rank paths), `chain(depth)`,
-`from_calibration` (best-first from measured accuracy), `default` (a prior guess),
-`from_parents` (nodes already in order, tensor ops: EAGLE-2's per-step trees),
-`with_lookup_chain` (one more branch: an n-gram chain under the root) and `truncated`
-(the nodes above a depth: AdaEDL's cuts of a static Medusa tree).
-`TreePlan` is a tree's tensors on the target's device; `Draft` is one sequence's drafted
-tokens with their plan. `DynamicTreeConfig` is the shape of an EAGLE-2 tree drafted anew
-every step. A heads directory's `tree` field is read in serving/decode/config.py.
-
-Acceptance (`accepted_path`): a drafted node is correct when the rule says so (greedy: its
-token is the target's argmax at its parent; Medusa-2's typical rule: its probability clears
-the threshold); the longest root-to-leaf run of correct nodes is accepted, the first leaf
-winning ties. Leaf paths are padded with -1, which indexes an appended False.
+`from_calibration` (best-first from measured accuracy), `default` (a prior guess).
+`TreePlan` is a static tree's tensors on the target's device. `DynamicTreeConfig` is the
+shape of an EAGLE-2 tree drafted anew every step (serving/decode/eagle.py builds its tensors
+on the device). A step's drafts for the whole batch, lookup chains included, are a
+serving/decode/draft_batch.py `DraftBatch`; the accept rules are serving/decode/accept.py's.
+A heads directory's `tree` field is read in serving/decode/config.py.
 
 Shape legend: T tree nodes (root included), L leaves, D max depth.
 """
@@ -139,68 +133,6 @@ class DraftTree:
         """A small tree for heads with no measured accuracy (see prior_accuracy)."""
         return cls.from_calibration(prior_accuracy(num_depths), DEFAULT_NUM_DRAFT_NODES)
 
-    @classmethod
-    def from_parents(cls, parents_T: torch.Tensor, ranks_T: torch.Tensor, depths_T: torch.Tensor) -> "DraftTree":
-        """A tree from nodes already in (depth, path) order, with tensor ops (EAGLE-2 builds one
-        every step). parents [T] (root -1), ranks [T], depths [T] long on the CPU; the result
-        equals from_paths(its rank paths)."""
-        num_nodes = int(parents_T.shape[0])
-        max_depth = int(depths_T[-1])
-        tree_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
-        tree_mask[0, 0] = True
-        bounds = torch.searchsorted(depths_T, torch.arange(max_depth + 2)).tolist()  # depth d: [bounds[d], bounds[d+1])
-        for depth in range(1, max_depth + 1):
-            lo, hi = bounds[depth], bounds[depth + 1]
-            tree_mask[lo:hi] = tree_mask[parents_T[lo:hi]]
-            level = torch.arange(lo, hi)
-            tree_mask[level, level] = True
-        is_parent = torch.zeros(num_nodes, dtype=torch.bool)
-        is_parent[parents_T[1:]] = True
-        leaves = (~is_parent).nonzero().flatten()
-        rows, cols = tree_mask[leaves].nonzero(as_tuple=True)  # a leaf's ancestors, one per depth
-        leaf_paths = torch.full((int(leaves.shape[0]), max_depth + 1), -1, dtype=torch.long)
-        leaf_paths[rows, depths_T[cols]] = cols
-        parent_list, rank_list = parents_T.tolist(), ranks_T.tolist()
-        paths: list[tuple[int, ...]] = [()]
-        for node in range(1, num_nodes):
-            paths.append(paths[parent_list[node]] + (rank_list[node],))
-        return cls(rank_paths=tuple(paths[1:]), parents=parents_T, depths=depths_T, ranks=ranks_T,
-                   tree_mask=tree_mask, position_offsets=depths_T.clone(), leaf_paths=leaf_paths)
-
-    def with_lookup_chain(self, length: int) -> "DraftTree":
-        """This tree plus a chain of `length` nodes under the root: nodes T..T+L-1, the first at
-        rank max_rank+1 so the rank paths stay distinct. That breaks the (depth, path) node
-        order but not what verify and accept need: every parent comes before its children."""
-        if length < 1:
-            raise ValueError(f"a lookup chain needs at least one token, got {length}")
-        num_base = self.num_nodes
-        num_nodes = num_base + length
-        chain = torch.arange(num_base, num_nodes)
-        parents = torch.cat([self.parents, torch.cat([torch.zeros(1, dtype=torch.long), chain[:-1]])])
-        depths = torch.cat([self.depths, torch.arange(1, length + 1)])
-        first_rank = self.max_rank + 1
-        ranks = torch.cat([self.ranks, torch.tensor([first_rank] + [0] * (length - 1), dtype=torch.long)])
-        tree_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
-        tree_mask[:num_base, :num_base] = self.tree_mask
-        tree_mask[num_base:, 0] = True
-        tree_mask[num_base:, num_base:] = torch.ones(length, length, dtype=torch.bool).tril()
-        max_depth = max(self.max_depth, length)
-        base_leaves = self.leaf_paths if num_base > 1 else self.leaf_paths[:0]  # the root is a parent now
-        leaf_paths = torch.full((base_leaves.shape[0] + 1, max_depth + 1), -1, dtype=torch.long)
-        leaf_paths[:base_leaves.shape[0], :base_leaves.shape[1]] = base_leaves
-        leaf_paths[-1, :length + 1] = torch.cat([torch.zeros(1, dtype=torch.long), chain])
-        chain_paths = tuple((first_rank,) + (0,) * i for i in range(length))
-        return DraftTree(rank_paths=self.rank_paths + chain_paths, parents=parents, depths=depths, ranks=ranks,
-                         tree_mask=tree_mask, position_offsets=depths.clone(), leaf_paths=leaf_paths)
-
-    def truncated(self, cut_depth: int) -> "DraftTree":
-        """The tree without nodes at depth >= cut_depth (1: the root alone; > D: the same tree).
-        Nodes are ordered by depth, so its nodes are this tree's first ones."""
-        if cut_depth < 1:
-            raise ValueError(f"cut_depth must be >= 1 (1 keeps the root alone), got {cut_depth}")
-        paths = [path for path in self.rank_paths if len(path) < cut_depth]
-        return DraftTree.from_paths(paths) if paths else DraftTree.chain(0)
-
     @property
     def num_nodes(self) -> int:
         """T, root included."""
@@ -215,6 +147,11 @@ class DraftTree:
         return int(self.ranks.max())
 
     @property
+    def max_children(self) -> int:
+        """The most children of one node (0 for the root alone)."""
+        return int(torch.bincount(self.parents[1:]).max()) if self.num_nodes > 1 else 0
+
+    @property
     def num_leaves(self) -> int:
         return int(self.leaf_paths.shape[0])
 
@@ -224,19 +161,9 @@ class DraftTree:
         return bool(torch.equal(self.parents[1:], torch.arange(self.num_nodes - 1)))
 
 
-def accepted_path(leaf_paths_LD: torch.Tensor, correct_T: torch.Tensor) -> torch.Tensor:
-    """The longest root-to-leaf run of correct nodes -> its node indices [A], root first.
-
-    leaf_paths [L, D+1] (padded with -1), correct [T] bool (the root counts as correct); the
-    first leaf wins ties."""
-    correct_ext = torch.cat([correct_T, correct_T.new_zeros(1)])  # [T+1]; index -1 (padding) -> False
-    accepted_len_L = correct_ext[leaf_paths_LD].cumprod(dim=1).sum(dim=1)
-    best = int(accepted_len_L.argmax())
-    return leaf_paths_LD[best, :int(accepted_len_L[best])]
-
-
 class TreePlan:
-    """A tree's tensors on the target's device, prepared once per tree."""
+    """A static tree's tensors on the target's device, prepared once per tree (a step's
+    drafts: serving/decode/draft_batch.py `DraftBatch.from_plan`)."""
 
     def __init__(self, tree: DraftTree, device: torch.device):
         self.tree = tree
@@ -245,50 +172,9 @@ class TreePlan:
         self.is_chain = tree.is_chain  # then the causal mask is the tree mask
         self.tree_mask = tree.tree_mask.to(device)  # [T, T]
         self.position_offsets = tree.position_offsets.to(device)  # [T]
-        self.draft_parents = tree.parents[1:].to(device)  # [T-1]
-        self.leaf_paths = tree.leaf_paths.to(device)  # [L, D+1]
-        self.root_only = torch.zeros(1, dtype=torch.long, device=device)  # the accepted nodes of a plain step
-
-    def accept_greedy(self, tokens_T: torch.Tensor, target_tokens_T: torch.Tensor) -> torch.Tensor:
-        """Greedy acceptance: a node is correct when its token is the target's argmax at its
-        parent -> the accepted nodes [A], root first."""
-        correct_T = torch.cat([tokens_T.new_ones(1, dtype=torch.bool), tokens_T[1:] == target_tokens_T[self.draft_parents]])
-        return accepted_path(self.leaf_paths, correct_T)
-
-
-@dataclass
-class Draft:
-    """One sequence's draft for one step: the tree's tokens and its plan."""
-
-    tokens: torch.Tensor  # [T] long target ids, node 0 = root
-    plan: TreePlan
-    heads_drafted: bool = True  # False: a plain step, or a lookup chain alone
-    lookup_start: int | None = None  # the first lookup chain node, when the tree has one
-
-    @property
-    def tree(self) -> DraftTree:
-        return self.plan.tree
-
-
-class LookupTrees:
-    """Drafts with an n-gram lookup chain added as one more branch (`DraftTree.with_lookup_chain`),
-    their plans built once per (tree, chain length)."""
-
-    MAX_PLANS = 1024  # dynamic trees make new shapes every step
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._plans: dict = {}  # (base tree's rank paths, chain length) -> plan
-
-    def add_chain(self, draft: Draft, chain: list[int]) -> Draft:
-        key = (draft.tree.rank_paths, len(chain))
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self.MAX_PLANS:
-                self._plans.clear()
-            plan = self._plans[key] = TreePlan(draft.tree.with_lookup_chain(len(chain)), self.device)
-        chain_L = torch.tensor(chain, dtype=torch.long, device=draft.tokens.device)
-        return Draft(torch.cat([draft.tokens, chain_L]), plan, draft.heads_drafted, lookup_start=draft.plan.num_nodes)
+        self.parents = tree.parents.to(device)  # [T], root -1
+        self.all_valid = torch.ones(tree.num_nodes, dtype=torch.bool, device=device)  # [T]
+        self.max_children = tree.max_children
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
 from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 from specheads.serving.decode.generate import generate
-from specheads.serving.decode.trees import Draft, TreePlan
+from specheads.serving.decode.draft_batch import DraftBatch
+from specheads.serving.decode.trees import TreePlan
 from specheads.serving.decode.trees import DraftTree
 from specheads.training.losses import eagle_ttt_loss
 
@@ -188,9 +189,9 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
     chain_plan = TreePlan(DraftTree.chain(3), target.device)
     real_draft, checked = decoder.drafter.draft, []
 
-    def check_then_force(state):
-        draft, head_cache = real_draft(state)
-        tree_tokens, context = draft.tokens, prompt + seq.tokens  # the committed tokens, then the root
+    def check_then_force(states):
+        drafts = real_draft(states)
+        tree_tokens, context = drafts.tokens[0], prompt + seq.tokens  # the committed tokens, then the root
         assert int(tree_tokens[0]) == seq.tokens[-1]
         for node in range(1, tree.num_nodes):  # the training forward on committed + ancestors' tokens
             chain, parent = [], int(tree.parents[node])
@@ -204,8 +205,8 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
             ranked = logits[depth - 1, 0, len(context) - 2].topk(tree.max_rank + 1).indices
             assert int(tree_tokens[node]) == int(draft_ids[ranked[int(tree.ranks[node])]])
         checked.append(len(context))
-        forced = torch.tensor([int(tree_tokens[0])] + greedy[len(seq.tokens):][:3])
-        return Draft(forced, chain_plan), head_cache
+        forced = torch.tensor([[int(tree_tokens[0])] + greedy[len(seq.tokens):][:3]])
+        return DraftBatch.from_plan(chain_plan, forced, head_caches=drafts.head_caches)
 
     monkeypatch.setattr(decoder.drafter, "draft", check_then_force)
     for _ in range(3):

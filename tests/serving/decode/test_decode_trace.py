@@ -9,8 +9,10 @@ import pytest
 
 from specheads.bench.decode_trace import StepTrace, format_report, tiny_eagle3_decoder, trace_one_step
 
-MAX_FUNCTIONS = 45  # 54 before issue 25
-MAX_FILES = 10
+# 54 before issue 25, 45 after it; 56 and 11 since the step accepts on the device for the whole
+# batch (serving/decode/accept.py) from one batched draft object (serving/decode/draft_batch.py).
+MAX_FUNCTIONS = 56
+MAX_FILES = 11
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def test_one_greedy_eagle3_step_stays_within_its_crossing_budget(decoder):
     report = trace_one_step(decoder, warmup_steps=2)
     functions = report["functions"]
     assert "BatchEngine.step" in functions["serving/decode/engine.py"]
-    assert "TreePlan.accept_greedy" in functions["serving/decode/trees.py"]  # the greedy accept test's one owner
+    assert "accept_greedy" in functions["serving/decode/accept.py"]  # the greedy accept test's one owner
     assert "StaticEagleDrafter.draft" in functions["serving/decode/eagle.py"]
     assert report["num_functions"] <= MAX_FUNCTIONS and report["num_files"] <= MAX_FILES, format_report(report)
 

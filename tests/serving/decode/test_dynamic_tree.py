@@ -19,7 +19,7 @@ from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDrafter
 from specheads.serving.decode.generate import generate
-from specheads.serving.decode.medusa import entropy_cut_depth
+from specheads.serving.decode.medusa import entropy_cut_depths
 from specheads.serving.decode.sampling import ADAEDL_GAMMA, acceptance_bound
 from specheads.serving.decode.steps import prefill
 from specheads.serving.decode.config import TreeSpec, parse_tree_field
@@ -58,10 +58,32 @@ def prompt_state(target, seed: int):
     return prefill(target, prompt, TAPS, TreeStaticCache(target.config, max_cache_len=prompt.shape[1] + 64))
 
 
-def drafted_tree(drafter, state) -> tuple[torch.Tensor, DraftTree]:
-    """(tokens, tree) of one draft; the drafters leave the state as it was."""
-    draft, _ = drafter.draft(state)
-    return draft.tokens, draft.tree
+@dataclasses.dataclass
+class Tree:
+    """One drafted row's valid nodes (the drafter's fixed-size row without its invalid ones)."""
+
+    tokens: torch.Tensor  # [T] long
+    parents: list[int]  # root -1
+    depths: list[int]
+    tree_mask: torch.Tensor  # [T, T] bool
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+
+def drafted_tree(drafter, state) -> Tree:
+    """The valid nodes of one state's draft; the drafters leave the state as it was."""
+    drafts = drafter.draft([state])
+    keep = drafts.valid[0].nonzero()[:, 0]
+    new_index = {int(old): new for new, old in enumerate(keep)}
+    parents = [new_index.get(int(drafts.parents[0, old]), -1) for old in keep]
+    return Tree(drafts.tokens[0, keep], parents, drafts.depths[0, keep].tolist(),
+                drafts.tree_mask[0][keep][:, keep])
 
 
 # -- brute force ---------------------------------------------------------------------------------------
@@ -123,12 +145,12 @@ def brute_force(runner: PathRunner, config: DynamicTreeConfig) -> dict[tuple[int
     return {candidates[i][0]: candidates[i][1] for i in order}
 
 
-def tree_paths_as_draft_ids(tokens, tree: DraftTree, head) -> dict[tuple[int, ...], int]:
+def tree_paths_as_draft_ids(tree: Tree, head) -> dict[tuple[int, ...], int]:
     """{path of draft ids from the root: node index} for every drafted node."""
     target_to_draft = {int(t): d for d, t in enumerate(head.draft_to_target().tolist())}
     paths = {0: ()}
     for node in range(1, tree.num_nodes):
-        paths[node] = paths[int(tree.parents[node])] + (target_to_draft[int(tokens[node])],)
+        paths[node] = paths[tree.parents[node]] + (target_to_draft[int(tree.tokens[node])],)
     return {path: node for node, path in paths.items() if node}
 
 
@@ -141,22 +163,25 @@ def candidate_paths(drafted, head) -> dict[int, tuple[int, ...]]:
     return paths
 
 
-def check_invariants(tokens, tree: DraftTree, config: DynamicTreeConfig, state) -> None:
+def check_invariants(tree: Tree, config: DynamicTreeConfig, state) -> None:
+    tokens = tree.tokens
     assert tokens.dtype == torch.long and tokens.shape == (tree.num_nodes,)
     assert int(tokens[0]) == int(state.root[0])
     assert 2 <= tree.num_nodes <= config.num_nodes + 1
     assert tree.max_depth <= config.depth
-    parents = tree.parents.tolist()
+    parents = tree.parents
     assert parents[0] == -1 and all(0 <= parents[i] < i for i in range(1, tree.num_nodes))  # parents first
     for node in range(1, tree.num_nodes):
         assert tree.depths[node] == tree.depths[parents[node]] + 1
     for parent in set(parents[1:]):
         siblings = [int(tokens[i]) for i in range(1, tree.num_nodes) if parents[i] == parent]
         assert len(siblings) == len(set(siblings))  # unique children per parent
-    reference = DraftTree.from_paths(tree.rank_paths)  # the fast constructor's tree is from_paths'
-    for field in ("parents", "depths", "ranks", "tree_mask", "position_offsets", "leaf_paths"):
-        assert torch.equal(getattr(tree, field), getattr(reference, field)), field
-    assert tree.rank_paths == reference.rank_paths
+    for node in range(tree.num_nodes):  # the mask holds the node and its ancestors, nothing else
+        ancestors, walk = set(), node
+        while walk >= 0:
+            ancestors.add(walk)
+            walk = parents[walk]
+        assert set(tree.tree_mask[node].nonzero()[:, 0].tolist()) == ancestors
 
 
 # -- the drafter ---------------------------------------------------------------------------------------
@@ -169,10 +194,10 @@ def test_kept_nodes_are_the_best_by_cumulative_log_prob(target, head, config):
     for seed in range(3):
         state = prompt_state(target, seed)
         with torch.inference_mode():
-            tokens, tree = drafted_tree(drafter, state)
+            tree = drafted_tree(drafter, state)
             expected = brute_force(PathRunner(head, target.embeddings(), state), config)
-        check_invariants(tokens, tree, config, state)
-        got = tree_paths_as_draft_ids(tokens, tree, head)
+        check_invariants(tree, config, state)
+        got = tree_paths_as_draft_ids(tree, head)
         assert set(got) == set(expected)
         with torch.inference_mode():
             drafted = drafter.expand(state)[0]  # the scores behind the rerank are the brute force's
@@ -185,17 +210,17 @@ def test_adaedl_threshold_zero_never_stops_and_one_stops_at_depth_one(target, he
     base = DynamicTreeConfig(depth=4, top_k=3, num_nodes=20)
     state = prompt_state(target, 5)
     with torch.inference_mode():
-        plain_tokens, plain_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), base), state)
+        plain_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), base), state)
         zero = dataclasses.replace(base, entropy_threshold=0.0)
-        zero_tokens, zero_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), zero), state)
+        zero_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), zero), state)
         one = dataclasses.replace(base, entropy_threshold=1.0)
-        one_tokens, one_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), one), state)
+        one_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), one), state)
         chain = DynamicTreeConfig(depth=5, top_k=1, num_nodes=5, entropy_threshold=1.0)
-        _, chain_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), chain), state)
-    assert torch.equal(plain_tokens, zero_tokens) and zero_tree.rank_paths == plain_tree.rank_paths
+        chain_tree = drafted_tree(DynamicEagleDrafter(head, target.embeddings(), chain), state)
+    assert torch.equal(plain_tree.tokens, zero_tree.tokens) and zero_tree.parents == plain_tree.parents
     assert plain_tree.max_depth == 4
     assert one_tree.max_depth == 1 and one_tree.num_nodes == 1 + base.top_k
-    assert torch.equal(one_tokens, plain_tokens[:1 + base.top_k])  # depth 1 = the root's top-k, in rank order
+    assert torch.equal(one_tree.tokens, plain_tree.tokens[:1 + base.top_k])  # depth 1: the root's top-k, rank order
     assert chain_tree.max_depth == 1  # a chain stops as a whole
     # A threshold between the expanded nodes' bounds stops exactly the branches below it.
     with torch.inference_mode():
@@ -225,13 +250,13 @@ def test_draft_cache_equals_the_static_drafters_across_steps(target, head, monke
     static = StaticEagleDrafter(head, target.embeddings(), DraftTree.chain(3))
     real_draft, compared = decoder.drafter.draft, []
 
-    def draft_and_compare(state):
-        draft, cache = real_draft(state)
-        _, mirror = static.draft(state)
+    def draft_and_compare(states):
+        drafts = real_draft(states)
+        (cache,), (mirror,) = drafts.head_caches, static.draft(states).head_caches
         assert torch.equal(cache.keys, mirror.keys) and torch.equal(cache.values, mirror.values)
-        assert cache.keys.shape[-2] == state.prefix_len
-        compared.append(state.prefix_len)
-        return draft, cache
+        assert cache.keys.shape[-2] == states[0].prefix_len
+        compared.append(states[0].prefix_len)
+        return drafts
 
     monkeypatch.setattr(decoder.drafter, "draft", draft_and_compare)
     prompt = torch.randint(3, target.vocab_size, (6,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -251,7 +276,7 @@ def test_greedy_decoding_with_dynamic_trees_is_lossless(target, head):
         assert generate(decoder, prompt[0].tolist(), 12).tokens == reference
 
 
-# -- config, AdaEDL helpers, fast tree constructor -----------------------------------------------------------
+# -- config, AdaEDL helpers -----------------------------------------------------------
 
 
 def test_config_validation_and_round_trip():
@@ -284,44 +309,15 @@ def test_acceptance_bound_and_medusa_cut_depth():
     bounds = acceptance_bound(torch.stack([peaked, uniform, half]))
     assert bounds[0] > 0.999 and bounds[1] == 0.0
     assert abs(float(bounds[2]) - (1 - (ADAEDL_GAMMA * torch.log(torch.tensor(2.0))).sqrt())) < 1e-5
-    heads = torch.stack([peaked, peaked, half, uniform])  # heads 0..3 predict depths 1..4
-    assert entropy_cut_depth(heads, 0.0) == 5  # lambda 0: never cut
-    assert entropy_cut_depth(heads, 0.5) == 3  # head 2 (depth 3) is the first below 0.5
-    assert entropy_cut_depth(heads, 0.2) == 4
-    assert entropy_cut_depth(torch.stack([uniform, uniform]), 0.5) == 2  # depth 1 is always kept
-    assert entropy_cut_depth(torch.stack([uniform, uniform]), 0.5, min_depth=0) == 1
-    with pytest.raises(ValueError, match=r"\[K, V\]"):
-        entropy_cut_depth(uniform, 0.5)
-
-
-def test_truncated_trees_are_prefixes_of_the_static_tree():
-    tree = DraftTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])
-    assert tree.truncated(1).num_nodes == 1
-    assert tree.truncated(9).rank_paths == tree.truncated(5).rank_paths == tree.rank_paths
-    for cut in range(2, 6):
-        small = tree.truncated(cut)
-        assert small.max_depth == min(cut - 1, tree.max_depth)
-        count = int((tree.depths < cut).sum())
-        assert small.num_nodes == count
-        assert torch.equal(small.parents, tree.parents[:count])  # the first nodes, same parents
-        assert torch.equal(small.tree_mask, tree.tree_mask[:count, :count])
-    with pytest.raises(ValueError, match="cut_depth"):
-        tree.truncated(0)
-
-
-def test_from_parents_equals_from_paths():
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        paths = {()}
-        for _ in range(int(torch.randint(1, 25, (1,), generator=generator))):
-            base = sorted(paths)[int(torch.randint(0, len(paths), (1,), generator=generator))]
-            if len(base) < 5:
-                paths.add(base + (int(torch.randint(0, 4, (1,), generator=generator)),))
-        reference = DraftTree.from_paths([p for p in paths if p])
-        fast = DraftTree.from_parents(reference.parents, reference.ranks, reference.depths)
-        assert fast.rank_paths == reference.rank_paths
-        for field in ("parents", "depths", "ranks", "tree_mask", "position_offsets", "leaf_paths"):
-            assert torch.equal(getattr(fast, field), getattr(reference, field)), field
+    heads = torch.stack([peaked, peaked, half, uniform])[:, None]  # heads 0..3 predict depths 1..4; one row
+    assert entropy_cut_depths(heads, 0.0).tolist() == [5]  # lambda 0: never cut
+    assert entropy_cut_depths(heads, 0.5).tolist() == [3]  # head 2 (depth 3) is the first below 0.5
+    assert entropy_cut_depths(heads, 0.2).tolist() == [4]
+    two_rows = torch.stack([torch.stack([peaked, uniform]), torch.stack([uniform, peaked])], dim=1)  # [K=2, B=2, V]
+    assert entropy_cut_depths(two_rows, 0.5).tolist() == [2, 3]  # depth 1 is always kept; each row its own cut
+    assert entropy_cut_depths(two_rows, 0.5, min_depth=0).tolist() == [2, 1]
+    with pytest.raises(ValueError, match=r"\[K, B, V\]"):
+        entropy_cut_depths(uniform[None], 0.5)
 
 
 def test_tree_spec_reads_every_stored_form():

@@ -130,20 +130,21 @@ def assert_isolated(results, references, faulty: int, message: str):
 
 def test_a_fault_in_one_rows_accept_ends_that_sequence_alone(setup, monkeypatch):
     target, decoder, prompts, references = setup
-    original = engine_module.accept
+    original = engine_module.accept_batch
     calls = {"n": 0}
 
     def faulty_accept(*args):
         calls["n"] += 1
-        if calls["n"] == 5:  # rows 0, 1, 2 accept in row order: row 1 (seq 1) of the second decode step
+        # the second step's batched accept fails; accepted row by row (calls 3, 4, 5), row 1 fails again
+        if calls["n"] in (2, 4):
             raise RuntimeError("injected accept fault")
         return original(*args)
 
-    monkeypatch.setattr(engine_module, "accept", faulty_accept)
+    monkeypatch.setattr(engine_module, "accept_batch", faulty_accept)
     results, session = run(decoder, [SequenceRequest(p, MAX_NEW) for p in prompts])
     assert_isolated(results, references, 1, "RuntimeError: injected accept fault")
     assert 0 < len(results[1].tokens) < MAX_NEW  # what it had emitted before the fault
-    monkeypatch.setattr(engine_module, "accept", original)
+    monkeypatch.setattr(engine_module, "accept_batch", original)
     again, _ = run(decoder, [SequenceRequest(prompts[1], MAX_NEW)])
     assert again[0].tokens == references[1]
 
@@ -224,7 +225,7 @@ def test_one_sequence_generate_raises_its_fault(setup, monkeypatch):
     def broken(*args):
         raise KeyError("injected")
 
-    monkeypatch.setattr(engine_module, "accept", broken)
+    monkeypatch.setattr(engine_module, "accept_batch", broken)
     with pytest.raises(KeyError, match="injected"):
         generate(decoder, prompts[0], MAX_NEW)
 

@@ -27,13 +27,15 @@ from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
-from specheads.serving.decode.steps import DecodeState, accept
+from specheads.serving.decode.accept import accept_greedy
+from specheads.serving.decode.draft_batch import DraftBatch
+from specheads.serving.decode.steps import DecodeState
 from specheads.serving.decode.eagle import commit_head_rows
 from specheads.serving.decode.trees import DynamicTreeConfig
 from specheads.serving.decode.engine import BatchEngine
 from specheads.serving.decode.lookup import LookupConfig, NgramIndex
 from specheads.serving.decode.sampling import SamplingParams
-from specheads.serving.decode.trees import Draft, DraftTree, TreePlan
+from specheads.serving.decode.trees import DraftTree, TreePlan
 
 from test_batch import run_session
 from test_eagle3 import random_head
@@ -146,7 +148,7 @@ def test_lookup_config_accepts_good_values():
         LookupConfig(alone_at_ngram="min")
 
 
-# -- with_lookup_chain ------------------------------------------------------------------------------------
+# -- DraftBatch.with_chains -----------------------------------------------------------------------------
 
 
 def ancestors(parents: list[int], node: int) -> set[int]:
@@ -157,107 +159,89 @@ def ancestors(parents: list[int], node: int) -> set[int]:
     return out
 
 
-def check_tree_tensors(tree: DraftTree) -> None:
-    """Every tensor of `tree` agrees with what its parents imply."""
-    parents = tree.parents.tolist()
-    num_nodes = tree.num_nodes
-    assert parents[0] == -1 and all(0 <= parents[i] < i for i in range(1, num_nodes))
-    for node in range(1, num_nodes):
-        assert int(tree.depths[node]) == int(tree.depths[parents[node]]) + 1
-    assert torch.equal(tree.position_offsets, tree.depths)
-    expected_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
-    for node in range(num_nodes):
-        expected_mask[node, sorted(ancestors(parents, node))] = True
-    assert torch.equal(tree.tree_mask, expected_mask)
-    leaves = [n for n in range(num_nodes) if n not in set(parents[1:])]
-    got = {tuple(int(x) for x in row if x >= 0) for row in tree.leaf_paths}
-    assert got == {tuple(sorted(ancestors(parents, leaf))) for leaf in leaves}
-    assert tree.num_leaves == len(leaves)
-    assert tree.max_depth == int(tree.depths.max())
-    assert len(tree.rank_paths) == num_nodes - 1 and len(set(tree.rank_paths)) == num_nodes - 1
-    for node in range(1, num_nodes):  # a node's rank path extends its parent's by its rank
-        path = tree.rank_paths[node - 1]
-        assert path[-1] == int(tree.ranks[node]) and len(path) == int(tree.depths[node])
-        if parents[node] > 0:
-            assert path[:-1] == tree.rank_paths[parents[node] - 1]
+def check_row(drafts: DraftBatch, row: int) -> None:
+    """Every tensor of one row agrees with what its parents imply, over its valid nodes; the
+    children table lists exactly the valid children, in node order."""
+    parents, depths = drafts.parents[row].tolist(), drafts.depths[row].tolist()
+    valid = drafts.valid[row].tolist()
+    assert parents[0] == -1 and valid[0]
+    children = drafts.children()[row].tolist()
+    for node in range(drafts.num_nodes):
+        if not valid[node]:
+            continue
+        if node:
+            assert 0 <= parents[node] < node and valid[parents[node]] and depths[node] == depths[parents[node]] + 1
+        assert set(drafts.tree_mask[row, node].nonzero()[:, 0].tolist()) == ancestors(parents, node)
+        assert [c for c in children[node] if c >= 0] == [c for c in range(drafts.num_nodes)
+                                                        if valid[c] and parents[c] == node and c]
 
 
-def test_with_lookup_chain_appends_a_chain_under_the_root():
-    base = DraftTree.from_paths([[0], [1], [0, 0]])  # nodes: 0 root, 1 (0,), 2 (1,), 3 (0, 0)
-    tree = base.with_lookup_chain(3)  # chain nodes 4, 5, 6
-    assert tree.num_nodes == 7 and tree.max_depth == 3 and not tree.is_chain
-    assert tree.parents.tolist() == [-1, 0, 0, 1, 0, 4, 5]
-    assert tree.depths.tolist() == [0, 1, 1, 2, 1, 2, 3]
-    assert tree.position_offsets.tolist() == [0, 1, 1, 2, 1, 2, 3]
-    assert tree.ranks.tolist() == [0, 0, 1, 0, 2, 0, 0]
-    assert tree.rank_paths == ((0,), (1,), (0, 0), (2,), (2, 0), (2, 0, 0))
-    assert torch.equal(tree.tree_mask[:4, :4], base.tree_mask)  # base nodes unchanged
-    assert not tree.tree_mask[:4, 4:].any()  # and blind to the chain
-    assert tree.tree_mask[4:].tolist() == [[True, False, False, False, True, False, False],
-                                           [True, False, False, False, True, True, False],
-                                           [True, False, False, False, True, True, True]]
-    assert tree.leaf_paths.tolist() == [[0, 2, -1, -1], [0, 1, 3, -1], [0, 4, 5, 6]]
-    check_tree_tensors(tree)
+def plan_batch(paths: list, tokens_nT: torch.Tensor) -> DraftBatch:
+    return DraftBatch.from_plan(TreePlan(DraftTree.from_paths(paths), torch.device("cpu")), tokens_nT)
 
 
-@pytest.mark.parametrize("paths, length", [
-    ([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 1),
-    ([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 6),
-    ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], 2),  # a chain base: the result has two branches
-    ([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], 10),
+def test_with_chains_appends_a_chain_under_the_root():
+    base = plan_batch([[0], [1], [0, 0]], torch.tensor([[10, 11, 12, 13]]))  # 0 root, 1 (0,), 2 (1,), 3 (0, 0)
+    drafts = base.with_chains([[5, 6, 7]])  # chain nodes 4, 5, 6
+    assert drafts.num_nodes == 7 and drafts.max_depth == 3 and not drafts.is_chain
+    assert drafts.tokens.tolist() == [[10, 11, 12, 13, 5, 6, 7]]
+    assert drafts.parents.tolist() == [[-1, 0, 0, 1, 0, 4, 5]]
+    assert drafts.depths.tolist() == [[0, 1, 1, 2, 1, 2, 3]]
+    assert drafts.lookup_start == [4] and drafts.max_children == 3
+    assert torch.equal(drafts.tree_mask[0, :4, :4], base.tree_mask[0])  # base nodes unchanged
+    assert not drafts.tree_mask[0, :4, 4:].any()  # and blind to the chain
+    assert drafts.tree_mask[0, 4:].tolist() == [[True, False, False, False, True, False, False],
+                                                [True, False, False, False, True, True, False],
+                                                [True, False, False, False, True, True, True]]
+    assert drafts.children()[0, 0].tolist() == [1, 2, 4]  # the chain is the root's last child
+    check_row(drafts, 0)
+
+
+@pytest.mark.parametrize("paths, chains", [
+    ([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], [[7], [8, 9, 10, 11, 12, 13]]),
+    ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [[5, 6], []]),  # a chain base, and a row without a chain
+    ([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], [list(range(20, 30)), [3, 4]]),
 ])
-def test_with_lookup_chain_keeps_every_tree_invariant(paths, length):
-    base = DraftTree.from_paths(paths)
-    tree = base.with_lookup_chain(length)
-    check_tree_tensors(tree)
-    num_base = base.num_nodes
-    assert tree.num_nodes == num_base + length and tree.max_depth == max(base.max_depth, length)
-    for field in ("parents", "depths", "ranks", "position_offsets"):
-        assert torch.equal(getattr(tree, field)[:num_base], getattr(base, field)), field
-    assert torch.equal(tree.tree_mask[:num_base, :num_base], base.tree_mask)
-    assert tree.rank_paths[:num_base - 1] == base.rank_paths
-    assert tree.num_leaves == base.num_leaves + 1
-    chain_leaf = tree.leaf_paths[-1]
-    assert chain_leaf[:length + 1].tolist() == [0] + list(range(num_base, num_base + length))
-    assert not tree.is_chain
+def test_with_chains_keeps_every_row_a_tree(paths, chains):
+    tree = DraftTree.from_paths(paths)
+    base = plan_batch(paths, torch.arange(2 * tree.num_nodes).reshape(2, -1))
+    drafts = base.with_chains(chains)
+    longest = max(len(chain) for chain in chains)
+    assert drafts.num_nodes == tree.num_nodes + longest and drafts.max_depth == max(tree.max_depth, longest)
+    for row, chain in enumerate(chains):
+        check_row(drafts, row)
+        assert drafts.valid[row].tolist() == [True] * tree.num_nodes + [i < len(chain) for i in range(longest)]
+        assert drafts.tokens[row, tree.num_nodes:tree.num_nodes + len(chain)].tolist() == chain
+        assert drafts.lookup_start[row] == (tree.num_nodes if chain else None)
+        assert torch.equal(drafts.tree_mask[row, :tree.num_nodes, :tree.num_nodes], tree.tree_mask)
 
 
 @pytest.mark.parametrize("length", [1, 4])
-def test_with_lookup_chain_on_a_root_only_tree_is_a_pure_chain(length):
-    tree = DraftTree.chain(0).with_lookup_chain(length)
-    check_tree_tensors(tree)
-    assert tree.is_chain and tree.num_nodes == length + 1 and tree.max_depth == length
-    assert tree.leaf_paths.tolist() == [list(range(length + 1))]
-    assert torch.equal(tree.tree_mask, torch.ones(length + 1, length + 1, dtype=torch.bool).tril())
-    assert TreePlan(tree, torch.device("cpu")).is_chain  # verified with the model's causal mask
-
-
-@pytest.mark.parametrize("length", [0, -1])
-def test_with_lookup_chain_needs_a_token(length):
-    with pytest.raises(ValueError, match="at least one token"):
-        DraftTree.chain(2).with_lookup_chain(length)
+def test_a_chain_on_a_root_alone_is_a_pure_chain(length):
+    drafts = DraftBatch.roots(torch.tensor([9])).with_chains([list(range(length))])
+    check_row(drafts, 0)
+    assert drafts.is_chain and drafts.num_nodes == length + 1 and drafts.max_depth == length
+    assert torch.equal(drafts.tree_mask[0], torch.ones(length + 1, length + 1, dtype=torch.bool).tril())
 
 
 def test_accept_on_a_combined_tree_picks_the_longest_match():
-    tree = DraftTree.from_paths([[0], [1], [0, 0]]).with_lookup_chain(3)  # chain nodes 4, 5, 6
-    plan = TreePlan(tree, torch.device("cpu"))
-    tokens = torch.tensor([10, 11, 12, 13, 11, 5, 6])
+    tokens = torch.tensor([[10, 11, 12, 13]])
+    drafts = plan_batch([[0], [1], [0, 0]], tokens).with_chains([[11, 5, 6]])  # chain nodes 4, 5, 6
 
-    def run(target_after_node: list[int], draft_tokens: torch.Tensor = tokens):
-        logits = torch.nn.functional.one_hot(torch.tensor(target_after_node), 128).float()  # argmax = the given token
-        return accept(Draft(draft_tokens, plan), logits, torch.zeros(len(target_after_node), 1), logits.argmax(dim=-1))
+    def run(target_after_node: list[int], draft_tokens: torch.Tensor = drafts.tokens):
+        one = DraftBatch(**{**drafts.__dict__, "tokens": draft_tokens})
+        host = accept_greedy(one, torch.tensor([target_after_node])).to_host()
+        return host.paths[0], host.emitted[0]
 
     # The heads' branch 0 -> 1 -> 3 matches (3 nodes), the chain 0 -> 4 -> 5 -> 6 matches (4 nodes).
-    step = run([11, 13, 0, 40, 5, 6, 23])
-    assert step.nodes.tolist() == [0, 4, 5, 6] and step.emitted == [11, 5, 6, 23]
+    assert run([11, 13, 0, 40, 5, 6, 23]) == ([0, 4, 5, 6], [11, 5, 6, 23])
     # The chain breaks after one token: the heads' longer branch wins.
-    step = run([11, 13, 0, 40, 7, 6, 23])
-    assert step.nodes.tolist() == [0, 1, 3] and step.emitted == [11, 13, 40]
-    # Only the chain's first token matches, the heads' nothing.
-    step = run([11 + 100, 0, 0, 0, 9, 0, 0])
-    assert step.nodes.tolist() == [0] and step.emitted == [111]
-    step = run([20, 0, 0, 0, 21, 9, 0], torch.tensor([10, 99, 98, 97, 20, 21, 22]))
-    assert step.nodes.tolist() == [0, 4, 5] and step.emitted == [20, 21, 9]
+    assert run([11, 13, 0, 40, 7, 6, 23]) == ([0, 1, 3], [11, 13, 40])
+    # Only the root: nothing matches.
+    assert run([11 + 100, 0, 0, 0, 9, 0, 0]) == ([0], [111])
+    assert run([20, 0, 0, 0, 21, 9, 0], torch.tensor([[10, 99, 98, 97, 20, 21, 22]])) == ([0, 4, 5], [20, 21, 9])
+    # The chain repeats the heads' first token, and both match as far: the lower node wins, same tokens.
+    assert run([11, 40, 0, 0, 9, 0, 0]) == ([0, 1], [11, 40])
 
 
 # -- the engine -------------------------------------------------------------------------------------

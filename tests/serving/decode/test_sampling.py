@@ -3,7 +3,7 @@ statistical test that the output follows the target's processed distribution (wi
 controls showing the statistic catches wrong rules).
 
 The engine's candidates are fixed in advance (the heads' top-k, lookup chains), and
-`accept_tree_sampling` has that rule alone. The rule for children *sampled* from a draft
+serving/decode/accept.py has that rule alone; the tests run it batched, as the engine does. The rule for children *sampled* from a draft
 distribution q (SpecInfer's, with or without replacement) lives here as a reference
 (`accept_sampled_drafts`): the statistic confirms it on sampled drafts, and catches it when q
 is not how the children were drawn, which shows the test can see a subtle bias.
@@ -24,10 +24,11 @@ import math
 import pytest
 import torch
 
-from specheads.serving.decode import sampling
-from specheads.serving.decode.sampling import (SamplingParams, TypicalAcceptance, accept_tree_sampling, make_generator,
-                                        target_probs)
-from specheads.serving.decode.trees import DraftTree
+from specheads.serving.decode import accept, sampling
+from specheads.serving.decode.accept import accept_rejection, accept_tree_sampling, accept_typical, sibling_tests
+from specheads.serving.decode.draft_batch import DraftBatch
+from specheads.serving.decode.sampling import SamplingParams, TypicalAcceptance, make_generator, target_probs
+from specheads.serving.decode.trees import DraftTree, TreePlan
 
 V = 5  # vocab
 K = 3  # generated tokens whose joint distribution is tested
@@ -202,15 +203,23 @@ def run_static(tree: DraftTree, params: SamplingParams, how: str, *, num: int = 
     logits = TARGET[node_context(tree, tokens, before_root), tokens]  # [N, T, V]
     if pass_draft_probs is None:
         pass_draft_probs = how != "topk"
-    emitted = []
-    for i in range(num):
-        if pass_draft_probs:
-            emitted.append(accept_sampled_drafts(tree, tokens[i], logits[i], params, gen, draft_probs[i],
-                                                 **accept_kwargs))
-        else:
-            emitted.append(accept_tree_sampling(tree, tokens[i], logits[i], params, gen, **accept_kwargs).emitted)
+    if pass_draft_probs:
+        emitted = [accept_sampled_drafts(tree, tokens[i], logits[i], params, gen, draft_probs[i], **accept_kwargs)
+                   for i in range(num)]
+    else:
+        emitted = accept_rows(tree, tokens, logits, params, gen, **accept_kwargs)
     samples = complete(emitted, params, torch.tensor([CONTEXT]).expand(num, 2), gen)
     return chi_square(samples, exact_joint(params))
+
+
+def accept_rows(tree: DraftTree, tokens_NT: torch.Tensor, logits_NTV: torch.Tensor, params: SamplingParams,
+                gen: torch.Generator | None, mode: str = "rejection") -> list[list[int]]:
+    """Every sample's accept step as one batch of rows (the engine's call) -> emitted tokens."""
+    num = int(tokens_NT.shape[0])
+    drafts = DraftBatch.from_plan(TreePlan(tree, tokens_NT.device), tokens_NT)
+    accepted = accept_rejection(drafts, logits_NTV, [params] * num, [gen] * num) if mode == "rejection" \
+        else accept_typical(drafts, logits_NTV, [params] * num, [gen] * num, TypicalAcceptance())
+    return accepted.to_host().emitted
 
 
 SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
@@ -282,9 +291,10 @@ def test_dynamic_tree_follows_the_target(params):
         per_root[root] = (tree, tokens[0], logits[0])
     assert len({tree.rank_paths for tree, _, _ in per_root.values()}) > 1, "roots should get different shapes"
     emitted = []
-    for root in roots.tolist():
-        tree, tokens, logits = per_root[root]
-        emitted.append([root] + accept_tree_sampling(tree, tokens, logits, params, gen).emitted)
+    for root, (tree, tokens, logits) in per_root.items():  # each root's samples as one batch
+        count = int((roots == root).sum())
+        rows = accept_rows(tree, tokens.expand(count, -1), logits.expand(count, -1, -1), params, gen)
+        emitted += [[root] + row for row in rows]
     # Joint of (root, next two tokens) given CONTEXT: the root, the emitted tokens, then plain sampling.
     samples = complete(emitted, params, torch.tensor([CONTEXT]).expand(num, 2), gen)
     stat, critical = chi_square(samples, exact_joint(params))
@@ -293,15 +303,14 @@ def test_dynamic_tree_follows_the_target(params):
 
 # --- negative controls: the same statistic catches wrong rules ---------------------------
 
-ORIGINAL_DETERMINISTIC = sampling._reject_deterministic
-
-
 def test_control_no_residual_update_is_detected(monkeypatch):
     """Rejected candidates keep their mass: the recovered token can repeat a rejected one."""
-    def keep_p(p_V, tokens, uniforms):
-        chosen, _ = ORIGINAL_DETERMINISTIC(p_V, tokens, uniforms)
-        return chosen, p_V
-    monkeypatch.setattr(sampling, "_reject_deterministic", keep_p)
+    original = accept.sibling_tests
+
+    def keep_p(p_nV, kid_tokens_nC, has_nC, u_nC):
+        passes, _ = original(p_nV, kid_tokens_nC, has_nC, u_nC)
+        return passes, p_nV
+    monkeypatch.setattr(accept, "sibling_tests", keep_p)
     stat, critical = run_static(CHAIN, T10, "topk")
     assert stat > critical, (stat, critical)
 
@@ -369,22 +378,27 @@ def test_impossible_tokens_are_rejected_and_never_recovered():
 
 
 def test_residual_after_rejecting_first_sibling_has_no_mass_there():
-    p = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
-    chosen, rest = sampling._reject_deterministic(p, [0, 1], [0.99, 0.99])
-    assert chosen is None and rest[0] == 0 and rest[1] == 0 and rest[2:].sum() > 0
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.0]], dtype=torch.float64)
+    kids, has = torch.tensor([[0, 1]]), torch.tensor([[True, True]])
+    passes, rest = sibling_tests(p, kids, has, torch.tensor([[0.99, 0.99]], dtype=torch.float64))
+    assert not passes.any() and rest[0, 0] == 0 and rest[0, 1] == 0 and rest[0, 2:].sum() > 0
     q = torch.tensor([0.7, 0.1, 0.1, 0.1, 0.0])
-    assert residual(p.double(), q.double())[0] == 0  # the reference's residual: p(0) < q(0)
+    assert residual(p[0], q.double())[0] == 0  # the reference's residual: p(0) < q(0)
     # Second sibling's test uses the renormalised residual: p(1) / (1 - p(0)) = 0.5.
-    chosen, _ = sampling._reject_deterministic(p, [0, 1], [0.99, 0.49])
-    assert chosen == 1
-    chosen, _ = sampling._reject_deterministic(p, [0, 1], [0.99, 0.51])
-    assert chosen is None
+    passes, _ = sibling_tests(p, kids, has, torch.tensor([[0.99, 0.49]], dtype=torch.float64))
+    assert passes.tolist() == [[False, True]]
+    passes, _ = sibling_tests(p, kids, has, torch.tensor([[0.99, 0.51]], dtype=torch.float64))
+    assert not passes.any()
+    # A repeated child token has no mass left after its first rejection; padding slots never pass.
+    passes, rest = sibling_tests(p, torch.tensor([[0, 0, 2]]), torch.tensor([[True, True, False]]),
+                                 torch.tensor([[0.99, 0.0, 0.0]], dtype=torch.float64))
+    assert passes.tolist() == [[False, False, False]] and rest[0, 2] > 0
 
 
 def test_greedy_parameters_are_refused():
-    """Greedy acceptance is TreePlan.accept_greedy's alone (tests/serving/decode/test_tree.py)."""
+    """Greedy acceptance is accept_greedy's alone (tests/serving/decode/test_tree.py)."""
     for mode in ("rejection", "typical"):
-        with pytest.raises(ValueError, match="decodes greedily, which TreePlan.accept_greedy accepts"):
+        with pytest.raises(ValueError, match="decodes greedily, which accept_greedy accepts"):
             accept_tree_sampling(CHAIN, torch.zeros(3, dtype=torch.long), torch.zeros(3, V),
                                  SamplingParams(temperature=1e-6), mode=mode)
 
@@ -430,9 +444,15 @@ def test_top_p_cuts_where_a_stable_sort_of_the_whole_vocab_would():
     rows += [(torch.randn(2, 1000, generator=gen) * 4).bfloat16().float(),  # bf16 logits: ties
              (torch.randn(2, 1000, generator=gen) * 2).round()]
     logits = torch.cat(rows)
+    probs = logits.softmax(-1)
     for top_p in (0.1, 0.5, 0.9, 0.95):
-        probs = logits.softmax(-1)
-        assert torch.equal(sampling.top_p_keep(probs, top_p), sorted_top_p(probs, top_p)), top_p
+        expected = sorted_top_p(probs, top_p)
+        assert torch.equal(sampling.top_p_keep(probs, top_p), expected), top_p
+        assert torch.equal(sampling.top_p_keep(probs, top_p, host_branches=False), expected), top_p  # a GPU's way
+    per_row = torch.tensor([0.1, 0.5, 0.9, 0.95] * 3)[:probs.shape[0]]  # each row its own top_p
+    expected = torch.cat([sorted_top_p(probs[i:i + 1], float(per_row[i])) for i in range(probs.shape[0])])
+    for host_branches in (True, False):
+        assert torch.equal(sampling.top_p_keep(probs, per_row, host_branches=host_branches), expected)
     kept = target_probs(tied.log(), SamplingParams(top_p=0.5))
     assert torch.nonzero(kept)[:, 1].tolist() == [3, 7]
     assert target_probs(flat, SamplingParams(top_p=0.5)).count_nonzero() == 500
@@ -479,8 +499,8 @@ def test_seed_gives_reproducible_outputs():
                                     SamplingParams(temperature=0.8, top_k=20, top_p=0.95)],
                          ids=["t1.0", "t0.7-top_p0.9", "top_k20-top_p0.95"])
 def test_each_row_processed_alone_equals_its_row_processed_with_the_others(params):
-    """accept_tree_sampling processes only the rows its walk visits, one at a time: that is
-    exact only because target_probs treats every row on its own, bit for bit."""
+    """The accept walk processes only the rows it visits, a level at a time: that is exact
+    only because target_probs treats every row on its own, bit for bit."""
     torch.manual_seed(0)
     logits = torch.randn(16, 1000) * 3
     for rows in (logits, logits.bfloat16()):  # bf16 logits: ties across the top-p cut

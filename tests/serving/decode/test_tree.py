@@ -1,5 +1,5 @@
-"""DraftTree: construction from rank-paths, validation, chains, calibration; TreePlan's greedy
-accept test against a plain-Python reference."""
+"""DraftTree: construction from rank-paths, validation, chains, calibration; the greedy accept
+rule (serving/decode/accept.py) against a plain-Python reference."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from specheads.heads.heads_dir import HeadsConfig
 from specheads.heads.target import TargetIdentity
 from specheads.heads.tree_paths import expand_paths
 from specheads.serving.decode.config import TreeSpec
+from specheads.serving.decode.accept import accept_greedy
+from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.trees import DraftTree, TreePlan
 
 # Nodes in (depth, path) order: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0), 6 (0,0,0)
@@ -88,45 +90,68 @@ def test_from_calibration_uses_expand_paths():
     assert tree.rank_paths[0] == (0,)
 
 
-def greedy_reference(tree: DraftTree, tokens: list[int], target_tokens: list[int]) -> list[int]:
-    """The longest root-to-leaf run of nodes whose token is the target's argmax at their
-    parent, walked leaf by leaf in leaf order (the first leaf wins ties)."""
-    best = [0]
-    for path in tree.leaf_paths.tolist():
-        run = [0]
-        for node in path[1:]:
-            if node < 0 or tokens[node] != target_tokens[run[-1]]:
-                break
-            run.append(node)
-        if len(run) > len(best):
-            best = run
-    return best
+def greedy_reference(parents: list[int], tokens: list[int], target_tokens: list[int]) -> list[int]:
+    """Walked node by node in plain Python: a node is correct when its token is the target's
+    argmax at its parent; the path ends at the deepest node whose ancestors are all correct,
+    the lowest-numbered one on a tie (two correct siblings need a repeated token, and then
+    both emit the same tokens)."""
+    def run(node):
+        chain = []
+        while node > 0:
+            if tokens[node] != target_tokens[parents[node]]:
+                return None
+            chain.append(node)
+            node = parents[node]
+        return [0] + chain[::-1]
+
+    runs = [r for r in (run(node) for node in range(len(parents))) if r is not None]
+    return max(runs, key=lambda r: (len(r), -r[-1]))
+
+
+def accept_one(drafts: DraftBatch, target_tokens_T: torch.Tensor) -> tuple[list[int], list[int]]:
+    host = accept_greedy(drafts, target_tokens_T[None]).to_host()
+    return host.paths[0], host.emitted[0]
 
 
 def test_accept_greedy_matches_the_reference():
     gen = torch.Generator().manual_seed(0)
     vocab = 5
-    for tree in (DraftTree.from_paths(EXAMPLE_PATHS), DraftTree.chain(3), DraftTree.chain(0),
-                 DraftTree.from_paths([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]).with_lookup_chain(3)):
+    for tree, chain in ((DraftTree.from_paths(EXAMPLE_PATHS), 0), (DraftTree.chain(3), 0), (DraftTree.chain(0), 0),
+                        (DraftTree.from_paths([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]), 3)):
         plan = TreePlan(tree, torch.device("cpu"))
         for _ in range(200):
-            target_tokens = torch.randint(0, vocab, (tree.num_nodes,), generator=gen)
-            tokens = torch.randint(0, vocab, (tree.num_nodes,), generator=gen)
-            hit = torch.rand(tree.num_nodes, generator=gen) < 0.6  # make long matches common
-            tokens[1:] = torch.where(hit[1:], target_tokens[tree.parents[1:]], tokens[1:])
-            nodes = plan.accept_greedy(tokens, target_tokens)
-            assert nodes.tolist() == greedy_reference(tree, tokens.tolist(), target_tokens.tolist())
+            drafts = DraftBatch.from_plan(plan, torch.randint(0, vocab, (1, tree.num_nodes), generator=gen))
+            if chain:
+                drafts = drafts.with_chains([torch.randint(0, vocab, (chain,), generator=gen).tolist()])
+            parents = drafts.parents[0].tolist()
+            target_tokens = torch.randint(0, vocab, (drafts.num_nodes,), generator=gen)
+            hit = torch.rand(drafts.num_nodes, generator=gen) < 0.6  # make long matches common
+            tokens = drafts.tokens[0].clone()
+            tokens[1:] = torch.where(hit[1:], target_tokens[drafts.parents[0, 1:]], tokens[1:])
+            drafts.tokens = tokens[None]
+            path, emitted = accept_one(drafts, target_tokens)
+            expected = greedy_reference(parents, tokens.tolist(), target_tokens.tolist())
+            assert path == expected
+            assert emitted == [int(tokens[n]) for n in expected[1:]] + [int(target_tokens[expected[-1]])]
 
 
 def test_accept_greedy_known_outcomes():
     plan = TreePlan(DraftTree.from_paths(EXAMPLE_PATHS), torch.device("cpu"))  # leaves 4, 5, 6
     target = torch.tensor([7, 8, 9, 5, 6, 4, 3])  # the target's argmax after each node
+
+    def accept_tokens(tokens):
+        return accept_one(DraftBatch.from_plan(plan, torch.tensor([tokens])), target)[0]
+
     # Node 1 (token 7) and 2 (token 7) are both correct; 1's subtree goes deeper.
-    assert plan.accept_greedy(torch.tensor([0, 7, 7, 8, 8, 9, 5]), target).tolist() == [0, 1, 3, 6]
-    # Two runs of length 2 (via 1 and via 2): the first leaf (4, under 1) wins.
-    assert plan.accept_greedy(torch.tensor([0, 7, 7, 0, 8, 9, 0]), target).tolist() == [0, 1, 4]
+    assert accept_tokens([0, 7, 7, 8, 8, 9, 5]) == [0, 1, 3, 6]
+    # Two runs of length 2 (via 1 and via 2): the lower node (4, under 1) wins.
+    assert accept_tokens([0, 7, 7, 0, 8, 9, 0]) == [0, 1, 4]
     # No draft node matches: the root alone.
-    assert plan.accept_greedy(torch.tensor([0, 1, 1, 1, 1, 1, 1]), target).tolist() == [0]
+    assert accept_tokens([0, 1, 1, 1, 1, 1, 1]) == [0]
+    # An invalid node is never accepted, nor anything under it.
+    drafts = DraftBatch.from_plan(plan, torch.tensor([[0, 7, 7, 8, 8, 9, 5]]))
+    drafts.valid = torch.tensor([[True, True, True, False, True, True, True]])
+    assert accept_one(drafts, target)[0] == [0, 1, 4]
 
 
 def _heads_config(tree=None, calibration=None, num_heads=3):
