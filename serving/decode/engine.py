@@ -51,6 +51,7 @@ from specheads.serving.decode.fallback import Fallback, SpeculationWindow
 from specheads.serving.decode.graphs import VerifyGraphs, bucket
 from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_memory
 from specheads.serving.decode.lookup import NgramIndex
+from specheads.serving.decode.logprobs import TokenLogprob, prompt_logprobs, score_tokens, step_logprobs
 from specheads.serving.decode.sampling import SamplingParams, make_generator
 from specheads.serving.decode.stats import DecodeStats, GenerationResult
 from specheads.serving.decode.steps import (DecodeState, Outcome, accept, emit, greedy_tokens, prefill, prefill_many,
@@ -72,6 +73,10 @@ class SequenceRequest:
     stop_token_sequences: list[list[int]] | None = None  # the output ends right after the first one
     speculate: bool = True  # False: plain decoding for this sequence (the heads are not used)
     acceptance: str = "rejection"  # "typical": Medusa-2's lossy rule (sampling only), reported lossy
+    # K >= 0: each new token's logprob and the K most likely tokens' (serving/decode/logprobs.py);
+    # with prompt_logprobs, the prompt's tokens' too (its prefill keeps every position's logits)
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -95,6 +100,9 @@ class Sequence:
     finish_reason: str | None = None
     joined: bool = False  # takes part in decode steps (set at the latest by the first step after add)
     error: Exception | None = None  # what ended this sequence alone (finish_reason "error")
+    num_top_logprobs: int | None = None  # SequenceRequest.logprobs
+    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens` (num_top_logprobs set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (asked for), None first
 
     def close(self) -> GenerationResult:
         """Stop here: the result so far, finish_reason "stop" unless it had finished."""
@@ -106,7 +114,8 @@ class Sequence:
         self.stats.num_new_tokens = len(self.tokens)
         return GenerationResult(tokens=self.tokens, finish_reason=self.finish_reason or "length",
                                 stats=self.stats, lossless=self.stats.lossless,
-                                error=None if self.error is None else describe(self.error))
+                                error=None if self.error is None else describe(self.error),
+                                logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
 def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
@@ -156,6 +165,11 @@ class BatchEngine:
         greedy = request.sampling is None or request.sampling.is_greedy
         if request.acceptance == "typical" and greedy:
             raise ValueError("acceptance='typical' needs sampling (a temperature of at least 1e-5)")
+        num_top = request.logprobs
+        if num_top is not None and (isinstance(num_top, bool) or not isinstance(num_top, int) or num_top < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (the top tokens to report), got {num_top!r}")
+        if request.prompt_logprobs and num_top is None:
+            raise ValueError("prompt_logprobs needs logprobs (the number of top tokens to report, 0 or more)")
         stop_sequences = [list(map(int, s)) for s in request.stop_token_sequences or []]
         if any(len(s) == 0 for s in stop_sequences):
             raise ValueError("stop_token_sequences must not contain an empty sequence")
@@ -178,7 +192,9 @@ class BatchEngine:
             if speculating and decoder.lookup is not None else None,
             keep_head_rows=speculating and decoder.drafts_from_head_cache,
             stats=DecodeStats(accepted_per_position=[0] * (decoder.max_depth if speculating else 0),
-                              lossless=request.acceptance == "rejection"))
+                              lossless=request.acceptance == "rejection"),
+            num_top_logprobs=num_top, logprobs=None if num_top is None else [],
+            prompt_logprobs=[] if request.prompt_logprobs else None)
 
     def add(self, seq: Sequence, join: bool = True, continues: Sequence | None = None) -> list[int]:
         """Prefill a checked sequence into the next free row; -> its first token.
@@ -191,14 +207,16 @@ class BatchEngine:
         if continues is None and len(self.rows) >= self.max_batch_size:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences)")
         row = len(self.rows) if continues is None else self.rows.index(continues)
-        reuse = 0 if continues is None else self.reusable_prefix(continues, seq)
+        # prompt logprobs need every prompt position's logits: nothing is reused
+        reuse = 0 if continues is None or seq.prompt_logprobs is not None else self.reusable_prefix(continues, seq)
         start = self.clock()
         with torch.inference_mode():  # the buffers are inference tensors
             self.cache.truncate_row(row, reuse)
             self.cache.set_rows(row, row + 1)
             try:
                 seq.state = prefill(self.target, seq.prompt_1P[:, reuse:], self.decoder.tap_layers, self.cache,
-                                    seq.sampling, seq.generator)
+                                    seq.sampling, seq.generator, all_logits=seq.prompt_logprobs is not None)
+                self._score_prefill(seq)  # logprobs: the first token's (and the prompt's)
             except BaseException:
                 self.cache.truncate_row(row, reuse)
                 raise
@@ -225,6 +243,10 @@ class BatchEngine:
         groups, group, longest = [], [], 0
         for seq in seqs:
             length = int(seq.prompt_1P.shape[1])
+            if seq.prompt_logprobs is not None:  # its prefill keeps every position's logits: alone
+                groups += [group, [seq]] if group else [[seq]]
+                group, longest = [], 0
+                continue
             if group and max(longest, length) * (len(group) + 1) > PREFILL_GROUP_TOKENS:
                 groups.append(group)
                 group, longest = [], 0
@@ -244,6 +266,9 @@ class BatchEngine:
                     states = prefill_many(self.target, [seq.prompt_1P for seq in group], self.decoder.tap_layers,
                                           self.cache, [seq.sampling for seq in group],
                                           [seq.generator for seq in group])
+                    for seq, state in zip(group, states):
+                        seq.state = state
+                        self._score_prefill(seq)  # logprobs: the first token's
                 except BaseException:
                     for row in range(first, first + len(group)):
                         self.cache.truncate_row(row, 0)
@@ -307,7 +332,13 @@ class BatchEngine:
             # sequence has ended, the entry is never read); a root alone stays where it is
             self.cache.commit([None if outcome is None or len(outcome.emitted) == 1 else outcome.nodes
                                for outcome in outcomes], num_kept=[1] * len(outcomes))
-            return self._record(batch, drafts, outcomes, head_caches, self.clock() - start)
+            deltas = self._record(batch, drafts, outcomes, head_caches, self.clock() - start)
+            # logprobs: each emitted token scored by the verify row of its parent, the accepted
+            # node before it (serving/decode/logprobs.py); this call moves with the accept step
+            for seq, outcome, one in zip(batch, outcomes, verified):
+                if seq.logprobs is not None and outcome is not None:
+                    self._guard(seq, self._score_step, seq, one[0], outcome)
+            return deltas
 
     def _decoding(self) -> list[Sequence]:
         """The sequences this step decodes (joined, unfinished), moved to rows [0, n); every
@@ -436,6 +467,25 @@ class BatchEngine:
             seq.stats.lookup_steps += 1
             seq.stats.lookup_accepted += int((outcome.nodes >= draft.lookup_start).sum())
         seq.finish_reason = emit(seq.tokens, outcome.emitted, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
+
+    # --- logprobs (serving/decode/logprobs.py) ----------------------------------------------
+
+    @staticmethod
+    def _score_step(seq: Sequence, logits_TV: torch.Tensor, outcome: Outcome) -> None:
+        """A recorded step's tokens, scored; only those the output took (emit may stop early)."""
+        entries = step_logprobs(logits_TV, outcome.nodes, outcome.emitted, seq.num_top_logprobs)
+        seq.logprobs += entries[:len(seq.tokens) - len(seq.logprobs)]
+
+    @staticmethod
+    def _score_prefill(seq: Sequence) -> None:
+        """The prefill's rows score its first token (the root: a sequence always takes it) and,
+        if asked, the prompt; then the state lets them go."""
+        logits_LV, seq.state.logits = seq.state.logits, None
+        if seq.logprobs is None:
+            return
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = prompt_logprobs(logits_LV, seq.prompt_1P[0].tolist(), seq.num_top_logprobs)
+        seq.logprobs = score_tokens(logits_LV[-1:], seq.state.root.tolist(), seq.num_top_logprobs)
 
     # --- faults (module doc, "Faults") -----------------------------------------------------
 
