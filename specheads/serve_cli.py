@@ -6,8 +6,10 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus).
 The server starts listening at once and loads the model in the background (/health
-answers 503 until it is ready). Ctrl-C / SIGTERM drains: in-flight requests finish (up to
---graceful-timeout seconds), new ones get 503. How requests are validated, scheduled and
+answers 503 until it is ready). Ctrl-C / SIGTERM drains: new requests get 503, in-flight
+ones finish for up to --graceful-timeout seconds, and those still running then get a 503
+with an OpenAI error body (a stream: an error event, then `data: [DONE]`). The process then
+exits 0; a second Ctrl-C stops without waiting. How requests are validated, scheduled and
 answered: serving/server/app.py. On a CUDA device (the default when torch sees a GPU) every
 verify forward replays a CUDA graph with the tree-attention kernel, unless --enforce-eager.
 """
@@ -40,7 +42,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on shutdown")
+                   help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C; those still running "
+                        "then get a 503 (streams: an error event, then [DONE]); the exit status is 0")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --target)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the tokenizer's; without one, specheads' documented fallback)")

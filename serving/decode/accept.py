@@ -58,14 +58,21 @@ class Accepted:
     depth: torch.Tensor  # [n] long, the row's drafted depth (its deepest valid node; 0: a plain step)
     bad: torch.Tensor  # [n] bool, the row's logits gave no distribution (its sequence fails)
 
-    def to_host(self) -> "HostAccepted":
-        """The step's one device-to-host copy."""
-        packed = torch.cat([self.num_nodes[:, None], self.depth[:, None], self.bad[:, None].long(), self.path,
-                            self.emitted], 1).tolist()
+    def to_host(self, extra_nX: torch.Tensor | None = None) -> "HostAccepted":
+        """The step's one device-to-host copy; extra_nX: per-row values to bring along in it
+        (float64; token logprobs), returned as HostAccepted.extra."""
+        ints = torch.cat([self.num_nodes[:, None], self.depth[:, None], self.bad[:, None].long(), self.path,
+                          self.emitted], 1)
         width = int(self.path.shape[1])
+        if extra_nX is None:
+            packed, extra = ints.tolist(), None
+        else:  # float64 holds the ints exactly (token ids and node indices are far below 2**53)
+            rows = torch.cat([ints.double(), extra_nX.double()], 1).tolist()
+            packed = [[int(value) for value in row[:3 + 2 * width]] for row in rows]
+            extra = [row[3 + 2 * width:] for row in rows]
         return HostAccepted(paths=[row[3:3 + row[0]] for row in packed],
                             emitted=[row[3 + width:3 + width + row[0]] for row in packed],
-                            depths=[row[1] for row in packed], bad=[bool(row[2]) for row in packed])
+                            depths=[row[1] for row in packed], bad=[bool(row[2]) for row in packed], extra=extra)
 
 
 @dataclass
@@ -74,6 +81,7 @@ class HostAccepted:
     emitted: list[list[int]]  # [n][A] tokens emitted: accepted draft tokens + the final token
     depths: list[int]  # [n] drafted depth
     bad: list[bool]  # [n]
+    extra: list[list[float]] | None = None  # [n][X] values that came along (Accepted.to_host's extra_nX)
 
     @classmethod
     def root_only(cls, num_rows: int) -> "HostAccepted":

@@ -54,6 +54,8 @@ from specheads.serving.decode.fallback import Fallback, SpeculationWindow
 from specheads.serving.decode.graphs import VerifyGraphs, bucket
 from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_memory
 from specheads.serving.decode.lookup import NgramIndex
+from specheads.serving.decode.logprobs import (TokenLogprob, prompt_logprobs, score_tokens, step_logprob_rows,
+                                               unpack_step_logprobs)
 from specheads.serving.decode.sampling import SamplingParams, make_generator
 from specheads.serving.decode.stats import DecodeStats, GenerationResult
 from specheads.serving.decode.steps import DecodeState, Verified, emit, prefill, prefill_many, verify
@@ -73,6 +75,10 @@ class SequenceRequest:
     stop_token_sequences: list[list[int]] | None = None  # the output ends right after the first one
     speculate: bool = True  # False: plain decoding for this sequence (the heads are not used)
     acceptance: str = "rejection"  # "typical": Medusa-2's lossy rule (sampling only), reported lossy
+    # K >= 0: each new token's logprob and the K most likely tokens' (serving/decode/logprobs.py);
+    # with prompt_logprobs, the prompt's tokens' too (its prefill keeps every position's logits)
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -96,6 +102,9 @@ class Sequence:
     finish_reason: str | None = None
     joined: bool = False  # takes part in decode steps (set at the latest by the first step after add)
     error: Exception | None = None  # what ended this sequence alone (finish_reason "error")
+    num_top_logprobs: int | None = None  # SequenceRequest.logprobs
+    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens` (num_top_logprobs set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (asked for), None first
 
     def close(self) -> GenerationResult:
         """Stop here: the result so far, finish_reason "stop" unless it had finished."""
@@ -107,7 +116,8 @@ class Sequence:
         self.stats.num_new_tokens = len(self.tokens)
         return GenerationResult(tokens=self.tokens, finish_reason=self.finish_reason or "length",
                                 stats=self.stats, lossless=self.stats.lossless,
-                                error=None if self.error is None else describe(self.error))
+                                error=None if self.error is None else describe(self.error),
+                                logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
 
 def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
@@ -156,6 +166,11 @@ class BatchEngine:
         greedy = request.sampling is None or request.sampling.is_greedy
         if request.acceptance == "typical" and greedy:
             raise ValueError("acceptance='typical' needs sampling (a temperature of at least 1e-5)")
+        num_top = request.logprobs
+        if num_top is not None and (isinstance(num_top, bool) or not isinstance(num_top, int) or num_top < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (the top tokens to report), got {num_top!r}")
+        if request.prompt_logprobs and num_top is None:
+            raise ValueError("prompt_logprobs needs logprobs (the number of top tokens to report, 0 or more)")
         stop_sequences = [list(map(int, s)) for s in request.stop_token_sequences or []]
         if any(len(s) == 0 for s in stop_sequences):
             raise ValueError("stop_token_sequences must not contain an empty sequence")
@@ -178,7 +193,9 @@ class BatchEngine:
             if speculating and decoder.lookup is not None else None,
             keep_head_rows=speculating and decoder.drafts_from_head_cache,
             stats=DecodeStats(accepted_per_position=[0] * (decoder.max_depth if speculating else 0),
-                              lossless=request.acceptance == "rejection"))
+                              lossless=request.acceptance == "rejection"),
+            num_top_logprobs=num_top, logprobs=None if num_top is None else [],
+            prompt_logprobs=[] if request.prompt_logprobs else None)
 
     def add(self, seq: Sequence, join: bool = True, continues: Sequence | None = None) -> list[int]:
         """Prefill a checked sequence into the next free row; -> its first token.
@@ -191,14 +208,16 @@ class BatchEngine:
         if continues is None and len(self.rows) >= self.max_batch_size:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} sequences)")
         row = len(self.rows) if continues is None else self.rows.index(continues)
-        reuse = 0 if continues is None else self.reusable_prefix(continues, seq)
+        # prompt logprobs need every prompt position's logits: nothing is reused
+        reuse = 0 if continues is None or seq.prompt_logprobs is not None else self.reusable_prefix(continues, seq)
         start = self.clock()
         with torch.inference_mode():  # the buffers are inference tensors
             self.cache.truncate_row(row, reuse)
             self.cache.set_rows(row, row + 1)
             try:
                 seq.state = prefill(self.target, seq.prompt_1P[:, reuse:], self.decoder.tap_layers, self.cache,
-                                    seq.sampling, seq.generator)
+                                    seq.sampling, seq.generator, all_logits=seq.prompt_logprobs is not None)
+                self._score_prefill(seq)  # logprobs: the first token's (and the prompt's)
             except BaseException:
                 self.cache.truncate_row(row, reuse)
                 raise
@@ -225,6 +244,10 @@ class BatchEngine:
         groups, group, longest = [], [], 0
         for seq in seqs:
             length = int(seq.prompt_1P.shape[1])
+            if seq.prompt_logprobs is not None:  # its prefill keeps every position's logits: alone
+                groups += [group, [seq]] if group else [[seq]]
+                group, longest = [], 0
+                continue
             if group and max(longest, length) * (len(group) + 1) > PREFILL_GROUP_TOKENS:
                 groups.append(group)
                 group, longest = [], 0
@@ -244,6 +267,9 @@ class BatchEngine:
                     states = prefill_many(self.target, [seq.prompt_1P for seq in group], self.decoder.tap_layers,
                                           self.cache, [seq.sampling for seq in group],
                                           [seq.generator for seq in group])
+                    for seq, state in zip(group, states):
+                        seq.state = state
+                        self._score_prefill(seq)  # logprobs: the first token's
                 except BaseException:
                     for row in range(first, first + len(group)):
                         self.cache.truncate_row(row, 0)
@@ -423,7 +449,7 @@ class BatchEngine:
             if blank is None:
                 return None, HostAccepted.root_only(len(batch))
             accepted = concat_accepted([blank if one is None else one for one in alone])
-        host = accepted.to_host()
+        host = accepted.to_host(self._logprob_rows(batch, verified, accepted))
         for seq, bad in zip(batch, host.bad):
             if bad and seq.error is None:
                 self._fail(seq, ValueError(NO_DISTRIBUTION))
@@ -479,6 +505,37 @@ class BatchEngine:
             seq.stats.lookup_steps += 1
             seq.stats.lookup_accepted += sum(node >= lookup_start for node in path)
         seq.finish_reason = emit(seq.tokens, emitted, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
+        if seq.logprobs is not None:  # only the entries the output took (emit may stop early)
+            entries = unpack_step_logprobs(host.extra[row], emitted, seq.num_top_logprobs,
+                                           int(accepted.path.shape[1]))
+            seq.logprobs += entries[:len(seq.tokens) - len(seq.logprobs)]
+
+    # --- logprobs (serving/decode/logprobs.py) ----------------------------------------------
+
+    @staticmethod
+    def _logprob_rows(batch: list[Sequence], verified: Verified, accepted: Accepted) -> torch.Tensor | None:
+        """The step's emitted tokens scored for the rows that ask (serving/decode/logprobs.py),
+        on the device, to travel in the step's one copy to the host; None when no row asks."""
+        rows = [row for row, seq in enumerate(batch) if seq.logprobs is not None]
+        if not rows:
+            return None
+        num_top = max(batch[row].num_top_logprobs for row in rows)
+        index = torch.tensor(rows, device=verified.logits.device)
+        scored = step_logprob_rows(verified.logits.index_select(0, index), accepted.path.index_select(0, index),
+                                   accepted.emitted.index_select(0, index), num_top)
+        extra = scored.new_full((len(batch), scored.shape[1]), float("nan"))
+        return extra.index_copy_(0, index, scored)
+
+    @staticmethod
+    def _score_prefill(seq: Sequence) -> None:
+        """The prefill's rows score its first token (the root: a sequence always takes it) and,
+        if asked, the prompt; then the state lets them go."""
+        logits_LV, seq.state.logits = seq.state.logits, None
+        if seq.logprobs is None:
+            return
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = prompt_logprobs(logits_LV, seq.prompt_1P[0].tolist(), seq.num_top_logprobs)
+        seq.logprobs = score_tokens(logits_LV[-1:], seq.state.root.tolist(), seq.num_top_logprobs)
 
     # --- faults (module doc, "Faults") -----------------------------------------------------
 

@@ -37,6 +37,10 @@ class SequenceUpdate:
     new_tokens: list[int]
     finished: bool = False
     result: GenerationResult | None = None  # set when finished
+    # the request asked for logprobs: one TokenLogprob per new token (serving/decode/logprobs.py), and
+    # in a sequence's first update, with prompt_logprobs, the prompt's (None for its first token)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class Scheduler:
@@ -140,6 +144,7 @@ class Scheduler:
         """First tokens of the sequences added since the last step, then one decode step for
         the others; a finished sequence's update carries its result and it leaves the batch."""
         updates = {seq_id: tokens for seq_id, tokens in self._first}
+        first = set(updates)
         self._first = []
         for seq_id, tokens in self.engine.step().items():
             updates[seq_id] = tokens
@@ -147,6 +152,9 @@ class Scheduler:
         for seq_id, tokens in updates.items():
             seq = self._sequences[seq_id]
             update = SequenceUpdate(seq_id, tokens)
+            if seq.logprobs is not None:  # aligned with seq.tokens, whose last len(tokens) are new
+                update.logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):]
+                update.prompt_logprobs = seq.prompt_logprobs if seq_id in first else None
             if seq.finish_reason is not None:
                 update.finished, update.result = True, seq.result()
                 del self._sequences[seq_id]

@@ -103,3 +103,7 @@ class GenerationResult:
     stats: DecodeStats
     lossless: bool = True  # False when the output does not follow the target's distribution (typical acceptance)
     error: str | None = None  # finish_reason "error": the exception's type and message (serving/decode/engine.py)
+    # SequenceRequest.logprobs set: one serving/decode/logprobs.py TokenLogprob per token in `tokens`;
+    # prompt_logprobs: one per prompt token, None for the first
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None

@@ -56,17 +56,23 @@ class DecodeState:
     hidden: torch.Tensor  # [A, nH] drafter taps at positions S-A..S-1 (Medusa: nH = H, final hidden)
     next_tokens: torch.Tensor  # [A] long, the token after each of those positions (ends with root)
     draft_cache: object | None = None  # the EAGLE drafter's head cache over committed positions
+    # [L, V] the prefill's logits: its last row (L = 1), or every position it ran (all_logits);
+    # they score the first token and the prompt (serving/decode/logprobs.py). None from the first step on.
+    logits: torch.Tensor | None = None
 
 
 @torch.inference_mode()
 def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[int], cache: TreeStaticCache,
-            sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> DecodeState:
+            sampling: SamplingParams | None = None, generator: torch.Generator | None = None,
+            all_logits: bool = False) -> DecodeState:
     """Run the prompt into the cache's active row, after the positions that row already holds
     (none for a new sequence) -> the state with its root (the target's argmax, or a sample
     under `sampling`); `hidden` covers the positions run here. The cache must hold the
-    prompt plus every later step (the engine sizes it)."""
+    prompt plus every later step (the engine sizes it). all_logits: keep every position's
+    logits in `logits` (prompt logprobs), not the last one alone."""
     held = cache.get_seq_length()
-    out = target(input_ids_1P, tap_layers, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = target(input_ids_1P, tap_layers, past_key_values=cache, use_cache=True,
+                 logits_to_keep=0 if all_logits else 1)  # 0: every position
     cache.commit()
     logits_1V = out.logits[:, -1]
     if sampling is None or sampling.is_greedy:
@@ -74,7 +80,8 @@ def prefill(target: TargetAdapter, input_ids_1P: torch.Tensor, tap_layers: list[
     else:
         root = torch.multinomial(target_probs(logits_1V, sampling), 1, generator=generator)[0]
     return DecodeState(cache=cache, prefix_len=held + int(input_ids_1P.shape[1]), root=root,
-                       hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]))
+                       hidden=torch.cat(out.taps, dim=-1)[0], next_tokens=torch.cat([input_ids_1P[0, 1:], root]),
+                       logits=out.logits[0])
 
 
 @torch.inference_mode()
@@ -117,7 +124,8 @@ def prefill_many(target: TargetAdapter, prompts_1P: list[torch.Tensor], tap_laye
             root = torch.multinomial(target_probs(logits_nV[row:row + 1], sampling), 1, generator=generator)[0]
         pad = longest - length
         states.append(DecodeState(cache=cache, prefix_len=length, root=root, hidden=hidden_nPH[row, pad:],
-                                  next_tokens=torch.cat([tokens_nP[row, pad + 1:], root])))
+                                  next_tokens=torch.cat([tokens_nP[row, pad + 1:], root]),
+                                  logits=logits_nV[row:row + 1]))
     return states
 
 

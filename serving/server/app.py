@@ -150,11 +150,29 @@ def _max_tokens(state: ServerState, req, prompt_len: int) -> int:
     return room if isinstance(req, ChatCompletionRequest) else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
 
 
+def _num_logprobs(req) -> int | None:
+    """The top tokens to report per position, None for no logprobs (chat: `logprobs` turns
+    them on, `top_logprobs` counts; completions: `logprobs` counts)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def _echo_text(state: ServerState, req, index: int, ids: list[int]) -> str | None:
+    """Completions' `echo`: the prompt as sent, or a token-id prompt's decoded text."""
+    if isinstance(req, ChatCompletionRequest) or not req.echo:
+        return None
+    prompt = req.prompts[index]
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def _build_choices(state: ServerState, req, prompts: list[list[int]]) -> list[Choice]:
     eos = None if req.ignore_eos else state.eos_token_id
+    num_logprobs = _num_logprobs(req)
     choices = []
     for p, ids in enumerate(prompts):
         max_new = _max_tokens(state, req, len(ids))
+        echo = _echo_text(state, req, p, ids)
         for j in range(req.n):
             index = p * req.n + j
             sampling = None
@@ -163,8 +181,9 @@ def _build_choices(state: ServerState, req, prompts: list[list[int]]) -> list[Ch
                 sampling = SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
                                           top_k=req.top_k, seed=seed)
             request = SequenceRequest(input_ids=list(ids), max_new_tokens=max_new, eos_token_id=eos,
-                                      sampling=sampling, speculate=req.speculate)
-            choices.append(Choice(index=index, request=request, stop=req.stop_strings))
+                                      sampling=sampling, speculate=req.speculate, logprobs=num_logprobs,
+                                      prompt_logprobs=echo is not None and num_logprobs is not None)
+            choices.append(Choice(index=index, request=request, stop=req.stop_strings, echo=echo))
     return choices
 
 
@@ -212,8 +231,12 @@ async def _handle(state: ServerState, request: Request, chat: bool):
     prompts = _tokenize_prompts(state, req)
     choices = _build_choices(state, req, prompts)
     meta = ResponseMeta(chat=chat, model=config.model_name, num_choices=len(choices),
-                        prompt_tokens=sum(len(p) for p in prompts), include_usage=req.include_usage)
+                        prompt_tokens=sum(len(p) for p in prompts), include_usage=req.include_usage,
+                        logprobs=_num_logprobs(req) is not None)
     job = Job(choices, asyncio.get_running_loop(), config.request_timeout_s)
+    if state.cut_off:  # it got past the middleware before the shutdown and its grace period ended
+        raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                       code="shutting_down", headers={"Retry-After": str(config.retry_after_s)})
     try:
         state.engine.submit(job)
     except QueueFull as err:
@@ -222,6 +245,7 @@ async def _handle(state: ServerState, request: Request, chat: bool):
     except EngineUnavailable as err:
         raise APIError(503, str(err), "service_unavailable", code="engine_unavailable",
                        headers={"Retry-After": str(config.retry_after_s)}) from err
+    state.jobs.add(job)
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
         first = await _next_event(job)  # streamed or not, errors before any output are plain JSON errors
@@ -239,14 +263,17 @@ async def _handle(state: ServerState, request: Request, chat: bool):
                 event = await _next_event(job)
     except BaseException:
         job.cancel("disconnect")
+        state.jobs.discard(job)
         raise
     finally:
         watcher.cancel()
-    return StreamingResponse(_stream(job, meta, first), media_type="text/event-stream",
+        if not req.stream:
+            state.jobs.discard(job)
+    return StreamingResponse(_stream(state, job, meta, first), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _stream(job: Job, meta: ResponseMeta, first: Event):
+async def _stream(state: ServerState, job: Job, meta: ResponseMeta, first: Event):
     writer = ChunkWriter(meta)
     try:
         for line in writer.start():
@@ -266,6 +293,7 @@ async def _stream(job: Job, meta: ResponseMeta, first: Event):
             event = await _next_event(job)
     finally:
         job.cancel("disconnect")  # a no-op once the job is done
+        state.jobs.discard(job)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -3,9 +3,11 @@
 Non-streaming answers collect every choice; streaming answers are server-sent events in
 OpenAI's chunk format, one chunk per text delta, then a chunk carrying each choice's
 `finish_reason` (exactly one per choice), then (with `stream_options.include_usage`) a
-usage chunk with no choices, then `data: [DONE]`. Speculation stats are an extension:
-`speculation` on each finished choice and, summed over choices, on the response (the
-non-streaming body, or the usage chunk).
+usage chunk with no choices, then `data: [DONE]`. With logprobs asked, each choice (or
+chunk choice) carries the `logprobs` of its tokens (of the tokens since the last chunk) in
+OpenAI's shapes (serving/server/logprobs.py); otherwise `logprobs` is null. Speculation
+stats are an extension: `speculation` on each finished choice and, summed over choices, on
+the response (the non-streaming body, or the usage chunk).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from specheads.serving.decode.stats import alpha_tau
+from specheads.serving.server.logprobs import ScoredToken, chat_logprobs, completion_logprobs
 from specheads.serving.server.worker import Event
 
 
@@ -27,6 +30,7 @@ class ResponseMeta:
     num_choices: int
     prompt_tokens: int  # summed over the request's distinct prompts
     include_usage: bool = False
+    logprobs: bool = False  # the request asked for logprobs
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -60,12 +64,15 @@ def _usage(meta: ResponseMeta, completion_tokens: int) -> dict:
 class Collector:
     """Gathers a job's events into per-choice text, finish reasons and stats."""
 
-    def __init__(self, meta: ResponseMeta):
+    def __init__(self, meta: ResponseMeta, keep_scores: bool = True):
         self.meta = meta
+        self.keep_scores = keep_scores  # False: a stream, whose scores go out chunk by chunk
         self.texts = [""] * meta.num_choices
         self.finish: list[str | None] = [None] * meta.num_choices
         self.tokens = [0] * meta.num_choices
         self.stats: list[dict | None] = [None] * meta.num_choices
+        self.next_offset = [0] * meta.num_choices  # completions: the text_offset of a choice's next streamed token
+        self.scores: list[list[ScoredToken]] = [[] for _ in range(meta.num_choices)]
 
     @property
     def complete(self) -> bool:
@@ -73,6 +80,8 @@ class Collector:
 
     def add(self, event: Event) -> None:
         self.texts[event.index] += event.text
+        if self.keep_scores:
+            self.scores[event.index] += event.logprobs or []
         if event.kind == "finish":
             self.finish[event.index] = event.finish_reason
             self.tokens[event.index] = event.num_tokens
@@ -87,12 +96,23 @@ class Collector:
                 choice["message"] = {"role": "assistant", "content": self.texts[index]}
             else:
                 choice["text"] = self.texts[index]
-            choice.update({"logprobs": None, "finish_reason": self.finish[index], "speculation": self.stats[index]})
+            choice.update({"logprobs": self.logprobs(index, self.scores[index], 0),
+                           "finish_reason": self.finish[index], "speculation": self.stats[index]})
             choices.append(choice)
         return {"id": meta.response_id, "object": "chat.completion" if meta.chat else "text_completion",
                 "created": meta.created, "model": meta.model, "choices": choices,
                 "usage": _usage(meta, sum(self.tokens)),
                 "speculation": aggregate_speculation([s for s in self.stats if s is not None])}
+
+    def logprobs(self, index: int, scores: list[ScoredToken], text_offset: int) -> dict | None:
+        """Choice index's `logprobs` object for these scores (completions: the first at
+        text_offset), or None without logprobs; keeps where the next one's text_offset starts."""
+        if not self.meta.logprobs:
+            return None
+        if self.meta.chat:
+            return chat_logprobs(scores)
+        shaped, self.next_offset[index] = completion_logprobs(scores, text_offset)
+        return shaped
 
 
 def sse(payload: dict | str) -> str:
@@ -105,7 +125,7 @@ class ChunkWriter:
 
     def __init__(self, meta: ResponseMeta):
         self.meta = meta
-        self.collector = Collector(meta)
+        self.collector = Collector(meta, keep_scores=False)
 
     def _chunk(self, choices: list[dict]) -> dict:
         meta = self.meta
@@ -115,13 +135,16 @@ class ChunkWriter:
             chunk["usage"] = None
         return chunk
 
-    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                scores: list[ScoredToken] | None = None) -> dict:
+        collector = self.collector
+        logprobs = None if scores is None else collector.logprobs(index, scores, collector.next_offset[index])
         if self.meta.chat:
             delta: dict = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
     def start(self) -> list[str]:
         """Chat streams open with each choice's role."""
@@ -132,9 +155,10 @@ class ChunkWriter:
     def event(self, event: Event) -> list[str]:
         self.collector.add(event)
         if event.kind == "delta":
-            return [sse(self._chunk([self._choice(event.index, event.text, None)]))] if event.text else []
+            return [sse(self._chunk([self._choice(event.index, event.text, None, scores=event.logprobs)]))] \
+                if event.text else []
         text = event.text if (event.text or not self.meta.chat) else None
-        choice = self._choice(event.index, text, event.finish_reason)
+        choice = self._choice(event.index, text, event.finish_reason, scores=event.logprobs)
         choice["speculation"] = event.stats
         return [sse(self._chunk([choice]))]
 

@@ -3,21 +3,30 @@
 Requests are parsed from raw bytes here (not by FastAPI) so every failure, from bad JSON to
 a wrong type deep in `messages`, becomes one 400 with an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` whose `param` names the field. Types are
-strict (no "5" for 5, no true for 1); unknown fields are refused rather than ignored; OpenAI
-fields this engine does not implement are accepted only at their neutral values. Extension
-fields (vLLM's names where vLLM has one): `top_k`, `speculate` (false: plain decoding for
-this request) and `ignore_eos`.
+strict (no "5" for 5, no true for 1). What clients send beyond that is taken as vLLM takes it:
+- an unknown field, at any depth, is ignored, and one warning line names every one a
+  request had ("messages[0].foo");
+- null for an optional field means unset (its default);
+- OpenAI and vLLM fields that this engine does not implement (`UNSUPPORTED`, and the
+  penalties) pass at the value that changes nothing and get a 400 otherwise, since ignoring
+  them would change the output unseen.
+Extension fields (vLLM's names where vLLM has one): `top_k`, `speculate` (false: plain
+decoding for this request) and `ignore_eos`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specheads.serving.decode.sampling import MAX_SEED
+from specheads.serving.server.logprobs import MAX_LOGPROBS
+
+log = logging.getLogger("specheads.serve")
 
 MAX_CHOICES = 64  # n x number of prompts
 MAX_STOP_STRINGS = 16
@@ -158,17 +167,29 @@ def _refuse_unsupported(value, info):
 PromptType = Union[str, list[str], list[int], list[list[int]]]
 
 
+def _num_logprobs(value, info):
+    """A count of top logprobs: None (off) or 0..MAX_LOGPROBS."""
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{info.field_name} must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
+
+
 class CompletionRequest(_Sampling):
     prompt: PromptType
-    echo: bool = False
-    logprobs: int | None = None
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the completion
+    logprobs: int | None = None  # the top tokens to report per position (0: the chosen token's alone)
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, value, info):
         return _refuse_unsupported(value, info)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value, info):
+        return _num_logprobs(value, info)
 
     @model_validator(mode="after")
     def _prompt_and_best_of(self):
@@ -224,10 +245,12 @@ class ChatCompletionRequest(_Sampling):
     def _max_completion_tokens(cls, value, info):
         return _at_least_one(value, info)
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _unsupported(cls, value, info):
-        return _refuse_unsupported(value, info)
+    def _top_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return _num_logprobs(value, info)
 
     @model_validator(mode="after")
     def _one_max(self):
@@ -349,20 +372,82 @@ def _loc(loc: tuple) -> str:
 _BRANCH_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions", "ChatMessage"}
 
 
+# OpenAI and vLLM request fields this engine does not implement -> the values that change
+# nothing (null always passes). Clients that always send them work; any other value is a 400,
+# since ignoring it would change the output unseen.
+UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "repetition_penalty": (1.0,),
+    "min_p": (0.0,), "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],), "use_beam_search": (False,),
+    "prompt_logprobs": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+}
+
+
+def _refuse_unsupported_fields(body: dict) -> None:
+    """A 400 for an UNSUPPORTED field at a value that would change the output; the others are
+    dropped (they change nothing)."""
+    for name in [name for name in body if name in UNSUPPORTED]:
+        value, neutral = body.pop(name), UNSUPPORTED[name]
+        if value is not None and not any(_same(value, n) for n in neutral):
+            allowed = " or ".join(["unset", *(json.dumps(n) for n in neutral)])
+            raise APIError(400, f"{name} is not supported by this server; leave it {allowed}", param=name,
+                           code="unsupported_field")
+
+
+def _same(value, neutral) -> bool:
+    """JSON equality: 1 and 1.0 are one number, true is not 1."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def _drop(body: dict, loc: tuple) -> bool:
+    """Delete the field at pydantic's error location loc (union-branch tags skipped) -> whether it was there."""
+    node: object = body
+    for part in loc[:-1]:
+        if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+    if isinstance(node, dict) and loc and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False
+
+
 def validate_request(model: type[_Sampling], body: dict) -> _Sampling:
-    """A parsed JSON object -> a request, or a 400 naming the first bad field."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as err:
-        errors = err.errors(include_url=False)
-        # For unions pydantic reports every branch; the first error names the field well enough.
-        first = errors[0]
-        param = _loc(tuple(first["loc"])) or None
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = f"unknown field {param!r}; see the OpenAI API reference for the accepted fields"
-        elif first["type"] == "missing":
-            message = f"field {param!r} is required"
-        elif param and not message.startswith(param):
-            message = f"{param}: {message}"
-        raise APIError(400, message, param=param, code="invalid_value") from err
+    """A parsed JSON object -> a request, or a 400 naming the first bad field. Unknown fields
+    are dropped and logged in one warning line; null is unset (module doc)."""
+    _refuse_unsupported_fields(body)
+    for name in [name for name, value in body.items() if value is None]:
+        field = model.model_fields.get(name)
+        if field is not None and not field.is_required():
+            del body[name]
+    ignored = []
+    while True:
+        try:
+            request = model.model_validate(body)
+            break
+        except ValidationError as err:
+            errors = err.errors(include_url=False)
+            extra = [tuple(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+            dropped = [loc for loc in extra if _drop(body, loc)]
+            if not dropped:  # a real error (pydantic lists every union branch's; the first names the field)
+                raise _invalid(errors[0]) from err
+            ignored += [_loc(loc) for loc in dropped]
+    if ignored:
+        log.warning("ignored unknown request fields: %s", ", ".join(dict.fromkeys(ignored)))
+    return request
+
+
+def _invalid(error: dict) -> APIError:
+    param = _loc(tuple(error["loc"])) or None
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        message = f"field {param!r} is required"
+    elif param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param, code="invalid_value")

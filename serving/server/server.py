@@ -3,47 +3,93 @@
 
 Graceful shutdown (SIGINT/SIGTERM, or `ServerThread.stop`): the server marks itself
 draining at once (new requests get 503, /health says "draining"), stops accepting
-connections, lets in-flight requests finish for up to `graceful_timeout_s`, then stops the
-engine worker, which fails whatever is still queued.
+connections and lets in-flight requests finish for up to `graceful_timeout_s`. Requests
+still running then get a 503 with an OpenAI error body, code "shutting_down" (a stream: an
+error event, then `data: [DONE]`), and their work is dropped; then the engine worker stops.
+uvicorn would cancel them instead, answering a plain-text 500 or cutting a stream off; it
+still does so CUTOFF_MARGIN_S later for a response that cannot be sent (a client that stopped
+reading). `serve` then returns, so `specheads serve` exits 0 after SIGTERM or Ctrl-C (uvicorn
+alone would re-raise the signal: exit status 143, or a KeyboardInterrupt); a second Ctrl-C
+skips the wait.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import math
+import signal
 import socket
 import threading
 import time
 from typing import Callable
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from specheads.serving.server.app import create_app
 from specheads.serving.server.state import ServeConfig, ServerState
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, draining the app before its own shutdown steps."""
+log = logging.getLogger("specheads.serve")
+CUTOFF_MARGIN_S = 5  # after the grace period, how long the 503s get to be sent before uvicorn cancels
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, draining the app before its own shutdown steps and answering what
+    still runs when the grace period ends (module doc)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, graceful_timeout_s: float):
         super().__init__(config)
         self.specheads_state = state
+        self.graceful_timeout_s = graceful_timeout_s
 
     async def shutdown(self, sockets=None) -> None:
         self.specheads_state.draining = True
-        await super().shutdown(sockets)
+        cutoff = asyncio.create_task(self._cut_off_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cutoff.cancel()
+
+    async def _cut_off_after_grace(self) -> None:
+        await asyncio.sleep(self.graceful_timeout_s)
+        count = self.specheads_state.cut_off_in_flight()
+        if count:
+            log.warning("the shutdown grace period (%gs) ended: %d request(s) still running got a 503",
+                        self.graceful_timeout_s, count)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT/SIGTERM start the graceful shutdown (a second SIGINT forces it), and `run`
+        then returns instead of re-raising the signal as uvicorn does: the exit status is 0."""
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def make_server(config: ServeConfig, loader: Callable[[], tuple], *, host: str = "127.0.0.1", port: int = 8000,
                 graceful_timeout_s: float = 30.0, log_level: str = "info") -> tuple[_Server, ServerState]:
     """A uvicorn server for the app; the model loads once it runs."""
+    if not graceful_timeout_s > 0:
+        raise ValueError(f"graceful_timeout_s must be > 0, got {graceful_timeout_s}")
     state = ServerState(config=config, loader=loader)
     uv_config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, lifespan="on",
-                               timeout_graceful_shutdown=int(max(1, graceful_timeout_s)), access_log=False)
-    return _Server(uv_config, state), state
+                               timeout_graceful_shutdown=math.ceil(graceful_timeout_s) + CUTOFF_MARGIN_S,
+                               access_log=False)
+    return _Server(uv_config, state, graceful_timeout_s), state
 
 
 def serve(config: ServeConfig, loader: Callable[[], tuple], *, host: str = "127.0.0.1", port: int = 8000,
           graceful_timeout_s: float = 30.0, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM (blocking)."""
+    """Serve until SIGINT/SIGTERM (blocking); returns once drained (module doc)."""
     server, _ = make_server(config, loader, host=host, port=port, graceful_timeout_s=graceful_timeout_s,
                             log_level=log_level)
     server.run()

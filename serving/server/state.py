@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 from specheads.serving.server.metrics import ServerMetrics
-from specheads.serving.server.worker import Engine
+from specheads.serving.server.worker import Engine, Event, Job
 
 log = logging.getLogger("specheads.serve")
 
@@ -55,6 +56,9 @@ class ServerState:
     max_model_len: int = 0
     vocab_size: int = 0
     eos_token_id: int | None = None
+    # requests being answered (event-loop side; weak: a response that never started leaves none behind)
+    jobs: weakref.WeakSet[Job] = field(default_factory=weakref.WeakSet)
+    cut_off: bool = False  # the shutdown's grace period has ended: requests still running get a 503
 
     def load(self) -> None:
         """Load the model and start the engine (runs in a background thread)."""
@@ -79,6 +83,18 @@ class ServerState:
             log.exception("loading the model failed")
             self.error = f"{type(err).__name__}: {err}"
             self.status = "failed"
+
+    def cut_off_in_flight(self) -> int:
+        """The grace period is over: answer every request still running with a 503 and drop its
+        work (event-loop thread) -> how many there were."""
+        self.cut_off = True
+        jobs = [job for job in self.jobs if not job.done]
+        for job in jobs:
+            job.cancel("shutting_down")
+            job.events.put_nowait(Event("error", status=503, code="shutting_down",
+                                        message="the server shut down before this request finished "
+                                                "(its shutdown grace period ended); retry on another replica"))
+        return len(jobs)
 
     @property
     def healthy(self) -> bool:

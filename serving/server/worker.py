@@ -29,6 +29,7 @@ from specheads.serving.decode.faults import describe, is_fatal
 from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 from specheads.serving.decode.stats import DecodeStats
 from specheads.serving.server.detokenize import IncrementalDetokenizer
+from specheads.serving.server.logprobs import ScoredToken, TokenText
 from specheads.serving.server.metrics import ServerMetrics
 
 log = logging.getLogger("specheads.serve")
@@ -57,6 +58,7 @@ class Choice:
     index: int
     request: SequenceRequest
     stop: list[str] = field(default_factory=list)
+    echo: str | None = None  # the prompt's text, to come before the completion's (completions' `echo`)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Event:
     status: int = 500  # error: HTTP status
     message: str = ""
     code: str | None = None
+    logprobs: list[ScoredToken] | None = None  # delta/finish: the scores of the tokens since the last event
 
 
 class Job:
@@ -111,6 +114,24 @@ class _Running:
         self.num_tokens = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.text = choice.echo or ""  # text not yet posted (an echoed prompt goes first)
+        # logprobs asked: the scores not yet posted (an echoed prompt's first); None: not asked
+        self.scores: list[ScoredToken] | None = None if choice.request.logprobs is None else []
+        self.num_prompt_scores = 0  # how many of `scores` are the prompt's (never counted as tokens)
+        self.num_scores_posted = 0  # generated tokens' scores posted so far
+
+    def take(self, text: str, num_tokens: int | None = None) -> tuple[str, list[ScoredToken] | None]:
+        """-> the text and scores to post now; num_tokens: the sequence's final token count
+        (a stop string may end it before tokens already scored)."""
+        text, self.text = self.text + text, ""
+        scores = self.scores
+        if scores is None:
+            return text, None
+        if num_tokens is not None:
+            scores = scores[:self.num_prompt_scores + max(0, num_tokens - self.num_scores_posted)]
+        self.num_scores_posted += len(scores) - self.num_prompt_scores
+        self.scores, self.num_prompt_scores = [], 0
+        return text, scores
 
 
 class Engine:
@@ -127,6 +148,7 @@ class Engine:
         self.metrics = metrics
         self.max_queue = max_queue
         self.session = Scheduler(decoder, max_batch_size=max_concurrency)
+        self.token_text = TokenText(tokenizer)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, _Running] = {}
@@ -298,6 +320,8 @@ class Engine:
             return
         job, choice = running.job, running.choice
         tokens = list(update.new_tokens)
+        if running.scores is not None:
+            self._score(running, update)
         text = ""
         if tokens:
             if running.first_token_at is None:
@@ -325,8 +349,18 @@ class Engine:
                 running.num_tokens = running.detok.stop_token_index or running.num_tokens
             self._finish(update.seq_id, running, text, reason, result.stats, now)
             return
-        if text:
-            job.post(Event("delta", index=choice.index, text=text, num_tokens=len(tokens)))
+        if text or running.text:
+            text, scores = running.take(text)
+            job.post(Event("delta", index=choice.index, text=text, num_tokens=len(tokens), logprobs=scores))
+
+    def _score(self, running: _Running, update) -> None:
+        """The update's engine scores -> running.scores (an echoed prompt's first)."""
+        if update.prompt_logprobs is not None and running.choice.echo is not None:
+            prompt = running.choice.request.input_ids
+            running.scores += [self.token_text.score(entry, token)
+                               for entry, token in zip(update.prompt_logprobs, prompt)]
+            running.num_prompt_scores = len(prompt)
+        running.scores += [self.token_text.score(entry, entry.token) for entry in update.logprobs]
 
     def _finish(self, seq_id: int, running: _Running, text: str, reason: str, stats: DecodeStats,
                 now: float) -> None:
@@ -340,8 +374,9 @@ class Engine:
                                       running.num_tokens, speculation["drafts"], speculation["drafted_tokens"],
                                       speculation["accepted_tokens"], speculation["accepted_per_position"],
                                       speculation["lookup_accepted_tokens"])
+        text, scores = running.take(text, running.num_tokens)
         job.post(Event("finish", index=choice.index, text=text, num_tokens=running.num_tokens,
-                       finish_reason=reason, stats=speculation))
+                       finish_reason=reason, stats=speculation, logprobs=scores))
         job.pending -= 1
         if job.pending == 0:
             job.done = True

@@ -9,7 +9,7 @@ copies that bypass the dispatcher on a CPU tensor (`.tolist()`, `.cpu()`, `.nump
 
 Covered: Medusa static trees (with AdaEDL's depth cut), EAGLE-3 static trees, EAGLE-2 dynamic
 trees, n-gram lookup alone and as a branch, batches of several sequences of unequal lengths,
-greedy and sampled rows together, on the configuration a GPU runs (static-shape cache as for
+greedy and sampled rows together, a row that asks for token logprobs, on the configuration a GPU runs (static-shape cache as for
 CUDA graphs, tree attention); and on the SDPA path.
 """
 
@@ -123,7 +123,8 @@ def test_a_step_reads_the_device_once(target, kind, path, monkeypatch):
     samplings = [None, SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=20, seed=2)]
     for seq_id, (extra, sampling) in enumerate(zip((9, 17, 0), samplings)):
         prompt = every_token_prompt(target, seq_id, extra)
-        engine.add(engine.check(SequenceRequest(prompt, 8, sampling=sampling), seq_id))
+        logprobs = 2 if seq_id == 1 else None  # a row's token logprobs travel in the same copy
+        engine.add(engine.check(SequenceRequest(prompt, 8, sampling=sampling, logprobs=logprobs), seq_id))
     per_step = count_step_syncs(engine, monkeypatch)
     assert len(per_step) >= 3
     for step, syncs in enumerate(per_step):

@@ -179,6 +179,44 @@ def test_graceful_shutdown_finishes_in_flight_and_refuses_new(tiny_setup):  # no
     assert response.json()["usage"]["completion_tokens"] == 200
 
 
+def test_requests_still_running_when_the_grace_period_ends_get_503(tiny_setup):  # noqa: F811
+    """Past --graceful-timeout, requests still running get a 503 with an OpenAI error body (a
+    stream that has started: an error event, then [DONE]), not uvicorn's plain-text 500 or a cut stream."""
+    target_dir, heads_dir = tiny_setup
+    config = ServeConfig(model_name=MODEL, max_concurrency=4)
+    server = ServerThread(config, lambda: load_decoder(str(target_dir), str(heads_dir), progress=False),
+                          graceful_timeout_s=0.3).start()
+    endless = dict(LONG, n=16)  # 16 x 480 tokens, four at a time: far longer than the grace period
+    streaming = threading.Event()
+
+    def streamed() -> tuple[int, list[str]]:
+        with httpx.stream("POST", server.url + "/v1/completions", json=dict(endless, stream=True),
+                          timeout=120) as response:
+            lines = []
+            for line in response.iter_lines():
+                lines += [line] if line else []
+                streaming.set()
+            return response.status_code, lines
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(streamed)
+        assert streaming.wait(30)
+        plain = pool.submit(httpx.post, server.url + "/v1/completions", json=dict(LONG, n=2), timeout=120)
+        registry = server.state.metrics.registry
+        # both jobs queued or running: the stream's 12 choices not yet admitted, and the plain request
+        assert wait_for(lambda: registry.get_sample_value("specheads_num_requests_waiting") == 2, 30)
+        server.stop(timeout_s=60)
+        response, (stream_status, lines) = plain.result(), stream.result()
+    assert response.status_code == 503, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "service_unavailable" and "grace" in error["message"]
+    assert stream_status == 200 and len(lines) > 2  # it had streamed text before the cut
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "shutting_down"
+    assert registry.get_sample_value("specheads_request_aborted_total", {"reason": "shutting_down"}) >= 5
+
+
 def test_health_is_503_while_loading(tiny_setup):  # noqa: F811
     target_dir, heads_dir = tiny_setup
     release = threading.Event()

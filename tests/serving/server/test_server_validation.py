@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 
 import httpx
 import pytest
@@ -79,9 +80,14 @@ MALFORMED = [
     ("n huge", "/v1/completions", with_(OK, n=1000), 400),
     ("stream not bool", "/v1/completions", with_(OK, stream="yes"), 400),
     ("stream_options without stream", "/v1/completions", with_(OK, stream_options={"include_usage": True}), 400),
-    ("unknown field", "/v1/completions", with_(OK, frobnicate=1), 400),
-    ("echo unsupported", "/v1/completions", with_(OK, echo=True), 400),
-    ("logprobs unsupported", "/v1/completions", with_(OK, logprobs=3), 400),
+    ("echo not bool", "/v1/completions", with_(OK, echo="yes"), 400),
+    ("logprobs string", "/v1/completions", with_(OK, logprobs="3"), 400),
+    ("logprobs bool", "/v1/completions", with_(OK, logprobs=True), 400),
+    ("logprobs negative", "/v1/completions", with_(OK, logprobs=-1), 400),
+    ("logprobs too many", "/v1/completions", with_(OK, logprobs=21), 400),
+    ("logit_bias set", "/v1/completions", with_(OK, logit_bias={"5": 10}), 400),
+    ("repetition_penalty set", "/v1/completions", with_(OK, repetition_penalty=1.2), 400),
+    ("suffix set", "/v1/completions", with_(OK, suffix="end"), 400),
     ("presence penalty", "/v1/completions", with_(OK, presence_penalty=0.5), 400),
     ("speculate not bool", "/v1/completions", with_(OK, speculate="no"), 400),
     ("unknown model", "/v1/completions", with_(OK, model="gpt-4"), 404),
@@ -92,7 +98,13 @@ MALFORMED = [
     ("chat message not object", "/v1/chat/completions", with_(CHAT_OK, messages=["hi"]), 400),
     ("chat bad part type", "/v1/chat/completions",
      with_(CHAT_OK, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]), 400),
-    ("chat logprobs", "/v1/chat/completions", with_(CHAT_OK, logprobs=True), 400),
+    ("chat logprobs int", "/v1/chat/completions", with_(CHAT_OK, logprobs=1), 400),
+    ("chat top_logprobs without logprobs", "/v1/chat/completions", with_(CHAT_OK, top_logprobs=2), 400),
+    ("chat top_logprobs too many", "/v1/chat/completions", with_(CHAT_OK, logprobs=True, top_logprobs=21), 400),
+    ("chat response_format json", "/v1/chat/completions", with_(CHAT_OK, response_format={"type": "json_object"}),
+     400),
+    ("chat tools", "/v1/chat/completions",
+     with_(CHAT_OK, tools=[{"type": "function", "function": {"name": "f"}}]), 400),
     ("chat context overflow", "/v1/chat/completions", with_(CHAT_OK, max_tokens=5000), 400),
     ("chat unknown model", "/v1/chat/completions", with_(CHAT_OK, model="nope"), 404),
     ("unknown route", "/v1/embeddings", OK, 404),
@@ -139,6 +151,54 @@ def test_errors_name_the_field_and_the_numbers(server):
     assert error["param"] == "messages[0].content"
     error = assert_error_body(post(server, "/v1/completions", with_(OK, model="gpt-4")))
     assert error["code"] == "model_not_found" and MODEL in error["message"]
+
+
+def test_unknown_fields_are_ignored_with_one_warning_line(server, caplog):
+    body = with_(CHAT_OK, frobnicate=1, store=False, messages=[{"role": "user", "content": "hi", "weight": 1}],
+                 stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    with caplog.at_level(logging.WARNING, logger="specheads.serve"):
+        response = post(server, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.text.rstrip().endswith("data: [DONE]")
+        plain = post(server, "/v1/completions", with_(OK, metadata={"a": "b"}))
+    assert plain.status_code == 200, plain.text
+    warnings = [r.getMessage() for r in caplog.records if r.name == "specheads.serve" and "ignored" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    for name in ("'frobnicate'", "store", "messages[0].weight", "stream_options.continuous_usage_stats"):
+        assert name.strip("'") in warnings[0], warnings
+    assert "metadata" in warnings[1]
+
+
+def test_null_is_unset_and_unimplemented_fields_pass_at_their_neutral_value(server):
+    nulls = with_(OK, top_p=None, n=None, stream=None, seed=None, stop=None, logprobs=None, echo=None,
+                  presence_penalty=None, frequency_penalty=None, user=None, logit_bias=None, max_tokens=None)
+    reference = post(server, "/v1/completions", with_(OK, max_tokens=DROP)).json()["choices"][0]["text"]
+    response = post(server, "/v1/completions", nulls)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == reference
+    sampled = [post(server, "/v1/completions", with_(OK, temperature=t, seed=3)).json()["choices"][0]["text"]
+               for t in (None, DROP)]  # null temperature: the default, 1
+    assert sampled[0] == sampled[1]
+    neutral = with_(CHAT_OK, logit_bias={}, response_format={"type": "text"}, tools=[], tool_choice="none",
+                    repetition_penalty=1, min_p=0.0, skip_special_tokens=True, logprobs=False, top_logprobs=0)
+    assert post(server, "/v1/chat/completions", neutral).status_code == 200
+    error = assert_error_body(post(server, "/v1/completions", with_(OK, logit_bias={"5": 10})))
+    assert error["param"] == "logit_bias" and "not supported" in error["message"]
+    error = assert_error_body(post(server, "/v1/completions", with_(OK, model=None)))
+    assert error["param"] == "model"
+
+
+def test_wrong_types_name_the_field(server):
+    for path, body, field in [("/v1/completions", with_(OK, logprobs="3"), "logprobs"),
+                              ("/v1/completions", with_(OK, echo=1), "echo"),
+                              ("/v1/chat/completions", with_(CHAT_OK, top_logprobs=3), "top_logprobs"),
+                              ("/v1/chat/completions", with_(CHAT_OK, logprobs=True, top_logprobs=99), "top_logprobs"),
+                              ("/v1/chat/completions", with_(CHAT_OK, messages=[{"role": "user", "content": "x",
+                                                                                 "name": 5}]), "messages[0].name")]:
+        response = post(server, path, body)
+        assert response.status_code == 400, (body, response.text)
+        error = assert_error_body(response)
+        assert error["param"] == field and field in error["message"], error
 
 
 def test_oversized_bodies_are_rejected(server):
