@@ -266,11 +266,11 @@ def _specheads_serve(config, heads: str) -> str:
 
 
 def _specheads_export(source: str, fmt: str, out: str) -> str:
-    return f"specheads export {_q(source)} --format {fmt} --out {_q(out)}"
+    return f"specheads export {_q(source)} --format {fmt} --output {_q(out)}"
 
 
 def _specheads_import(source: str, out: str) -> str:
-    return f"specheads export --import {_q(source)} --out {_q(out)}"
+    return f"specheads export --import {_q(source)} --output {_q(out)}"
 
 
 def _engine_target(config) -> str:
@@ -323,7 +323,7 @@ def _eagle_commands(config, directory: str, layout: str) -> dict[str, str]:
                                  f"{config.tap_layers}")
     elif layout == "specheads":
         gguf_dir = f"{directory}-gguf"
-        commands["llama.cpp"] = (f"specheads export {_q(directory)} --format llama.cpp --out {_q(gguf_dir)}\n"
+        commands["llama.cpp"] = (f"specheads export {_q(directory)} --format llama.cpp --output {_q(gguf_dir)}\n"
                                  + _llama_server(gguf_dir))
     else:
         commands["llama.cpp"] = (f"python convert_hf_to_gguf.py {_q(directory)} --target-model-dir "

@@ -1,9 +1,10 @@
 """A preallocated KV cache for tree decoding: write the tree, commit the accepted path in place.
 
 `TreeStaticCache` is a transformers `Cache` subclass (the public extension point; no modeling
-code is copied or patched). Every layer owns two buffers [B, kv_heads, max_cache_len, D],
-allocated once on the first forward (dtype, device, head count and head size come from the
-model's own key states) and never reallocated. `max_cache_len` must cover the longest
+code is copied or patched). Every layer's keys and values [B, kv_heads, max_cache_len, D] are
+views of one buffer [L, 2, B, kv_heads, max_cache_len, D], allocated once on the first forward
+(dtype, device, head count and head size come from the model's own key states) and never
+reallocated, so that moving entries (a commit, a row swap) is one copy for the whole model. `max_cache_len` must cover the longest
 context plus the largest tree a verify step writes.
 
 Lengths. The cache keeps one committed length per sequence, `seq_lens` [B] (a device
@@ -78,27 +79,53 @@ class _Lengths:
         return self.device_lens[self.start:self.stop]
 
 
+class _Storage:
+    """Every layer's keys and values in ONE buffer [L, 2, B, kv_heads, M, D], allocated when the
+    first layer runs (dtype, device, head count and size come from its key states): a commit,
+    a row swap or a row move is one indexed copy for the whole model, not one per layer and
+    buffer (a GPU pays per launch). Every layer must have the same KV shape."""
+
+    def __init__(self, num_layers: int, batch_size: int, max_cache_len: int):
+        self.num_layers, self.batch_size, self.max_cache_len = num_layers, batch_size, max_cache_len
+        self.buffer: torch.Tensor | None = None  # [L, 2, B, kv_heads, M, D]
+
+    def layer_views(self, index: int, key_states: torch.Tensor,
+                    value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values [B, kv_heads, M, D] (views of the buffer)."""
+        num_heads, head_dim = key_states.shape[1], key_states.shape[-1]
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.num_layers, 2, self.batch_size, num_heads, self.max_cache_len, head_dim,
+                                      dtype=key_states.dtype, device=key_states.device)
+        expected = tuple(self.buffer.shape[3:4]) + tuple(self.buffer.shape[5:])
+        for name, states in (("keys", key_states), ("values", value_states)):
+            if (states.shape[1], states.shape[-1]) != expected or states.dtype != self.buffer.dtype:
+                raise NotImplementedError(
+                    f"layer {index}'s {name} are {states.dtype} with {states.shape[1]} heads of size "
+                    f"{states.shape[-1]}, but the cache holds {self.buffer.dtype} with {expected[0]} heads of size "
+                    f"{expected[1]}: TreeStaticCache needs one KV shape in every layer")
+        return self.buffer[index, 0], self.buffer[index, 1]
+
+
 class TreeStaticLayer(CacheLayerMixin):
     """One layer's preallocated keys/values; the lengths live in the shared `_Lengths`."""
 
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, max_cache_len: int, lengths: _Lengths, static_shape: bool):
+    def __init__(self, max_cache_len: int, lengths: _Lengths, static_shape: bool, storage: "_Storage", index: int):
         super().__init__()
         self.max_cache_len = max_cache_len
         self.lengths = lengths
+        self.storage, self.index = storage, index
         self.static_shape = static_shape
         self.is_compileable = static_shape  # instance attribute: Cache.is_compileable reads it
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        num_heads = key_states.shape[1]
-        batch_size = len(self.lengths.host)  # every row, active or not
+        """Views of this layer's keys and values in the cache's one buffer (allocated by the
+        first layer that runs, for every layer: see `_Storage`)."""
+        keys, values = self.storage.layer_views(self.index, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.zeros(batch_size, num_heads, self.max_cache_len, key_states.shape[-1],
-                                dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(batch_size, num_heads, self.max_cache_len, value_states.shape[-1],
-                                  dtype=value_states.dtype, device=value_states.device)
+        self.keys, self.values = keys, values
         if self.lengths.device_lens.device != key_states.device:
             self.lengths.device_lens = self.lengths.device_lens.to(key_states.device)
         self.is_initialized = True
@@ -161,35 +188,11 @@ class TreeStaticLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
-    def gather_(self, rows_M: torch.Tensor, src_M: torch.Tensor, dst_M: torch.Tensor) -> None:
-        """In place, M entries at once: slot dst_M[m] of row rows_M[m] <- slot src_M[m] of the
-        same row (every source read before any is written)."""
-        if not self.is_initialized:
-            return
-        for buffer in (self.keys, self.values):
-            buffer[rows_M, :, dst_M] = buffer[rows_M, :, src_M]
-
     def crop(self, tokens_to_remove: int) -> None:
         """Lengths are shared: `TreeStaticCache.crop` changes them once for every layer."""
 
     def reset(self) -> None:
-        if self.is_initialized:
-            self.keys.zero_()
-            self.values.zero_()
-
-    def swap_rows_(self, a: int, b: int, length: int) -> None:
-        """Exchange the first `length` slots of rows a and b."""
-        if self.is_initialized:
-            for buffer in (self.keys, self.values):
-                row_a = buffer[a, :, :length].clone()
-                buffer[a, :, :length] = buffer[b, :, :length]
-                buffer[b, :, :length] = row_a
-
-    def move_row_(self, src: int, dst: int, length: int) -> None:
-        """Copy row src's first `length` slots into row dst."""
-        if self.is_initialized:
-            self.keys[dst, :, :length] = self.keys[src, :, :length]
-            self.values[dst, :, :length] = self.values[src, :, :length]
+        """The cache's one buffer is zeroed by `TreeStaticCache.reset`."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("TreeStaticCache does not support beam search")
@@ -228,8 +231,9 @@ class TreeStaticCache(Cache):
         self.max_cache_len = max_cache_len
         self.static_shape = static_shape
         self.lengths = _Lengths(batch_size)
-        super().__init__(layers=[TreeStaticLayer(max_cache_len, self.lengths, static_shape)
-                                 for _ in range(len(layer_types))])
+        self.storage = _Storage(len(layer_types), batch_size, max_cache_len)
+        super().__init__(layers=[TreeStaticLayer(max_cache_len, self.lengths, static_shape, self.storage, index)
+                                 for index in range(len(layer_types))])
 
     @property
     def seq_lens(self) -> list[int]:
@@ -277,8 +281,11 @@ class TreeStaticCache(Cache):
     def swap_rows(self, a: int, b: int) -> None:
         """Exchange the sequences of rows a and b (a scheduler reorders its batch)."""
         length = max(self.lengths.host[a], self.lengths.host[b])
-        for layer in self.layers:
-            layer.swap_rows_(a, b, length)
+        buffer = self.storage.buffer
+        if buffer is not None:
+            row_a = buffer[:, :, a, :, :length].clone()
+            buffer[:, :, a, :, :length] = buffer[:, :, b, :, :length]
+            buffer[:, :, b, :, :length] = row_a
         self.lengths.host[a], self.lengths.host[b] = self.lengths.host[b], self.lengths.host[a]
         self._sync_device_lens()
 
@@ -286,8 +293,8 @@ class TreeStaticCache(Cache):
         """Move sequence src into row dst (dst's sequence is dropped): keeps the active rows
         contiguous when a sequence leaves a batch."""
         length = self.lengths.host[src]
-        for layer in self.layers:
-            layer.move_row_(src, dst, length)
+        if self.storage.buffer is not None:
+            self.storage.buffer[:, :, dst, :, :length] = self.storage.buffer[:, :, src, :, :length]
         self.lengths.host[dst] = length
         self.lengths.host[src] = 0
         self._sync_device_lens()
@@ -343,8 +350,9 @@ class TreeStaticCache(Cache):
                 offsets += [length] * num_accepted
             src_M = torch.cat([accepted_A for _, _, accepted_A in moves]) + torch.tensor(offsets, device=device)
             rows_M, dst_M = torch.tensor(rows, device=device), torch.tensor(dst, device=device)
-            for layer in self.layers:
-                layer.gather_(rows_M, src_M, dst_M)
+            buffer = self.storage.buffer  # every layer's keys and values at once (every source read first)
+            if buffer is not None:
+                buffer[:, :, rows_M, :, dst_M] = buffer[:, :, rows_M, :, src_M]
         self._sync_device_lens()
 
     def crop(self, max_length: int) -> None:
@@ -359,7 +367,8 @@ class TreeStaticCache(Cache):
         """Empty the cache; the buffers stay allocated (and are zeroed)."""
         self.lengths.host = [0] * len(self.lengths.host)
         self._sync_device_lens()
-        super().reset()
+        if self.storage.buffer is not None:
+            self.storage.buffer.zero_()
 
     def _sync_device_lens(self) -> None:
         self.lengths.num_pending = 0

@@ -449,7 +449,8 @@ class BatchEngine:
             if blank is None:
                 return None, HostAccepted.root_only(len(batch))
             accepted = concat_accepted([blank if one is None else one for one in alone])
-        host = accepted.to_host(self._logprob_rows(batch, verified, accepted))
+        asks = any(seq.logprobs is not None for seq in batch)
+        host = accepted.to_host(self._logprob_rows(batch, verified, accepted) if asks else None)
         for seq, bad in zip(batch, host.bad):
             if bad and seq.error is None:
                 self._fail(seq, ValueError(NO_DISTRIBUTION))
@@ -513,12 +514,10 @@ class BatchEngine:
     # --- logprobs (serving/decode/logprobs.py) ----------------------------------------------
 
     @staticmethod
-    def _logprob_rows(batch: list[Sequence], verified: Verified, accepted: Accepted) -> torch.Tensor | None:
-        """The step's emitted tokens scored for the rows that ask (serving/decode/logprobs.py),
-        on the device, to travel in the step's one copy to the host; None when no row asks."""
+    def _logprob_rows(batch: list[Sequence], verified: Verified, accepted: Accepted) -> torch.Tensor:
+        """The step's emitted tokens scored for the rows that ask (serving/decode/logprobs.py; at
+        least one does), on the device, to travel in the step's one copy to the host."""
         rows = [row for row, seq in enumerate(batch) if seq.logprobs is not None]
-        if not rows:
-            return None
         num_top = max(batch[row].num_top_logprobs for row in rows)
         index = torch.tensor(rows, device=verified.logits.device)
         scored = step_logprob_rows(verified.logits.index_select(0, index), accepted.path.index_select(0, index),

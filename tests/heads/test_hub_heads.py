@@ -65,7 +65,7 @@ def same(a, b):
 hub, hub_config = load_heads("{repo}")
 reference, _ = load_heads(original)
 report = {{"same_as_original": same(hub, reference), "kind": hub_config.kind, "tuning": read_tuning("{repo}"),
-          "export_rc": main(["export", "{repo}", "--format", "vllm-medusa", "--out", out + "/vllm"])}}
+          "export_rc": main(["export", "{repo}", "--format", "vllm-medusa", "--output", out + "/vllm"])}}
 imported = import_heads("{export}", out + "/imported")
 report["imported_same"] = same(load_heads(imported)[0], reference)
 print(json.dumps(report))
@@ -114,7 +114,7 @@ def test_a_local_directory_wins_over_a_hub_id(hub, tmp_path):
 def test_a_missing_hub_id_is_one_line_naming_it_and_what_was_tried(hub, tmp_path):
     cache, _ = hub
     result = run_python("import sys; from specheads.cli import main; sys.exit(main(sys.argv[1:]))", cache, tmp_path,
-                        "export", MISSING_ID, "--format", "medusa", "--out", str(tmp_path / "out"))
+                        "export", MISSING_ID, "--format", "medusa", "--output", str(tmp_path / "out"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -87,8 +87,8 @@ def test_eagle3_card_header_and_body(tmp_path):
             "--speculative-num-draft-tokens 6") in lines
     assert (f"llama-server -m {heads}-gguf/target.gguf -md {heads}-gguf/heads.gguf --spec-type draft-eagle3 "
             "--spec-draft-n-max 8 --spec-draft-p-min 0.8") in lines
-    assert f"specheads export {heads} --format eagle3 --out {heads}-eagle3" in lines
-    assert f"specheads export {heads} --format llama.cpp --out {heads}-gguf" in lines
+    assert f"specheads export {heads} --format eagle3 --output {heads}-eagle3" in lines
+    assert f"specheads export {heads} --format llama.cpp --output {heads}-gguf" in lines
     assert assert_specheads_commands_parse(body) == 4  # serve, and the export before vLLM, SGLang, llama.cpp
 
 

@@ -112,6 +112,14 @@ def dynamic_decoder(setup):
     return SpeculativeDecoder(target, head, tree, tap_layers=config.tap_layers)
 
 
+def assert_follows_the_target(target, decoder, params):
+    joint = exact_joint(target, params)
+    counts, accepted, lossless = empirical_counts(decoder, params)
+    assert lossless
+    assert accepted > NUM_SAMPLES // 10, "the heads' drafts were (almost) never accepted: the test would be vacuous"
+    assert chi_square_p_value(counts, joint) > P_VALUE
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=1.0, top_p=0.9)],
                          ids=["t0.7", "t1.0", "t1.0-top_p0.9"])
@@ -120,11 +128,19 @@ def test_first_two_tokens_follow_the_target(setup, dynamic_decoder, params, tree
     target, decoder = setup
     if tree_kind == "dynamic":
         decoder = dynamic_decoder
-    joint = exact_joint(target, params)
-    counts, accepted, lossless = empirical_counts(decoder, params)
-    assert lossless
-    assert accepted > NUM_SAMPLES // 10, "the heads' drafts were (almost) never accepted: the test would be vacuous"
-    assert chi_square_p_value(counts, joint) > P_VALUE
+    assert_follows_the_target(target, decoder, params)
+
+
+@pytest.mark.parametrize("tree_kind", ["static", "dynamic"])
+def test_the_captured_path_samples_from_the_target(setup, dynamic_decoder, tree_kind):
+    """What a CUDA graph records (the static-shape cache and verify, run eagerly here) keeps
+    the sampled accept exact, for both drafters."""
+    target, decoder = setup
+    source = decoder if tree_kind == "static" else dynamic_decoder
+    decoder = SpeculativeDecoder(target, source.drafter.head if tree_kind == "dynamic" else source.drafter.heads,
+                                 source.dynamic or source.tree, tap_layers=source.tap_layers, cuda_graphs="eager")
+    params = SamplingParams(temperature=1.0)
+    assert_follows_the_target(target, decoder, params)
 
 
 @pytest.mark.parametrize("with_heads", [True, False], ids=["medusa+lookup", "lookup-alone"])
