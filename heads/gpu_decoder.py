@@ -121,16 +121,22 @@ def last_layer(attn_NQ, hidden_NH, tail: tuple, final_norm: torch.Tensor, eps: f
 FUNCTIONS = {"attention_inputs": attention_inputs, "layer_boundary": layer_boundary, "last_layer": last_layer}
 
 
-@functools.cache
-def compiled_functions(mode: str) -> dict:
-    """FUNCTIONS compiled for `mode` (COMPILE_MODES), shared by every GpuDecoder in the process
-    (dynamo keys its graphs on the inputs' shapes and dtypes, not on which model they come from)."""
+def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let dynamo keep `limit` graphs per function (never lowers the setting)."""
     import torch._dynamo
 
     for name in ("recompile_limit", "cache_size_limit"):  # the same setting under its old name
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+
+
+@functools.cache
+def compiled_functions(mode: str) -> dict:
+    """FUNCTIONS compiled for `mode` (COMPILE_MODES), shared by every GpuDecoder in the process
+    (dynamo keys its graphs on the inputs' shapes and dtypes, not on which model they come from)."""
     from torch._inductor import list_mode_options
+
+    allow_recompiles()
 
     # The mode's settings, and rounding where the eager ops round (bf16 stays near the model's own).
     options = {**list_mode_options(COMPILE_MODES[mode]), "emulate_precision_casts": True}
@@ -154,19 +160,42 @@ class _Layer:
     tail: tuple  # layer_output's weights
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor `parts` are consecutive row blocks of (a decoder built earlier on the same
+    model fused them), as one view; None if they are not."""
+    first, offset = parts[0], parts[0].storage_offset()
+    for part in parts:
+        if not part.is_contiguous() or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or part.storage_offset() != offset:
+            return None
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                            (rows, *first.shape[1:]), first.stride())
+
+
+def _fuse_tensors(modules: list[nn.Linear], name: str) -> torch.Tensor:
+    """The modules' `name` tensors (weight or bias) as one, each module's own becoming a view
+    into it: one copy in memory, the model's own forward unchanged."""
+    parts = [getattr(m, name).detach() for m in modules]
+    fused = _joined(parts)
+    if fused is None:
+        fused = torch.cat(parts)
+        for module, part in zip(modules, fused.split([p.shape[0] for p in parts])):
+            setattr(module, name, nn.Parameter(part, requires_grad=False))
+    return fused
+
+
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight [sum of out features, in features] (and bias) for several linear layers of one
-    input; each layer's own weight (and bias) becomes a view into it: one copy in memory."""
-    weight = torch.cat([m.weight.detach() for m in linears])
-    for module, part in zip(linears, weight.split([m.out_features for m in linears])):
-        module.weight = nn.Parameter(part, requires_grad=False)
+    input, held once (`_fuse_tensors`)."""
+    weight = _fuse_tensors(linears, "weight")
     if all(m.bias is None for m in linears):
         return weight, None
-    bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features) for m in linears])
     if all(m.bias is not None for m in linears):
-        for module, part in zip(linears, bias.split([m.out_features for m in linears])):
-            module.bias = nn.Parameter(part, requires_grad=False)
-    return weight, bias
+        return weight, _fuse_tensors(linears, "bias")
+    return weight, torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
+                              for m in linears])
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
