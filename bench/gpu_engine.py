@@ -154,7 +154,8 @@ def peaked_llama(ctx, shape: dict) -> PeakedTarget:
     model = random_llama(shape, ctx.device, torch.bfloat16, init_std=None)
     generator = torch.Generator().manual_seed(3)
     order = torch.randperm(model.config.vocab_size, generator=generator).to(ctx.device)
-    projections = [w for layer in model.model.layers for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
+    projections = [w for layer in model.model.layers
+                   for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
     with torch.no_grad():
         model.lm_head.weight.copy_(model.model.embed_tokens.weight[order])
         for weight in projections:
@@ -238,8 +239,10 @@ def verify_call(target, cache, num_tree: int, attn: str, tap_layers: list[int] |
     made once; positions, masks and prefix lengths derived on the device inside the call, the
     tree kernel's prefix lengths bounded so nothing syncs) -> logits [B, T, V]. Its T entries
     stay pending, so the next call overwrites them, as a rejected tree's are."""
-    from specheads.serving.kernels.tree_attention import pack_tree_mask
+    from specheads.serving.kernels.tree_attention import pack_tree_mask, use_tree_attention
 
+    if attn == "tree":  # else the model's attention function would drop the tree arguments
+        use_tree_attention(target.model)
     num_rows, device = len(cache.seq_lens), target.device
     generator = torch.Generator().manual_seed(num_tree)
     tree_TT = random_tree_mask(num_tree, generator).to(device)
@@ -299,7 +302,8 @@ def lossless_decoders(ctx, target, sequences: list[list[int]], prompt_lengths: l
             "eagle3-random": SpeculativeDecoder(target, eagle, tree, tap_layers=taps, fallback=None),
             "medusa-oracle+kernel": SpeculativeDecoder(kernel_target, oracle, tree, **kernel),
             "eagle3-random+kernel": SpeculativeDecoder(kernel_target, eagle, tree, tap_layers=taps, **kernel),
-            "medusa-oracle+kernel+graphs": SpeculativeDecoder(kernel_target, oracle, tree, **kernel, cuda_graphs=graphs),
+            "medusa-oracle+kernel+graphs": SpeculativeDecoder(kernel_target, oracle, tree, **kernel,
+                                                              cuda_graphs=graphs),
             "eagle3-random+kernel+graphs": SpeculativeDecoder(kernel_target, eagle, tree, tap_layers=taps, **kernel,
                                                               cuda_graphs=graphs),
             # Everything on: the compiled forward, the kernel and CUDA graphs.
@@ -384,14 +388,16 @@ def _rate_rows(ctx, model, decoders: dict, prompts, num_new: int, batch: int, ch
     from specheads.bench.divergence import summarise_divergences
 
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    measured = {name: _timed(ctx, model, make, groups, num_new) for name, make in {"hf-greedy": None, **decoders}.items()}
+    methods = {"hf-greedy": None, **decoders}
+    measured = {name: _timed(ctx, model, make, groups, num_new) for name, make in methods.items()}
     rates = {name: len(prompts) * num_new / seconds for name, (_, _, seconds) in measured.items()}
     reference = measured["hf-greedy"][0]
     rows = []
     for name, (tokens, results, _) in measured.items():
         divergences = [checker.check(p, want, got) for p, want, got in zip(prompts, reference, tokens)]
+        tau = 1.0 if results is None else merged_stats(results).tau
         rows.append(dict(batch=batch, method=name, tokens_per_s=rates[name], speedup=rates[name] / rates[DENOMINATOR],
-                         vs_hf=rates[name] / rates["hf-greedy"], tau=1.0 if results is None else merged_stats(results).tau,
+                         vs_hf=rates[name] / rates["hf-greedy"], tau=tau,
                          identical_to_hf=sum(d is None for d in divergences) / len(prompts),
                          **summarise_divergences(divergences)))
     return rows

@@ -72,11 +72,14 @@ def step_rows(ctx, model_name: str, forwards: dict, context: int, batches, trees
         cache = prefilled_cache(next(iter(forwards.values())), batch, context, max(sizes) + 1)
         for name, target in forwards.items():
             for num_tree in sizes:
-                timing = step_ms(ctx, verify_call(target, cache, num_tree, "tree"))
-                if num_tree == 1:
-                    decode_ms = timing["ms"]
-                row = dict(model=model_name, context=context, forward=name, B=batch, T=num_tree, **timing,
-                           ratio_to_decode=timing["ms"] / decode_ms)
+                row = dict(model=model_name, context=context, forward=name, B=batch, T=num_tree)
+                try:
+                    row.update(step_ms(ctx, verify_call(target, cache, num_tree, "tree")))
+                except Exception as exc:  # one forward failing (a compile error, say) keeps the other's rows
+                    rows.append(dict(row, error=f"{type(exc).__name__}: {exc}"))
+                    continue
+                decode = next((r for r in rows if r["forward"] == name and r["B"] == batch and r["T"] == 1), row)
+                row["ratio_to_decode"] = row["ms"] / decode["ms"] if "ms" in decode else None
                 rows.append(with_floor(ctx, row, weight_bytes, kv_read_bytes(model.config, batch, context + num_tree)))
         del cache
         free_device_memory()

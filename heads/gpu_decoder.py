@@ -242,7 +242,8 @@ class GpuDecoder:
                     gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias)
             self.layers.append(_Layer(attn, head, tail))
         self.norm = model.model.norm.weight
-        self.embed_tokens, self.rotary_emb, self.lm_head = model.model.embed_tokens, model.model.rotary_emb, model.lm_head
+        self.embed_tokens, self.rotary_emb = model.model.embed_tokens, model.model.rotary_emb
+        self.lm_head = model.lm_head
         self.functions = FUNCTIONS if mode == "eager" else compiled_functions(mode)
         self.active = True  # False: the adapter runs the model's own forward (TargetAdapter.plain_weights)
         self.compile_seconds = 0.0  # wall time of the forwards that compiled a graph (their compile time)

@@ -102,7 +102,8 @@ def test_step_times_compare_both_forwards_beside_their_bytes(suite_run):
     result = suite_run[0]["sections"]["step_time"]["result"]
     tiny = gpu_suite.TINY
     (model_name, _, context), = tiny["step_models"]
-    sizes = {1: (1, *tiny["verify_trees"])} | {batch: (1, tiny["verify_trees"][0]) for batch in tiny["step_batches"][1:]}
+    sizes = {1: (1, *tiny["verify_trees"])}
+    sizes |= {batch: (1, tiny["verify_trees"][0]) for batch in tiny["step_batches"][1:]}
     assert {(row["forward"], row["B"], row["T"]) for row in result["rows"]} == \
         {(forward, batch, size) for forward in ("hf", "compiled") for batch in sizes for size in sizes[batch]}
     for row in result["rows"]:
@@ -224,7 +225,8 @@ def test_goals_compare_each_figure_with_its_target():
     assert found["m: oracle heads, batch 8, vs plain decoding with graphs"]["met"] is False
     assert found["m: oracle heads, batch 32, vs plain decoding with graphs"]["met"] is True
     identical = found["m: bf16 prompts identical to HF greedy (every engine and batch)"]
-    assert identical["value"] == pytest.approx((1 + 1 + 0.75 + 1) / 4) and identical["met"] is False  # HF's row not counted
+    assert identical["value"] == pytest.approx((1 + 1 + 0.75 + 1) / 4)  # HF's own row not counted
+    assert identical["met"] is False
     assert found["m: bf16 differences not at a near-tie"]["value"] == 1
     assert found["fp32 greedy lossless, everything on"]["met"] is True
     missing = gpu_suite.goals({"sections": {}}, ctx)  # nothing measured: nothing met, nothing failed
@@ -240,7 +242,8 @@ def test_goals_compare_each_figure_with_its_target():
     ("flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>", "attention"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm_rotary_elementwise"),
     ("triton_poi_fused_cat_mul_1", "norm_rotary_elementwise"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<MulFunctor>>", "norm_rotary_elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<MulFunctor>>",
+     "norm_rotary_elementwise"),
     ("void at::native::index_elementwise_kernel<128, 4>", "copies"),
     ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", "copies"),
     ("Memcpy DtoD (Device -> Device)", "copies"),
@@ -264,3 +267,45 @@ def test_peak_bandwidth_by_device_name():
     assert gpu_suite.peak_bandwidth("NVIDIA H200") == 4.8e12
     assert gpu_suite.peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
     assert gpu_suite.peak_bandwidth("NVIDIA A10G") is None
+
+
+def test_verify_call_runs_the_tree_it_builds():
+    """The step sections' verify forward attends through the tree kernel with the tree it drew:
+    the same logits as the explicit 4-D tree mask, in both rows of a static cache of unequal
+    lengths (a forward that dropped the tree arguments would run a causal chain instead)."""
+    from specheads.bench.gpu_engine import prefilled_cache, random_llama, verify_call
+    from specheads.bench.gpu_kernels import random_tree_mask
+    from specheads.heads.target import TargetAdapter
+
+    tree = random_tree_mask(8, torch.Generator().manual_seed(8))
+    assert not torch.equal(tree, torch.ones(8, 8, dtype=torch.bool).tril())  # not a chain
+    target = TargetAdapter(random_llama(gpu_suite.LLAMA_TINY, torch.device("cpu"), torch.float32))
+    cache = prefilled_cache(target, 2, 12, 9)
+    cache.set_rows(1, 2)
+    cache.truncate_row(1, 7)
+    cache.set_rows(0, 2)
+    with torch.inference_mode():
+        through_kernel = verify_call(target, cache, 8, "tree")()
+        through_mask = verify_call(target, cache, 8, "sdpa")()
+    torch.testing.assert_close(through_kernel, through_mask, atol=1e-4, rtol=1e-4)
+
+
+def test_the_device_run_script_runs_the_suite(tmp_path):
+    """bench/gpu_run.sh as the device runs it, from a repository root without carried wheels:
+    the package comes from its links, the suite's options pass through, the report lands in OUT."""
+    repo, out, bin_dir = tmp_path / "repo", tmp_path / "out", tmp_path / "bin"
+    for folder in (repo, out, bin_dir):
+        folder.mkdir()
+    for part in ("specheads", "heads", "training", "serving", "data", "recipes", "bench"):
+        (repo / part).symlink_to(gpu_suite.Path(gpu_suite.__file__).resolve().parents[1] / part)
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # a link would lose the venv
+    (bin_dir / "python3").chmod(0o755)
+    env = dict(os.environ, OUT=str(out), WORK=str(tmp_path / "work"), PATH=f"{bin_dir}:{os.environ['PATH']}",
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH="")
+    proc = subprocess.run(["bash", str(repo / "bench" / "gpu_run.sh"), "--device", "cpu", "--sections", "gemm"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"from {tmp_path / 'work' / 'pkg'}" in proc.stdout  # the linked package, not an installed one
+    report = json.loads((out / "gpu_suite.json").read_text())
+    assert list(report["sections"]) == ["gemm"] and report["sections"]["gemm"]["ok"]
+    assert "--budget-s 400" in report["meta"]["command"] and (out / "gpu_run.log").exists()

@@ -145,7 +145,8 @@ def test_weights_are_held_once_and_plain_weights_runs_the_model(tiny_llama_dir, 
     fused = TargetAdapter.from_pretrained(tiny_llama_dir, gpu_decoder="eager")
     attention, mlp = fused.model.model.layers[0].self_attn, fused.model.model.layers[0].mlp
     qkv, gate_up = fused.gpu.layers[0].head[1], fused.gpu.layers[0].tail[3]
-    assert qkv.shape == (attention.q_proj.out_features + 2 * attention.k_proj.out_features, attention.q_proj.in_features)
+    assert qkv.shape == (attention.q_proj.out_features + 2 * attention.k_proj.out_features,
+                         attention.q_proj.in_features)
     for module, fused_weight in [(attention.q_proj, qkv), (attention.k_proj, qkv), (attention.v_proj, qkv),
                                  (mlp.gate_proj, gate_up), (mlp.up_proj, gate_up)]:
         assert module.weight.untyped_storage().data_ptr() == fused_weight.untyped_storage().data_ptr()
@@ -182,7 +183,8 @@ def test_models_it_cannot_run_keep_their_own_forward(tiny_llama_dir):
 
     layer = target.model.model.layers[1].mlp
     layer.down_proj = Wrapped(layer.down_proj.in_features, layer.down_proj.out_features, bias=False)
-    assert unsupported_reason(target.model) == "layer 1 has a Wrapped, not a plain nn.Linear (PEFT-wrapped or quantized)"
+    assert unsupported_reason(target.model) == \
+        "layer 1 has a Wrapped, not a plain nn.Linear (PEFT-wrapped or quantized)"
     assert TargetAdapter(target.model, gpu_decoder="compile").gpu is None
 
 
