@@ -11,11 +11,11 @@ larger kernels, in pure torch ops:
   into the fused tensor, so memory holds one copy and the model's own forward still runs.
 - Between two attention calls everything is one pure function of tensors (`layer_boundary`:
   o_proj, residual, RMSNorm, gate_up, SiLU-and-multiply, down, residual, the next layer's
-  RMSNorm, its qkv GEMM, its q/k norms and RoPE). With `compile` set, `torch.compile`
+  RMSNorm, its qkv GEMM, its q/k norms and RoPE). In the compiling modes, `torch.compile`
   (inductor, `fullgraph=True`, no graph breaks) compiles each function once per dtype and
   model shape and every layer calls the same compiled code with its own weights: the norms,
   RoPE, SiLU and residual adds become a few fused Triton kernels around the GEMMs, and
-  compiling takes seconds, not the minutes a 32-layer graph would. The token count is a
+  what compiles is one layer's worth of graph whatever the model's depth. The token count is a
   dynamic dimension (`maybe_mark_dynamic`; one token gets its own static graph), so the
   engine's tree-size buckets and batch sizes reuse two compiled graphs per function.
 
@@ -47,6 +47,7 @@ heads, Q = Hq * D, I intermediate, V vocab.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ from torch import nn
 
 from specheads.heads.cpu_decoder import architecture_reason, layer_linears
 
+log = logging.getLogger("specheads.gpu_decoder")
 MODES = ("compile", "max-autotune", "eager")  # how GpuDecoder runs its pure functions (`GpuDecoder.mode`)
 # torch.compile modes: the engine captures its own CUDA graphs, so inductor must not.
 COMPILE_MODES = {"compile": "default", "max-autotune": "max-autotune-no-cudagraphs"}
@@ -285,6 +287,8 @@ class GpuDecoder:
             self.compile_seconds += seconds
             self.compiles.append(dict(tokens=int(input_ids.numel()), graphs=graphs_compiled() - before,
                                       seconds=seconds))
+            log.info("compiled the forward for %d tokens (%d graphs) in %.1f s", input_ids.numel(),
+                     self.compiles[-1]["graphs"], seconds)
         return out
 
     def _forward(self, input_ids, tap_layers, attention_mask, position_ids, cache, use_cache, logits_to_keep,
