@@ -1,10 +1,12 @@
 """The GPU suite's engine sections (bench/gpu_suite.py runs them, with its shapes in `ctx`):
-greedy lossless against HF, verify against decode, one forward eager against its CUDA graph,
-and end-to-end tokens/s, plus the random targets, prompts and stub heads they build (no
-checkpoint travels to a lent GPU). Imports torch, transformers and the serving modules that
-pull no deepspeed, fastapi, uvicorn, wandb, datasets or gguf.
+greedy lossless against HF and end-to-end tokens/s, plus what every section builds: random
+targets (peaked ones whose greedy tokens bf16 cannot flip), prompts, stub heads (no checkpoint
+travels to a lent GPU) and a verify forward built as the engine's CUDA graphs build it.
+Imports torch, transformers and the serving modules that pull no deepspeed, fastapi, uvicorn,
+pydantic, wandb, datasets or gguf.
 
-Shape legend: B batch, T tree tokens, S prefix keys, V vocab, H hidden size.
+Shape legend: B batch, T tree tokens, S prefix keys, V vocab, H hidden size, P prompts,
+C continuation tokens.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import contextlib
 import copy
 import functools
 import gc
+from dataclasses import dataclass
 
 import torch
-
 from torch import nn
 
 from specheads.bench.gpu_kernels import random_tree_mask, time_ms, wall_s
@@ -24,6 +26,11 @@ from specheads.serving.decode.generate import generate
 # The Medusa tree of tests/serving/decode/test_decode_lossless.py: ranks 0 and 1, depth 4.
 TREE_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
 NUM_HEADS = 4
+# Peaked targets: the o_proj/down_proj scales tried, largest first (halving is exact in bf16),
+# and the share of greedy positions that must be decided beyond bf16 rounding to stop.
+PEAK_LAYER_SCALE = 0.05
+PEAK_TRIES = 5  # down to 0.05 / 16: the 8B shape's wider, deeper layers add more per unit of scale
+PEAK_DECIDED = 0.99
 
 
 def merged_stats(results):
@@ -77,12 +84,14 @@ def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, init_std
     return model.eval().requires_grad_(False)
 
 
-def bench_target(ctx, shape: dict | None = None):
-    """A random bf16 target of `shape` (default: verify_vs_decode's, 8B-shaped unless tiny)."""
+def adapters(ctx, model) -> dict:
+    """The two forwards the suite compares on one model: "hf" (the model's own) and "compiled"
+    (the GPU decoder in ctx.gpu_decoder's mode, heads/gpu_decoder.py; its weights are views of
+    the model's, so both share one copy)."""
     from specheads.heads.target import TargetAdapter
 
-    model = random_llama(shape or ctx.bench_model, ctx.device, torch.bfloat16, init_std=None)
-    return TargetAdapter(model, "random-llama")
+    return {"hf": TargetAdapter(model, "random-llama"),
+            "compiled": TargetAdapter(model, "random-llama", gpu_decoder=ctx.gpu_decoder)}
 
 
 def random_prompts(num: int, length: int | None, vocab_size: int, seed: int) -> list[list[int]]:
@@ -98,6 +107,73 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                          eos_token_id=None, pad_token_id=0)
     return out[:, ids.shape[1]:].tolist()
+
+
+# --- peaked targets -----------------------------------------------------------------------
+@dataclass
+class PeakedTarget:
+    model: nn.Module  # bf16, the suite's target
+    scorer: object  # TargetAdapter of the same weights in fp32 (bench/divergence.py's scorer)
+    layer_scale: float
+    stats: dict  # decided_share etc. (`decided_share`)
+
+
+def decided_share(model, scorer, prompts: list[list[int]], num_new: int) -> dict:
+    """How stable `model`'s bf16 greedy decoding is: over the positions of its greedy
+    continuations of `prompts`, the fp32 top-1 gap against how far bf16 moves it. tolerance
+    = twice the 99th percentile of that movement (two bf16 programs can each be that far off,
+    in opposite directions: bench/divergence.py's rule, measured on this model); decided_share
+    = positions whose fp32 gap is above it; argmax_agreement = positions where bf16 and fp32
+    pick the same token on the same context."""
+    from specheads.heads.target import TargetAdapter
+
+    sequences = torch.tensor([p + c for p, c in zip(prompts, hf_greedy(model, prompts, num_new))], device=model.device)
+    context = sequences[:, :-1]  # logits at the last num_new positions predict the continuation
+    with torch.inference_mode():
+        fp32_PCV = scorer(context, [], logits_to_keep=num_new).logits.float()
+        bf16_PCV = TargetAdapter(model)(context, [], logits_to_keep=num_new).logits.float()
+    top_PC2 = fp32_PCV.topk(2, dim=-1)
+    gap_PC = top_PC2.values[..., 0] - top_PC2.values[..., 1]
+    bf16_PC2 = bf16_PCV.gather(-1, top_PC2.indices)
+    movement_PC = ((bf16_PC2[..., 0] - bf16_PC2[..., 1]) - gap_PC).abs()
+    tolerance = 2 * torch.quantile(movement_PC.flatten(), 0.99).item()
+    return dict(positions=gap_PC.numel(), tolerance=tolerance, gap_median=gap_PC.median().item(),
+                decided_share=(gap_PC > tolerance).float().mean().item(),
+                argmax_agreement=(bf16_PCV.argmax(-1) == fp32_PCV.argmax(-1)).float().mean().item())
+
+
+def peaked_llama(ctx, shape: dict) -> PeakedTarget:
+    """A random bf16 Llama of `shape` whose greedy tokens are decided beyond bf16 rounding.
+    Scaling the logits does not do it: bf16's error scales with them. So the lm_head rows are
+    the input embeddings in a random order (the final state's own token embedding picks its
+    logit), and every o_proj and down_proj is scaled down (PEAK_LAYER_SCALE, halved until
+    PEAK_DECIDED of the positions are decided, in at most PEAK_TRIES tries) so that the layers
+    perturb that state without flattening it. Every layer still runs at full cost."""
+    from specheads.heads.target import TargetAdapter
+
+    model = random_llama(shape, ctx.device, torch.bfloat16, init_std=None)
+    generator = torch.Generator().manual_seed(3)
+    order = torch.randperm(model.config.vocab_size, generator=generator).to(ctx.device)
+    projections = [w for layer in model.model.layers
+                   for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight[order])
+        for weight in projections:
+            weight.mul_(PEAK_LAYER_SCALE)
+    scorer = TargetAdapter(copy.deepcopy(model).float(), "random-llama-fp32")
+    projections += [w for layer in scorer.model.model.layers for w in (layer.self_attn.o_proj.weight,
+                                                                       layer.mlp.down_proj.weight)]
+    prompts = random_prompts(ctx.peak_prompts, ctx.e2e_prompt_len, model.config.vocab_size, seed=11)
+    scale, tries = PEAK_LAYER_SCALE, []
+    for attempt in range(PEAK_TRIES):
+        tries.append(dict(layer_scale=scale, **decided_share(model, scorer, prompts, ctx.peak_new)))
+        if tries[-1]["decided_share"] >= PEAK_DECIDED or attempt + 1 == PEAK_TRIES:
+            break
+        with torch.no_grad():  # both copies, exactly
+            for weight in projections:
+                weight.mul_(0.5)
+        scale /= 2
+    return PeakedTarget(model, scorer, scale, dict(tries[-1], tries=tries))
 
 
 class OracleMedusa(nn.Module):
@@ -137,10 +213,73 @@ def random_medusa(target) -> nn.Module:
     return heads.eval()
 
 
-# --- 3. greedy lossless -----------------------------------------------------------------
-def lossless_decoders(target, sequences: list[list[int]], prompt_lengths: list[int]) -> dict:
+# --- a verify forward as the engine's CUDA graphs run it ------------------------------------
+def prefilled_cache(target, num_rows: int, context: int, room: int, group: int = 4):
+    """A static-shape TreeStaticCache (serving/decode/cache.py, as the engine builds it for CUDA
+    graphs) of `num_rows` rows, each holding a committed random prompt of `context` tokens, with
+    `room` slots after it; prefilled `group` rows per forward."""
+    from specheads.serving.decode.cache import TreeStaticCache
+
+    cache = TreeStaticCache(target.config, max_cache_len=context + room, batch_size=num_rows, static_shape=True)
+    generator = torch.Generator().manual_seed(context)
+    with torch.inference_mode():
+        for start in range(0, num_rows, group):
+            stop = min(start + group, num_rows)
+            cache.set_rows(start, stop)
+            prompt = torch.randint(3, target.vocab_size, (stop - start, context), generator=generator)
+            target(prompt.to(target.device), [], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.commit()
+    cache.set_rows(0, num_rows)
+    return cache
+
+
+def verify_call(target, cache, num_tree: int, attn: str, tap_layers: list[int] | None = None):
+    """A zero-argument call: one verify forward of a random T-node tree in each of the cache's
+    active rows, with its inputs built as serving/decode/graphs.py builds them (device tensors
+    made once; positions, masks and prefix lengths derived on the device inside the call, the
+    tree kernel's prefix lengths bounded so nothing syncs) -> logits [B, T, V]. Its T entries
+    stay pending, so the next call overwrites them, as a rejected tree's are."""
+    from specheads.serving.kernels.tree_attention import pack_tree_mask, use_tree_attention
+
+    if attn == "tree":  # else the model's attention function would drop the tree arguments
+        use_tree_attention(target.model)
+    num_rows, device = len(cache.seq_lens), target.device
+    generator = torch.Generator().manual_seed(num_tree)
+    tree_TT = random_tree_mask(num_tree, generator).to(device)
+    masks_BTT, offsets_BT = tree_TT.expand(num_rows, -1, -1), (tree_TT.sum(dim=1) - 1).expand(num_rows, -1)
+    tokens_BT = torch.randint(3, target.vocab_size, (num_rows, num_tree), generator=generator).to(device)
+    taps = [target.num_layers] if tap_layers is None else tap_layers
+
+    def call():
+        if attn == "tree":
+            kwargs = dict(tree_mask=pack_tree_mask(masks_BTT), prefix_len=cache.lengths.active_device,
+                          max_prefix_len=cache.max_cache_len - num_tree)
+        else:
+            kwargs = dict(attention_mask=cache.attention_mask(masks_BTT))
+        return target(tokens_BT, taps, position_ids=cache.position_ids(offsets_BT), past_key_values=cache,
+                      use_cache=True, **kwargs).logits
+    return call
+
+
+def step_ms(ctx, call) -> dict:
+    """One forward's milliseconds: eager (the first call compiles what it needs), and on a GPU
+    its CUDA-graph replay (serving/decode/graphs.capture, as the engine captures it): `ms`."""
+    with torch.inference_mode():
+        row = dict(eager_ms=time_ms(call, ctx.device, 1, ctx.eager_repeats))
+        if ctx.device.type == "cuda":
+            from specheads.serving.decode.graphs import capture
+
+            graph, _ = capture(call, ctx.device)
+            row["graph_ms"] = time_ms(graph.replay, ctx.device, ctx.warmup, ctx.repeats)
+            del graph
+    return dict(row, ms=row.get("graph_ms", row["eager_ms"]))
+
+
+# --- greedy lossless ------------------------------------------------------------------------
+def lossless_decoders(ctx, target, sequences: list[list[int]], prompt_lengths: list[int]) -> dict:
     """Engines to compare with HF greedy; the kernel ones run on a copy of the target (the
-    tree-attention path switches its model's attention function)."""
+    tree-attention path switches its model's attention function), the compiled ones on
+    another copy through the GPU decoder (heads/gpu_decoder.py)."""
     from specheads.heads.eagle3 import Eagle3Head, default_tap_layers
     from specheads.heads.target import TargetAdapter
     from specheads.serving.decode.config import SpeculativeDecoder
@@ -148,6 +287,7 @@ def lossless_decoders(target, sequences: list[list[int]], prompt_lengths: list[i
 
     tree, text, taps = DraftTree.from_paths(TREE_PATHS), target.text_config, default_tap_layers(target.num_layers)
     kernel_target = TargetAdapter(copy.deepcopy(target.model), "random-tiny-llama")
+    compiled = TargetAdapter(copy.deepcopy(target.model), "random-tiny-llama", gpu_decoder=ctx.gpu_decoder)
     kernel = dict(attn_impl="tree", tree_attention_impl="triton", fallback=None)
     oracle = OracleMedusa(target, sequences, prompt_lengths)
     with built_on(target.device, target.dtype):
@@ -162,14 +302,21 @@ def lossless_decoders(target, sequences: list[list[int]], prompt_lengths: list[i
             "eagle3-random": SpeculativeDecoder(target, eagle, tree, tap_layers=taps, fallback=None),
             "medusa-oracle+kernel": SpeculativeDecoder(kernel_target, oracle, tree, **kernel),
             "eagle3-random+kernel": SpeculativeDecoder(kernel_target, eagle, tree, tap_layers=taps, **kernel),
-            "medusa-oracle+kernel+graphs": SpeculativeDecoder(kernel_target, oracle, tree, **kernel, cuda_graphs=graphs),
+            "medusa-oracle+kernel+graphs": SpeculativeDecoder(kernel_target, oracle, tree, **kernel,
+                                                              cuda_graphs=graphs),
             "eagle3-random+kernel+graphs": SpeculativeDecoder(kernel_target, eagle, tree, tap_layers=taps, **kernel,
-                                                              cuda_graphs=graphs)}
+                                                              cuda_graphs=graphs),
+            # Everything on: the compiled forward, the kernel and CUDA graphs.
+            "plain+kernel+graphs+compiled": SpeculativeDecoder(compiled, **kernel, cuda_graphs=graphs),
+            "medusa-oracle+kernel+graphs+compiled": SpeculativeDecoder(compiled, oracle, tree, **kernel,
+                                                                       cuda_graphs=graphs),
+            "eagle3-random+kernel+graphs+compiled": SpeculativeDecoder(compiled, eagle, tree, tap_layers=taps,
+                                                                       **kernel, cuda_graphs=graphs)}
 
 
-def _greedy_match(target, prompts: list[list[int]], num_new: int) -> list[dict]:
+def _greedy_match(ctx, target, prompts: list[list[int]], num_new: int) -> list[dict]:
     long = [hf_greedy(target.model, [prompt], num_new + NUM_HEADS + 2)[0] for prompt in prompts]
-    decoders = lossless_decoders(target, [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
+    decoders = lossless_decoders(ctx, target, [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
     rows = []
     for name, decoder in decoders.items():
         results = [generate(decoder, prompt, num_new) for prompt in prompts]
@@ -180,88 +327,34 @@ def _greedy_match(target, prompts: list[list[int]], num_new: int) -> list[dict]:
 
 
 def section_lossless(ctx) -> dict:
+    """fp32 greedy of every engine (everything on included) against HF greedy on a tiny random
+    Llama, and the bf16 match rate of the same engines on its bf16 copy (tie-prone: the peaked
+    targets' bf16 check is in end_to_end)."""
     from specheads.heads.target import TargetAdapter
 
     model = random_llama(ctx.lossless_model, ctx.device, torch.float32)
     prompts = random_prompts(ctx.lossless_prompts, None, model.config.vocab_size, seed=1234)
-    fp32 = _greedy_match(TargetAdapter(model, "random-tiny-llama"), prompts, ctx.lossless_new)
-    bf16 = _greedy_match(TargetAdapter(copy.deepcopy(model).to(torch.bfloat16), "bf16"), prompts, ctx.bf16_new)
+    fp32 = _greedy_match(ctx, TargetAdapter(model, "random-tiny-llama"), prompts, ctx.lossless_new)
+    bf16 = _greedy_match(ctx, TargetAdapter(copy.deepcopy(model).to(torch.bfloat16), "bf16"), prompts, ctx.bf16_new)
     return {"rows": fp32 + bf16, "lossless": all(all(row["identical_per_prompt"]) for row in fp32),
             "bf16_match_rate": {row["decoder"]: row["match_rate"] for row in bf16}}
 
 
-# --- 4. verify vs decode ----------------------------------------------------------------
-def prefilled(ctx, shape: dict | None, context: int, static_shape: bool = False):
-    """(random bf16 target of `shape`, a TreeStaticCache holding a committed random prompt of
-    `context` tokens, room for the largest verify tree)."""
-    from specheads.serving.decode.cache import TreeStaticCache
-
-    target = bench_target(ctx, shape)
-    cache = TreeStaticCache(target.model.config, max_cache_len=context + max(ctx.verify_trees) + 1,
-                            static_shape=static_shape)
-    prompt = torch.randint(3, target.vocab_size, (1, context), device=ctx.device)
-    target(prompt, [], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache.commit()
-    return target, cache
+# --- end to end -------------------------------------------------------------------------------
+DENOMINATOR = "engine-plain+graphs"  # speedups are against the engine's own plain decoding, graphed
 
 
-def forward_call(ctx, target, cache, num_tree: int, attn: str):
-    """A zero-argument call: one target forward of a random T-node tree over the committed
-    cache -> its logits. Its T entries stay pending, so the next call overwrites them (as a
-    rejected tree's are). Every input is a device tensor made once, as a captured engine
-    step's would be; a static-shape cache gets its mask even at T = 1 (a graph records no
-    host state), a dynamic one then uses the model's own causal mask."""
-    from specheads.serving.kernels.tree_attention import pack_tree_mask
-
-    tree_mask = random_tree_mask(num_tree, torch.Generator().manual_seed(num_tree)).to(ctx.device)
-    position_ids = cache.position_ids(tree_mask.sum(dim=1) - 1)  # [1, T] committed length + depth
-    tokens = torch.randint(3, target.vocab_size, (1, num_tree), device=ctx.device)
-    kwargs = {}
-    if num_tree > 1 or cache.static_shape:
-        kwargs = dict(tree_mask=pack_tree_mask(tree_mask), prefix_len=cache.get_seq_length()) if attn == "tree" \
-            else dict(attention_mask=cache.attention_mask(tree_mask))
-    return lambda: target(tokens, [], position_ids=position_ids, past_key_values=cache, use_cache=True,
-                          **kwargs).logits
-
-
-def section_verify_vs_decode(ctx) -> dict:
-    from specheads.serving.kernels.tree_attention import use_tree_attention
-
-    target, cache = prefilled(ctx, None, ctx.context)
-    model = target.model
-    rows = []
-    for attn in ("sdpa", "tree"):  # the model is this section's own: no need to switch it back
-        if attn == "tree":
-            use_tree_attention(model)
-        for num_tree in (1, *ctx.verify_trees):
-            ms = time_ms(forward_call(ctx, target, cache, num_tree, attn), ctx.device, max(1, ctx.warmup // 2),
-                         max(1, ctx.repeats // 2))
-            if num_tree == 1:  # first in the loop: the decode step the trees are compared to
-                decode_ms = ms
-            rows.append(dict(attention=attn, T=num_tree, ms=ms, ratio_to_decode=ms / decode_ms))
-    # A decode step reads every weight but the input embedding (one row of it).
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    weight_bytes -= model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
-    result = {"rows": rows, "context": ctx.context, "weight_bytes": weight_bytes, "model": dict(ctx.bench_model)}
-    if ctx.peak_bw:
-        floor_ms = weight_bytes / ctx.peak_bw * 1e3
-        result.update(weight_read_floor_ms=floor_ms, decode_floor_fraction=floor_ms / rows[0]["ms"])
-    return result
-
-
-# --- 5. end to end ----------------------------------------------------------------------
 def _scheduler(decoder, batch: int, prompt_len: int, num_new: int):
     from specheads.serving.decode.scheduler import Scheduler
 
     return Scheduler(decoder, max_batch_size=batch, max_cache_len=prompt_len + num_new + decoder.max_tree_nodes + 1)
 
 
-def _session_results(decoder, prompts, num_new: int, session=None) -> list:
-    """Every prompt admitted at once to a Scheduler (`session`, else a new one) and decoded to
-    the end; results in prompt order."""
+def _session_results(session, prompts, num_new: int) -> list:
+    """Every prompt admitted at once to `session` (a Scheduler) and decoded to the end; results in
+    prompt order."""
     from specheads.serving.decode.scheduler import SequenceRequest
 
-    session = session or _scheduler(decoder, len(prompts), len(prompts[0]), num_new)
     seq_ids = [session.add(SequenceRequest(prompt, num_new)) for prompt in prompts]
     results = {}
     while session.num_active:
@@ -269,114 +362,93 @@ def _session_results(decoder, prompts, num_new: int, session=None) -> list:
     return [results[seq_id] for seq_id in seq_ids]
 
 
-def _rate_rows(ctx, target, decoders: dict, prompts, num_new: int, batch: int) -> list[dict]:
-    """tokens/s of HF greedy and of each engine over `prompts` in groups of `batch` (batch 1:
-    the engine's generate; more: a Scheduler; CUDA graphs: one Scheduler kept across groups, as
-    a server keeps its engine, so the warm-up run captures), each after a warm-up run."""
-    groups, rows = [prompts[i:i + batch] for i in range(0, len(prompts), batch)], []
-    for name, make in {"hf-greedy": None, **decoders}.items():
-        decoder = make() if make else None  # built in turn: a tree-attention engine switches the model's attention
-        session = _scheduler(decoder, batch, len(prompts[0]), num_new) \
-            if decoder is not None and decoder.cuda_graphs else None
-
-        def run(group):
-            if decoder is None:
-                return hf_greedy(target.model, group, num_new)
-            if session is not None:
-                return _session_results(decoder, group, num_new, session)
-            return [generate(decoder, p, num_new) for p in group] if batch == 1 else \
-                _session_results(decoder, group, num_new)
-        run(groups[0])  # warm-up: kernel compile, allocator
+def _timed(ctx, model, make, groups, num_new: int):
+    """One method over `groups` of prompts after a warm-up run of the first (captures, compiles):
+    -> (tokens per prompt, results or None for HF, seconds). An engine keeps one Scheduler
+    across groups, as a server keeps its engine."""
+    decoder = make() if make else None
+    session = None if decoder is None else _scheduler(decoder, len(groups[0]), len(groups[0][0]), num_new)
+    run = (lambda group: hf_greedy(model, group, num_new)) if decoder is None else \
+        (lambda group: _session_results(session, group, num_new))
+    with torch.inference_mode():
+        run(groups[0])
         outputs, seconds = [], 0.0
         for group in groups:
             out, took = wall_s(lambda: run(group), ctx.device)
             outputs, seconds = outputs + out, seconds + took
-        tokens, rate = [getattr(out, "tokens", out) for out in outputs], len(prompts) * num_new / seconds
-        if name == "hf-greedy":
-            hf_tokens, hf_rate = tokens, rate
-        rows.append(dict(batch=batch, method=name, tokens_per_s=rate, speedup=rate / hf_rate,
-                         tau=1.0 if name == "hf-greedy" else merged_stats(outputs).tau,
-                         identical_to_hf=sum(a == b for a, b in zip(tokens, hf_tokens)) / len(prompts)))
+    if decoder is None:
+        return outputs, None, seconds
+    return [result.tokens for result in outputs], outputs, seconds
+
+
+def _rate_rows(ctx, model, decoders: dict, prompts, num_new: int, batch: int, checker) -> list[dict]:
+    """tokens/s of HF greedy and of each engine over `prompts` in groups of `batch`; speedups
+    against DENOMINATOR; each output against HF's bf16 greedy, a difference scored by the fp32
+    target (near-tie or not: bench/divergence.py)."""
+    from specheads.bench.divergence import summarise_divergences
+
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    methods = {"hf-greedy": None, **decoders}
+    measured = {name: _timed(ctx, model, make, groups, num_new) for name, make in methods.items()}
+    rates = {name: len(prompts) * num_new / seconds for name, (_, _, seconds) in measured.items()}
+    reference = measured["hf-greedy"][0]
+    rows = []
+    for name, (tokens, results, _) in measured.items():
+        divergences = [checker.check(p, want, got) for p, want, got in zip(prompts, reference, tokens)]
+        tau = 1.0 if results is None else merged_stats(results).tau
+        rows.append(dict(batch=batch, method=name, tokens_per_s=rates[name], speedup=rates[name] / rates[DENOMINATOR],
+                         vs_hf=rates[name] / rates["hf-greedy"], tau=tau,
+                         identical_to_hf=sum(d is None for d in divergences) / len(prompts),
+                         **summarise_divergences(divergences)))
     return rows
 
 
-def _end_to_end_rows(ctx, model_name: str, shape: dict) -> list[dict]:
+def _end_to_end(ctx, model_name: str, shape: dict) -> tuple[list[dict], dict]:
+    from specheads.bench.divergence import DivergenceChecker
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.trees import DraftTree
 
-    target = bench_target(ctx, shape)
-    prompts = random_prompts(max(ctx.e2e_prompts, ctx.e2e_batch), ctx.e2e_prompt_len, target.vocab_size, seed=7)
-    long = hf_greedy(target.model, prompts, ctx.e2e_new + NUM_HEADS + 2)
-    oracle = OracleMedusa(target, [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
-    tree, medusa = DraftTree.from_paths(TREE_PATHS), random_medusa(target)
-    graphs = graphs_mode(ctx.device)
-    decoders = {"engine-plain": lambda: SpeculativeDecoder(target, fallback=None),
-                "engine-plain+graphs": lambda: SpeculativeDecoder(target, fallback=None, cuda_graphs=graphs),
-                "engine-medusa-random": lambda: SpeculativeDecoder(target, medusa, tree, fallback=None),
-                "engine-medusa-oracle": lambda: SpeculativeDecoder(target, oracle, tree, fallback=None),
-                # Last two: their engines switch the model's attention function (restored below).
-                "engine-medusa-oracle+kernel": lambda: SpeculativeDecoder(target, oracle, tree, fallback=None,
-                                                                          attn_impl="tree"),
-                "engine-medusa-oracle+kernel+graphs": lambda: SpeculativeDecoder(
-                    target, oracle, tree, fallback=None, attn_impl="tree", cuda_graphs=graphs)}
-    try:
-        rows = _rate_rows(ctx, target, decoders, prompts[:ctx.e2e_prompts], ctx.e2e_new, batch=1)
-    finally:
-        target.model.set_attn_implementation("sdpa")
-    batched = {name: decoders[name] for name in ("engine-plain", "engine-plain+graphs", "engine-medusa-oracle",
-                                                 "engine-medusa-oracle+kernel+graphs")}
-    rows += _rate_rows(ctx, target, batched, prompts[:ctx.e2e_batch], ctx.e2e_new, batch=ctx.e2e_batch)
-    return [dict(model=model_name, **row) for row in rows]
+    peaked = peaked_llama(ctx, shape)
+    forwards, num_new = adapters(ctx, peaked.model), ctx.e2e_new
+    prompts = random_prompts(max(ctx.e2e_prompts, *ctx.e2e_batches), ctx.e2e_prompt_len, peaked.model.config.vocab_size,
+                             seed=7)
+    with torch.inference_mode():
+        long = hf_greedy(peaked.model, prompts, num_new + NUM_HEADS + 2)
+        oracle = OracleMedusa(forwards["compiled"], [p + t for p, t in zip(prompts, long)], [len(p) for p in prompts])
+    tree, graphs = DraftTree.from_paths(TREE_PATHS), graphs_mode(ctx.device)
+
+    def engine(forward: str, heads: bool):
+        target = forwards[forward]
+        return lambda: SpeculativeDecoder(target, oracle if heads else None, tree if heads else None, fallback=None,
+                                          attn_impl="tree", cuda_graphs=graphs)
+    decoders = {DENOMINATOR: engine("compiled", False), "engine-oracle+graphs": engine("compiled", True)}
+    checker = DivergenceChecker(peaked.scorer, peaked.stats["tolerance"])
+    rows = []
+    for batch in ctx.e2e_batches:
+        methods = dict(decoders) if batch > 1 else dict(decoders, **{
+            f"{DENOMINATOR}/hf-forward": engine("hf", False), "engine-oracle+graphs/hf-forward": engine("hf", True)})
+        rows += _rate_rows(ctx, peaked.model, methods, prompts[:batch if batch > 1 else ctx.e2e_prompts], num_new,
+                           batch, checker)
+    # The batch-1 goal's verify cost: a verify of the tree against a decode step, graphed, at this context.
+    cache = prefilled_cache(forwards["hf"], 1, ctx.e2e_prompt_len + num_new // 2, tree.num_nodes + 1)
+    decode_ms = step_ms(ctx, verify_call(forwards["compiled"], cache, 1, "tree"))["ms"]
+    verify_ms = step_ms(ctx, verify_call(forwards["compiled"], cache, tree.num_nodes, "tree"))["ms"]
+    summary = dict(peaked.stats, layer_scale=peaked.layer_scale, verify_nodes=tree.num_nodes,
+                   verify_cost=verify_ms / decode_ms, compile_s=forwards["compiled"].gpu.compile_seconds)
+    return [dict(model=model_name, **row) for row in rows], summary
 
 
 def section_end_to_end(ctx) -> dict:
-    rows = []
+    """tokens/s on peaked random targets of each shape at each batch size: HF greedy (eager), the
+    engine's plain decoding and oracle-drafted decoding, CUDA graphs and the tree kernel on, the
+    compiled forward (and, at batch 1, the model's own forward); speedups against the engine's
+    plain decoding with graphs."""
+    rows, models = [], {}
     for model_name, shape in ctx.e2e_models.items():
-        rows += _end_to_end_rows(ctx, model_name, shape)
+        model_rows, models[model_name] = _end_to_end(ctx, model_name, shape)
+        rows += model_rows
         free_device_memory()  # one model at a time on the device
-    return {"rows": rows, "prompt_len": ctx.e2e_prompt_len, "new_tokens": ctx.e2e_new,
-            "note": "random bf16 targets of each shape, fallback off; 'oracle' heads know HF's greedy continuation "
-                    "(tau's upper bound), 'random' heads are untrained (its lower bound)"}
-
-
-# --- 6. CUDA graphs ---------------------------------------------------------------------
-def _graph_row(ctx, target, cache, num_tree: int, attn: str) -> dict:
-    """One forward of T tokens over a static-shape cache (`forward_call`), eager against its
-    CUDA-graph replay."""
-    call = forward_call(ctx, target, cache, num_tree, attn)
-    row = dict(attention=attn, T=num_tree, eager_ms=time_ms(call, ctx.device, ctx.warmup, ctx.repeats))
-    if ctx.device.type != "cuda":
-        return dict(row, graph_error="CUDA graphs need a CUDA device")
-    from specheads.serving.decode.graphs import capture
-
-    try:
-        graph, logits = capture(call, ctx.device)
-        expected = call().float()
-        row["graph_ms"] = time_ms(graph.replay, ctx.device, ctx.warmup, ctx.repeats)
-        row.update(speedup=row["eager_ms"] / row["graph_ms"],
-                   replay_rel_err=((logits.float() - expected).norm() / expected.norm()).item())
-        del graph
-    except Exception as exc:  # what stops a capture is this section's finding
-        row["graph_error"] = f"{type(exc).__name__}: {exc}"
-    return row
-
-
-def section_graphs(ctx) -> dict:
-    """Eager against CUDA-graph replay for one target forward (decode T=1 and verify trees)
-    over a static-shape TreeStaticCache at a fixed context, per model shape: what a captured
-    verify step would save in launch and Python time. The tree kernel is captured with its
-    prefix length fixed (an engine would pass it as a device tensor)."""
-    from specheads.serving.kernels.tree_attention import use_tree_attention
-
-    rows = []
-    for model_name, shape, context in ctx.graph_cases:
-        target, cache = prefilled(ctx, shape, context, static_shape=True)
-        for attn in ("sdpa", "tree"):
-            if attn == "tree":
-                use_tree_attention(target.model)
-            for num_tree in (1, *ctx.verify_trees):
-                rows.append(dict(model=model_name, context=context, **_graph_row(ctx, target, cache, num_tree, attn)))
-        del target, cache
-        free_device_memory()
-    return {"rows": rows, "note": "one forward of the random bf16 target, static-shape cache; eager includes the "
-                                  "Python and launch time that a graph replay removes"}
+    return {"rows": rows, "models": models, "prompt_len": ctx.e2e_prompt_len, "new_tokens": ctx.e2e_new,
+            "denominator": DENOMINATOR,
+            "note": "peaked random bf16 targets (gpu_engine.peaked_llama), fallback off, tree kernel and CUDA graphs "
+                    "on; 'oracle' heads know HF's greedy continuation (tau's upper bound for this tree)"}

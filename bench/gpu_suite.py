@@ -1,37 +1,36 @@
-"""The GPU suite: what this project measures and checks on a GPU, in one run of < 10 min.
+"""The GPU suite: what this project measures and checks on a GPU, in one run of about 8 minutes.
 
-Six sections, each a function returning its own figures (one that raises records its
-error; the others still run; the two kernel sections are in bench/gpu_kernels.py, the four
-engine sections in bench/gpu_engine.py; this module holds the shapes, runs and reports):
-- parity: the Triton tree-attention kernel vs its PyTorch reference in fp32/bf16/fp16, on
-  the CPU tests' shapes plus an 8B-shaped layer (32 q / 8 kv heads, head dim 128).
-- kernel_speed: that layer in bf16, T = 1..128 tree tokens at 1k/8k prefix: the kernel vs
-  SDPA with a dense bool mask (and mem-efficient / flash SDPA); ms (on a GPU, the kernels
-  alone, replayed as one CUDA graph; eager_ms beside), GB/s, % of peak HBM.
-- lossless: a tiny random Llama in fp32, the engine (heads, both attention paths, CUDA
-  graphs) vs HF greedy per prompt; and the bf16 greedy match rate vs HF bf16 greedy.
-- verify_vs_decode: a random Llama-3.1-8B-shaped bf16 model at 4k context (TreeStaticCache):
-  one eager verify forward at T = 16/32/64 vs one decode step, and vs the weight-read floor.
-- graphs: one forward, eager vs its CUDA-graph replay over a static-shape cache, for
-  SmolLM2- and 8B-shaped random models (decode and verify, SDPA mask or the kernel).
-- end_to_end: tokens/s of HF greedy vs the engine without / with heads, with and without
-  CUDA graphs, batch 1 and 8, for SmolLM2- and 8B-shaped random models.
+Sections, in the order they run (the figures the GPU work must reach first), each a function
+returning its own figures (one that raises records its error; the others still run):
+- step_time (bench/gpu_steps.py): Llama-3.1-8B- and SmolLM2-shaped bf16 targets, decode and
+  verify steps (T = 16/32/64) as CUDA-graph replays over the static-shape cache with the tree
+  kernel, batch 1/8/32, the model's own forward against the compiled GPU decoder, each beside
+  the weight-read floor.
+- kernel_speed (bench/gpu_kernels.py): the Triton tree-attention kernel against SDPA (% of HBM).
+- end_to_end (bench/gpu_engine.py): tokens/s on peaked random targets (greedy decided beyond
+  bf16 rounding) of both shapes at batch 1/8/32: HF greedy, the engine's plain decoding and
+  oracle-drafted decoding, graphs and kernel on; speedups against the engine's plain decoding
+  with graphs; bf16 outputs against HF's, every difference scored as near-tie or not.
+- lossless (bench/gpu_engine.py): fp32 greedy of every engine, everything on included, against
+  HF greedy on a tiny random Llama.
+- profile (bench/gpu_steps.py): where a graphed 8B decode step's kernel time goes.
+- parity (bench/gpu_kernels.py): the kernel against its PyTorch reference.
+- gemm, autotune_step (bench/gpu_steps.py): cuBLAS against inductor's autotuned GEMMs at 1-64
+  rows; the decoder in max-autotune.
+
+The report starts with the goals (`goals`: the must-reach figures), each beside its target.
+It is written to OUT/gpu_suite.json and OUT/gpu_suite.md after every section, so a run
+stopped at its time limit keeps what it measured; `--budget-s` skips the sections that would
+start after that many seconds. `--compile-cache FILE` loads inductor's cache artifacts from
+FILE when it exists and writes them there after every section (a second run on a fresh
+machine then compiles from the cache). bench/gpu_run.sh is the device run (docs/gpu/ has its
+plan).
 
 It imports torch, triton, transformers and the serving/heads modules that pull no deepspeed,
-fastapi, uvicorn, wandb, datasets or gguf (tests/bench/test_gpu_suite.py runs it with those
-blocked). The first run (2026-11-26, an H200; figures in the README's GPU section) carried
-transformers 5.24 as a wheel and put the package on PYTHONPATH through a folder of links
-(run from outside the repo root, whose specheads/ folder would shadow the package):
-
-    mkdir -p /tmp/pkg/specheads && for f in specheads/*; do ln -s $PWD/$f /tmp/pkg/specheads/; done
-    for d in heads training serving data recipes bench; do ln -s $PWD/$d /tmp/pkg/specheads/$d; done
-    cd /tmp && env -u TRITON_INTERPRET PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1 \
-        python3 -m specheads.bench.gpu_suite --out $OUT
-
-It writes $OUT/gpu_suite.json and $OUT/gpu_suite.md after every section. `--sections a,b`
-runs a subset; `--tiny` (implied by --device cpu, which sets TRITON_INTERPRET=1) shrinks
-every shape so the suite runs on a CPU in well under a minute (CUDA graphs then run their
-static-shape forward uncaptured).
+fastapi, uvicorn, pydantic, wandb, datasets or gguf (tests/bench/test_gpu_suite.py runs it
+with those hidden). `--tiny` (implied by --device cpu, which sets TRITON_INTERPRET=1)
+shrinks every shape so the suite runs on a CPU in a few minutes (CUDA graphs then run their
+static-shape forward uncaptured, and torch.compile compiles for the CPU).
 
 Shape legend: B batch, Hq / Hkv query / KV heads, T tree tokens, S prefix keys, D head dim.
 """
@@ -49,9 +48,9 @@ from types import SimpleNamespace
 import torch
 
 from specheads.heads import atomic
-from specheads.bench.gpu_engine import (free_device_memory, section_end_to_end, section_graphs, section_lossless,
-                                        section_verify_vs_decode)
+from specheads.bench.gpu_engine import free_device_memory, section_end_to_end, section_lossless
 from specheads.bench.gpu_kernels import section_kernel_speed, section_parity
+from specheads.bench.gpu_steps import section_autotune_step, section_gemm, section_profile, section_step_time
 
 PEAK_HBM = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))  # bytes/s
 # tests/serving/kernels/test_tree_attention.py PARITY_CASES: (B, Hkv, group, T, S, D).
@@ -67,33 +66,105 @@ LLAMA_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
                   intermediate_size=128, vocab_size=256, max_position_embeddings=1024)
 FULL = dict(parity_cases=PARITY_CASES + [(1, 8, 4, 64, 1024, 128)],
             layer=(32, 8, 128), speed_trees=(1, 16, 32, 64, 128), speed_prefixes=(1024, 8192),  # (Hq, Hkv, D), T, S
-            warmup=5, repeats=20, inner=10, rotate_bytes=256 << 20,  # K/V rotated over this much: reads miss L2
+            warmup=5, repeats=20, inner=10, eager_repeats=3, rotate_bytes=256 << 20,  # rotated K/V, weights miss L2
+            gpu_decoder="compile", autotune_mode="max-autotune", gemm_compile_mode="max-autotune-no-cudagraphs",
+            step_models=(("llama-8b-shape", LLAMA_8B, 4096), ("smollm2-shape", SMOLLM2_SHAPE, 1024)),
+            step_batches=(1, 8, 32), verify_trees=(16, 32, 64),
             lossless_model=dict(LLAMA_TINY, hidden_size=128, num_hidden_layers=4, vocab_size=512),
-            lossless_prompts=8, lossless_new=32, bf16_new=64, bench_model=LLAMA_8B, context=4096,
-            verify_trees=(16, 32, 64), e2e_prompts=4, e2e_prompt_len=128, e2e_new=64, e2e_batch=8,
-            e2e_models={"smollm2-shape": SMOLLM2_SHAPE, "llama-8b-shape": LLAMA_8B},
-            graph_cases=(("smollm2-shape", SMOLLM2_SHAPE, 1024), ("llama-8b-shape", LLAMA_8B, 4096)))
+            lossless_prompts=8, lossless_new=32, bf16_new=64,
+            e2e_models={"llama-8b-shape": LLAMA_8B, "smollm2-shape": SMOLLM2_SHAPE}, e2e_batches=(1, 8, 32),
+            e2e_prompts=4, e2e_prompt_len=128, e2e_new=64, peak_prompts=4, peak_new=32,
+            profile_steps=10, profile_top=15, gemm_rows=(1, 16, 64))
 TINY = dict(parity_cases=PARITY_CASES[:4] + [(1, 8, 4, 4, 40, 128)],
-            layer=(8, 2, 32), speed_trees=(1, 4), speed_prefixes=(32,), warmup=0, repeats=1, inner=1, rotate_bytes=0,
-            lossless_model=LLAMA_TINY, lossless_prompts=2, lossless_new=8, bf16_new=8, bench_model=LLAMA_TINY,
-            context=32, verify_trees=(4,), e2e_prompts=2, e2e_prompt_len=8, e2e_new=8, e2e_batch=2,
-            e2e_models={"tiny": LLAMA_TINY}, graph_cases=(("tiny", LLAMA_TINY, 32),))
+            layer=(8, 2, 32), speed_trees=(1, 4), speed_prefixes=(32,), warmup=0, repeats=1, inner=1, eager_repeats=1,
+            rotate_bytes=0, gpu_decoder="compile", autotune_mode="compile", gemm_compile_mode="default",
+            step_models=(("tiny", LLAMA_TINY, 32),), step_batches=(1, 2), verify_trees=(4,),
+            lossless_model=LLAMA_TINY, lossless_prompts=2, lossless_new=8, bf16_new=8,
+            e2e_models={"tiny": LLAMA_TINY}, e2e_batches=(1, 2), e2e_prompts=2, e2e_prompt_len=8, e2e_new=8,
+            peak_prompts=2, peak_new=8, profile_steps=2, profile_top=5, gemm_rows=(1, 4))
 
 
 def peak_bandwidth(device_name: str) -> float | None:
     return next((peak for fragment, peak in PEAK_HBM if fragment.lower() in device_name.lower()), None)
 
 
-def make_context(device: torch.device, tiny: bool) -> SimpleNamespace:
+def make_context(device: torch.device, tiny: bool, **overrides) -> SimpleNamespace:
     """The sections' one argument: the device, its name and peak bandwidth, the FULL or TINY shapes."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    return SimpleNamespace(device=device, device_name=name, peak_bw=peak_bandwidth(name), **(TINY if tiny else FULL))
+    return SimpleNamespace(device=device, device_name=name, peak_bw=peak_bandwidth(name),
+                           **dict(TINY if tiny else FULL, **overrides))
+
+
+# --- the goals -----------------------------------------------------------------------------------
+def _rows(report: dict, section: str) -> list[dict]:
+    record = report["sections"].get(section) or {}
+    return (record.get("result") or {}).get("rows", [])
+
+
+def _find(rows: list[dict], **match) -> dict | None:
+    return next((row for row in rows if all(row.get(key) == value for key, value in match.items())), None)
+
+
+def _goal(goal: str, value, target: str, met) -> dict:
+    return dict(goal=goal, value=value, target=target, met=met)
+
+
+def _end_to_end_goals(report: dict, model: str) -> list[dict]:
+    rows = [row for row in _rows(report, "end_to_end") if row.get("model") == model]
+    summary = ((report["sections"].get("end_to_end") or {}).get("result") or {}).get("models", {}).get(model, {})
+    goals = [_goal(f"{model}: peaked target, positions decided beyond bf16 rounding", summary.get("decided_share"),
+                   ">= 0.95", None if "decided_share" not in summary else summary["decided_share"] >= 0.95)]
+    oracle = {row["batch"]: row for row in rows if row["method"] == "engine-oracle+graphs"}
+    one = oracle.get(1)
+    if one and summary.get("verify_cost"):
+        bound = 0.8 * one["tau"] / summary["verify_cost"]
+        goals.append(_goal(f"{model}: oracle heads, batch 1, vs plain decoding with graphs", one["speedup"],
+                           f">= 0.8 x tau / verify cost = 0.8 x {one['tau']:.2f} / {summary['verify_cost']:.2f} "
+                           f"= {bound:.2f}", one["speedup"] >= bound))
+    for batch, target, bound in ((8, ">= 1.5x", 1.5), (32, ">= 1.0x", 1.0)):
+        row = oracle.get(batch)
+        goals.append(_goal(f"{model}: oracle heads, batch {batch}, vs plain decoding with graphs",
+                           row and row["speedup"], target, row and row["speedup"] >= bound))
+    engines = [row for row in rows if row["method"] != "hf-greedy"]
+    if engines:
+        identical = sum(row["identical_to_hf"] for row in engines) / len(engines)
+        goals.append(_goal(f"{model}: bf16 prompts identical to HF greedy (every engine and batch)", identical,
+                           ">= 0.95", identical >= 0.95))
+        ties = sum(row["num_not_near_tie"] for row in engines)
+        goals.append(_goal(f"{model}: bf16 differences not at a near-tie", ties, "0", ties == 0))
+    return goals
+
+
+def goals(report: dict, ctx) -> list[dict]:
+    """The GPU work's must-reach figures, each beside its target; met is None where the figure
+    is missing (a section failed, was skipped, or a CPU has no peak HBM rate)."""
+    steps = _rows(report, "step_time")
+    big = ctx.step_models[0][0]
+    decode = _find(steps, model=big, forward="compiled", B=1, T=1)
+    fraction = decode and decode.get("floor_fraction")
+    verify = _find(steps, model=big, forward="compiled", B=1, T=max(ctx.verify_trees))
+    ratio = verify and verify.get("ratio_to_decode")
+    kernel = [row.get("pct_peak_hbm") for row in _rows(report, "kernel_speed")
+              if row.get("impl") == "triton_tree_kernel" and row.get("S") == max(ctx.speed_prefixes)
+              and row.get("T", 0) <= 16]
+    kernel = None if not kernel or None in kernel else min(kernel)
+    lossless = ((report["sections"].get("lossless") or {}).get("result") or {}).get("lossless")
+    found = [_goal(f"{big}: plain decode step (compiled, graphed), share of the weight-read floor", fraction,
+                   ">= 0.75", None if fraction is None else fraction >= 0.75),
+             _goal(f"{big}: verify at T={max(ctx.verify_trees)} in decode steps", ratio, "<= 1.15",
+                   None if ratio is None else ratio <= 1.15),
+             _goal(f"tree kernel at S={max(ctx.speed_prefixes)}, T <= 16, % of HBM (least)", kernel, ">= 60",
+                   None if kernel is None else kernel >= 60),
+             _goal("fp32 greedy lossless, everything on", lossless, "true", lossless)]
+    for model in ctx.e2e_models:
+        found += _end_to_end_goals(report, model)
+    return found
 
 
 # --- running and reporting --------------------------------------------------------------
-SECTIONS = {"parity": section_parity, "kernel_speed": section_kernel_speed, "lossless": section_lossless,
-            "verify_vs_decode": section_verify_vs_decode, "graphs": section_graphs,
-            "end_to_end": section_end_to_end}
+SECTIONS = {"step_time": section_step_time, "kernel_speed": section_kernel_speed, "end_to_end": section_end_to_end,
+            "lossless": section_lossless, "profile": section_profile, "parity": section_parity,
+            "gemm": section_gemm, "autotune_step": section_autotune_step}  # the order they run in
 
 
 def run_section(ctx, name: str) -> dict:
@@ -113,26 +184,62 @@ def _cell(value) -> str:
         return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return " ".join(_cell(item) for item in value) if isinstance(value, list) else str(value)
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{key}={_cell(item)}" for key, item in value.items())
+    return (" / " if any(isinstance(item, dict) for item in value) else " ").join(map(_cell, value)) \
+        if isinstance(value, list) else str(value)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    if not columns:
+        return []
+    return ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + \
+        ["| " + " | ".join(_cell(row.get(column, "")) for column in columns) + " |" for row in rows]
+
+
+def _is_table(value) -> bool:
+    """A list of dicts (rows), or a dict of dicts or of scalars (one row per key)."""
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(item, dict) for item in value)
+    return isinstance(value, dict) and bool(value)
 
 
 def format_markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# specheads GPU suite: {meta['device_name']}", "", f"`{meta['command']}`", "",
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}, CUDA "
-             f"{meta['cuda']}, TRITON_INTERPRET={meta['triton_interpret']}, tiny={meta['tiny']}", "",
-             "| section | ok | seconds | error |", "|---|---|---|---|"]
-    lines += [f"| {name} | {_cell(r['ok'])} | {r['seconds']:.1f} | {r.get('error', '')} |"
+             f"{meta['cuda']}, TRITON_INTERPRET={meta['triton_interpret']}, tiny={meta['tiny']}, GPU decoder "
+             f"{meta['gpu_decoder']}, {meta.get('seconds', 0):.0f} s", "", "## goals"]
+    lines += _table(report["goals"])
+    lines += ["", "| section | ok | seconds | error |", "|---|---|---|---|"]
+    lines += [f"| {name} | {_cell(r['ok'])} | {r['seconds']:.1f} | {r.get('error', r.get('skipped', ''))} |"
               for name, r in report["sections"].items()]
     for name, record in report["sections"].items():
         result = record.get("result") or {}
-        rows = result.get("rows", [])
-        lines += ["", f"## {name}", ""] + [f"- {key}: {_cell(value)}" for key, value in result.items() if key != "rows"]
-        columns = list(dict.fromkeys(key for row in rows for key in row))
-        if columns:
-            lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-            lines += ["| " + " | ".join(_cell(row.get(column, "")) for column in columns) + " |" for row in rows]
+        lines += ["", f"## {name}", ""]
+        tables = {key: value for key, value in result.items() if _is_table(value)}
+        lines += [f"- {key}: {_cell(value)}" for key, value in result.items() if key not in tables]
+        for key, value in tables.items():  # rows first, then per-model summaries and the like
+            if isinstance(value, dict):
+                value = [dict(name=k, **v) if isinstance(v, dict) else dict(name=k, value=v) for k, v in value.items()]
+            lines += ([] if key == "rows" else ["", f"{key}:"]) + _table(value)
     return "\n".join(lines) + "\n"
+
+
+def _load_compile_cache(path: Path | None) -> str:
+    if path is None or not path.exists():
+        return "none"
+    info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    return f"loaded {path.stat().st_size} bytes ({info})"
+
+
+def _save_compile_cache(path: Path | None) -> None:
+    saved = torch.compiler.save_cache_artifacts() if path is not None else None
+    if saved is not None:
+        atomic.write_bytes(path, saved[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (implied by --device cpu)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
+    parser.add_argument("--budget-s", type=float, default=None, help="skip sections that would start after this")
+    parser.add_argument("--gpu-decoder", default=None, choices=["compile", "max-autotune", "eager"],
+                        help="the GPU decoder's mode for the 'compiled' forward (default: compile)")
+    parser.add_argument("--compile-cache", type=Path, default=None, help="inductor cache artifacts to load and save")
     args = parser.parse_args(argv)
     names = [name for name in args.sections.split(",") if name]
     if set(names) - set(SECTIONS):
@@ -153,22 +264,32 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     tiny = args.tiny or device.type == "cpu"
-    ctx = make_context(device, tiny)
-    meta = {"device_name": ctx.device_name, "device": str(device), "tiny": tiny,
+    ctx = make_context(device, tiny, **({"gpu_decoder": args.gpu_decoder} if args.gpu_decoder else {}))
+    meta = {"device_name": ctx.device_name, "device": str(device), "tiny": tiny, "gpu_decoder": ctx.gpu_decoder,
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "cuda": torch.version.cuda, "triton_interpret": os.environ.get("TRITON_INTERPRET"),
             "peak_hbm_bytes_per_s": ctx.peak_bw, "command": " ".join(["python -m specheads.bench.gpu_suite", *argv]),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    report = {"schema": "specheads.gpu_suite/1", "meta": meta, "sections": {}}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "compile_cache": _load_compile_cache(args.compile_cache)}
+    report = {"schema": "specheads.gpu_suite/2", "meta": meta, "goals": [], "sections": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     for name in names:
-        print(f"[gpu_suite] {name} ...", flush=True)
-        report["sections"][name] = record = run_section(ctx, name)
-        print(f"[gpu_suite] {name}: {record.get('error', 'ok')} ({record['seconds']:.1f} s)", flush=True)
+        if args.budget_s is not None and time.perf_counter() - begin > args.budget_s:
+            report["sections"][name] = record = {"ok": True, "skipped": f"over the {args.budget_s:.0f} s budget",
+                                                 "seconds": 0.0}
+        else:
+            print(f"[gpu_suite] {name} ...", flush=True)
+            report["sections"][name] = record = run_section(ctx, name)
+            _save_compile_cache(args.compile_cache)
+        print(f"[gpu_suite] {name}: {record.get('error', record.get('skipped', 'ok'))} ({record['seconds']:.1f} s)",
+              flush=True)
         meta["seconds"] = time.perf_counter() - begin
+        report["goals"] = goals(report, ctx)
         atomic.write_json(args.out / "gpu_suite.json", report)  # after every section: a killed run keeps the rest
         atomic.write_text(args.out / "gpu_suite.md", format_markdown(report))
+    for goal in report["goals"]:
+        print(f"[gpu_suite] goal {_cell(goal['met']):>3}: {goal['goal']}: {_cell(goal['value'])} ({goal['target']})",
+              flush=True)
     return 0 if all(record["ok"] for record in report["sections"].values()) else 1
 
 

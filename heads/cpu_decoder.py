@@ -202,24 +202,40 @@ class _Layer:
     k_norm: torch.Tensor | None = None
 
 
-def unsupported_reason(model: nn.Module, packed: PackedWeights | None) -> str | None:
-    """Why `FusedDecoder` cannot run `model` (module docstring), or None when it can."""
+def architecture_reason(model: nn.Module) -> str | None:
+    """Why a fused Llama-family forward (this module's, or heads/gpu_decoder.py's) cannot compute
+    what `model` computes, or None when it can: the architecture, its MLP activation and its
+    attention layers (every one full attention)."""
     name = type(model).__name__
     if name not in SUPPORTED_ARCHITECTURES:
         return f"{name} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
     config = model.config
-    if packed is None:
-        return "its linear layers are not packed"
     if getattr(config, "hidden_act", None) != "silu":
         return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not 'silu'"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
         return "some layers use sliding-window attention"
     if name == "MistralForCausalLM" and getattr(config, "sliding_window", None) is not None:
         return "it uses sliding-window attention"
-    for index, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
-        modules = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
-        if not all(isinstance(m, PackedLinear) for m in modules):
+    return None
+
+
+def layer_linears(layer: nn.Module) -> list[nn.Module]:
+    """One decoder layer's linear layers: q, k, v, o, gate, up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def unsupported_reason(model: nn.Module, packed: PackedWeights | None) -> str | None:
+    """Why `FusedDecoder` cannot run `model` (module docstring), or None when it can."""
+    if type(model).__name__ not in SUPPORTED_ARCHITECTURES:
+        return architecture_reason(model)
+    if packed is None:
+        return "its linear layers are not packed"
+    reason = architecture_reason(model)
+    if reason is not None:
+        return reason
+    for index, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
+        if not all(isinstance(m, PackedLinear) for m in layer_linears(layer)):
             return f"layer {index} has a linear layer that is not packed (PEFT-wrapped or quantized)"
     return None
 

@@ -114,6 +114,23 @@ def load_target(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "flo
     return freeze(model)
 
 
+GPU_DECODER_ENV = "SPECHEADS_GPU_DECODER"
+GPU_DECODER_MODES = ("compile", "max-autotune", "eager", "off")
+
+
+def gpu_decoder_mode(gpu_decoder: str | None, pack_weights: bool | str, device: torch.device) -> str:
+    """The GPU decoder's mode for a TargetAdapter (its docstring), "off" for none."""
+    if gpu_decoder is None:
+        if not pack_weights or device.type != "cuda":
+            return "off"
+        gpu_decoder, source = os.environ.get(GPU_DECODER_ENV, "compile"), GPU_DECODER_ENV
+    else:
+        source = "gpu_decoder"
+    if gpu_decoder not in GPU_DECODER_MODES:
+        raise ValueError(f"{source} must be one of {GPU_DECODER_MODES}, got {gpu_decoder!r}")
+    return gpu_decoder
+
+
 def freeze(model: nn.Module) -> nn.Module:
     model.eval()
     for param in model.parameters():
@@ -124,12 +141,20 @@ def freeze(model: nn.Module) -> nn.Module:
 class TargetAdapter:
     """A frozen causal LM plus the few things heads need from it.
 
-    pack_weights: lay the linear weights out for the CPU's matmul once (heads/cpu_layout.py),
-    for inference only; "auto" packs where it pays (a CPU with oneDNN, fp32 or bf16), True
-    always (a CPU model; tests), False never (training: the packed op has no autograd).
+    pack_weights: lay the linear weights out for inference once, for the device at hand. On
+    a CPU (heads/cpu_layout.py): "auto" packs where it pays (oneDNN, fp32 or bf16), True
+    always (a CPU model; tests), False never (training: the packed op has no autograd). On a
+    CUDA GPU, "auto" or True builds the GPU decoder (heads/gpu_decoder.py) in the mode
+    `gpu_decoder` names.
+
+    gpu_decoder: None (default) builds it where pack_weights asks for an inference layout and
+    the model is on a CUDA device, in the mode the SPECHEADS_GPU_DECODER environment variable
+    names (default "compile"; "off" runs the model's own forward); a mode ("compile",
+    "max-autotune", "eager") builds it on any device (how the CPU tests run it), "off" never.
     """
 
-    def __init__(self, model: nn.Module, name_or_path: str = "", pack_weights: bool | str = False):
+    def __init__(self, model: nn.Module, name_or_path: str = "", pack_weights: bool | str = False,
+                 gpu_decoder: str | None = None):
         self.model = model
         self.config = model.config
         self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -147,21 +172,44 @@ class TargetAdapter:
             from specheads.heads.cpu_decoder import FusedDecoder
 
             self.fused = FusedDecoder.build(model, self.packed)
+        self.gpu = None  # heads/gpu_decoder.GpuDecoder where one is asked for and the model has one
+        mode = gpu_decoder_mode(gpu_decoder, pack_weights, self.device)
+        if mode != "off":
+            if self.packed is not None:
+                raise ValueError(f"gpu_decoder={gpu_decoder!r} needs an unpacked target; pass pack_weights=False")
+            from specheads.heads.gpu_decoder import GpuDecoder
+
+            self.gpu = GpuDecoder.build(model, mode)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, pack_weights: bool | str = False,
-                        **kwargs) -> "TargetAdapter":
-        return cls(load_target(name_or_path, **kwargs), str(name_or_path), pack_weights=pack_weights)
+                        gpu_decoder: str | None = None, **kwargs) -> "TargetAdapter":
+        return cls(load_target(name_or_path, **kwargs), str(name_or_path), pack_weights=pack_weights,
+                   gpu_decoder=gpu_decoder)
 
     @property
     def layout(self) -> str:
-        """How the linear weights run: "packed" (oneDNN, heads/cpu_layout.py) or "plain"."""
-        return "packed" if self.packed is not None else "plain"
+        """How the linear weights run: "packed" (oneDNN, heads/cpu_layout.py), "fused-<mode>"
+        (the GPU decoder, heads/gpu_decoder.py) or "plain"."""
+        if self.packed is not None:
+            return "packed"
+        return f"fused-{self.gpu.mode}" if self.gpu is not None else "plain"
 
     def plain_weights(self):
-        """A context in which the model runs its original `nn.Linear`s (as transformers
-        loaded it): the baseline a user would run. A no-op when nothing is packed."""
-        return self.packed.plain() if self.packed is not None else contextlib.nullcontext()
+        """A context in which the model runs its own forward with its original `nn.Linear`s
+        (as transformers loaded it): the baseline a user would run. A no-op when nothing is
+        packed and no GPU decoder is built."""
+        if self.packed is not None:
+            return self.packed.plain()
+        return self._gpu_off() if self.gpu is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _gpu_off(self):
+        self.gpu.active = False
+        try:
+            yield
+        finally:
+            self.gpu.active = True
 
     @property
     def num_layers(self) -> int:
@@ -208,6 +256,12 @@ class TargetAdapter:
         """
         if self.fused is not None and self.packed.active and not self.fused.hooked():
             logits, taps, cache = self.fused.forward(
+                input_ids, tap_layers, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                **attention_kwargs)
+            return TargetOutput(logits=logits, taps=taps, past_key_values=cache)
+        if self.gpu is not None and self.gpu.active and not self.gpu.hooked():
+            logits, taps, cache = self.gpu.forward(
                 input_ids, tap_layers, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep,
                 **attention_kwargs)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU suite's run on a bare GPU machine (docs/gpu/2026-11-27-plan-gpu-pace.md says how it is
+# launched and what each figure is compared against). Run it from the repository root:
+#
+#     OUT=<folder for the report> bash bench/gpu_run.sh [gpu_suite options, e.g. --sections end_to_end]
+#
+# It installs the wheels carried in .whl/ (the transformers version the project tests with; the
+# machine's torch, triton and the rest stay), puts the repository on the path as the `specheads`
+# package (pyproject's package-dir, as links), and runs `python -m specheads.bench.gpu_suite`,
+# which writes OUT/gpu_suite.json and OUT/gpu_suite.md after every section and prints each goal
+# beside its target at the end. Sections that would start after BUDGET_S seconds are skipped,
+# and the suite is stopped at LIMIT_S, so the whole run ends inside one 10-minute call with time
+# to spare. Inductor's compiled artefacts go to OUT/compile_cache.bin; carried back as
+# .whl/compile_cache.bin, the next run starts from them instead of compiling.
+set -uo pipefail
+
+OUT=${OUT:?set OUT to the folder the report is written to}
+BUDGET_S=${BUDGET_S:-400}
+LIMIT_S=${LIMIT_S:-540}
+WORK=${WORK:-/tmp/specheads-gpu-run}  # the installed wheels and the package's links
+REPO=$(pwd)
+begin=$(date +%s)
+say() { echo "[gpu_run $(( $(date +%s) - begin ))s] $*"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        .whl/*.whl || { say "installing the carried wheels failed"; exit 1; }
+    export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+# The repository's top-level folders are the package's parts (pyproject's package-dir).
+rm -rf "$WORK/pkg" && mkdir -p "$WORK/pkg/specheads"
+for path in specheads/*; do ln -s "$REPO/$path" "$WORK/pkg/specheads/"; done
+for part in heads training serving data recipes bench; do ln -s "$REPO/$part" "$WORK/pkg/specheads/$part"; done
+export PYTHONPATH=$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}
+
+unset TRITON_INTERPRET  # the kernels compile for the GPU
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -f .whl/compile_cache.bin ]; then
+    cp .whl/compile_cache.bin "$OUT/compile_cache.bin"
+fi
+
+cd "$WORK"  # the repository root's own specheads/ folder would shadow the linked package
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || say "no nvidia-smi"
+python3 -c "import torch, transformers, triton, specheads.bench.gpu_suite as s; \
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, \
+'from', s.__file__)" || { say "the suite does not import"; exit 1; }
+say "suite starts (budget ${BUDGET_S}s, limit ${LIMIT_S}s)"
+timeout -k 15 "$LIMIT_S" python3 -m specheads.bench.gpu_suite --out "$OUT" --budget-s "$BUDGET_S" \
+    --compile-cache "$OUT/compile_cache.bin" "$@" 2>&1 | tee "$OUT/gpu_run.log"
+status=${PIPESTATUS[0]}
+say "suite ended with status $status"
+ls -la "$OUT"
+exit "$status"
