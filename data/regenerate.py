@@ -4,7 +4,9 @@
                               [--thinking default|on|off]
 
 Heads learn to predict the target, so training on the target's own replies (rather than
-on another model's) raises acceptance. For each conversation and each assistant turn i,
+on another model's) raises acceptance. With --server URL, OpenAI-compatible servers make the
+replies instead of a local model (data/remote_replies.py), by the same RecordJob rules, into
+the same output and resume file. For each conversation and each assistant turn i,
 the target generates a replacement conditioned on the original turns before i, rendered
 with the chat template (the tokenizer's, or data/chat.py's fallback) and its generation
 prompt. Conditioning on the original turns (not on earlier regenerated replies) makes every
@@ -81,6 +83,7 @@ class Progress:
     num_empty_ended: int = 0  # user-turn records: empty replies that ended their conversation early
     skipped: dict[str, int] = field(default_factory=dict)
     thinking: str = "default"  # the template's thinking mode the replies were generated in
+    sampling: dict = field(default_factory=dict)  # sampled replies' settings ({}: greedy; data/remote_replies.py)
 
     def summary(self) -> str:
         text = (f"{self.next_record}/{self.num_input_records} records done, {self.num_written} written, "
@@ -102,8 +105,11 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + PROGRESS_SUFFIX)
 
 
-def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int, thinking: str) -> Progress:
-    """Fresh progress, or the saved one with the output cut back to its last whole batch."""
+def start_progress(input_path: str, output: Path, num_records: int, max_new_tokens: int, thinking: str,
+                   sampling: dict | None = None) -> Progress:
+    """Fresh progress, or the saved one with the output cut back to its last whole batch; a
+    saved one of another input, reply length, thinking mode or sampling is refused."""
+    sampling = sampling or {}
     saved = progress_path(output)
     if not saved.exists():
         if output.exists() and output.stat().st_size > 0:
@@ -112,15 +118,16 @@ def _start(input_path: str, output: Path, num_records: int, max_new_tokens: int,
                             "another --output")
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(b"")
-        progress = Progress(str(Path(input_path).resolve()), num_records, max_new_tokens, thinking=thinking)
+        progress = Progress(str(Path(input_path).resolve()), num_records, max_new_tokens, thinking=thinking,
+                            sampling=sampling)
         atomic.write_json(saved, asdict(progress))
         return progress
     progress = Progress(**json.loads(saved.read_text()))
-    if (progress.input, progress.num_input_records, progress.max_new_tokens, progress.thinking) != (
-            str(Path(input_path).resolve()), num_records, max_new_tokens, thinking):
+    if (progress.input, progress.num_input_records, progress.max_new_tokens, progress.thinking,
+            progress.sampling) != (str(Path(input_path).resolve()), num_records, max_new_tokens, thinking, sampling):
         raise DataError(f"{saved} belongs to another run (input {progress.input!r}, {progress.num_input_records} "
-                        f"records, max_new_tokens {progress.max_new_tokens}, thinking {progress.thinking!r}); "
-                        "choose another --output")
+                        f"records, max_new_tokens {progress.max_new_tokens}, thinking {progress.thinking!r}, "
+                        f"sampling {progress.sampling or 'greedy'}); choose another --output")
     size = output.stat().st_size if output.exists() else 0
     if size < progress.output_bytes:
         raise DataError(f"output {str(output)!r} is shorter than its progress file says ({size} < "
@@ -231,50 +238,40 @@ def _user_turns(record) -> list[str] | None:
     return []
 
 
-class _Job:
+class RecordJob:
     """One input record's replies: every assistant turn of a chat record, regenerated from the
     original turns before it (all at once), or a user-turn record's conversation, each reply
-    conditioned on the target's own earlier ones (one turn after another). `counts` is what
-    the record adds to the progress, applied when its line is written."""
+    conditioned on the target's own earlier ones (one turn after another). `prompt_of(messages)`
+    makes the prompt of the reply after `messages` (token ids here, chat messages for a server:
+    data/remote_replies.py); `took_reply` takes that reply as an assistant message. `counts` is
+    what the record adds to the progress, applied when its line is written."""
 
-    def __init__(self, index: int, record, tokenizer, template_kwargs: dict | None = None):
-        self.index, self.tokenizer, self.template_kwargs = index, tokenizer, template_kwargs
+    def __init__(self, index: int, record, prompt_of):
+        self.index, self.prompt_of = index, prompt_of
         self.counts: Counter = Counter()
         self.line: str | None = None  # the output line once done (None: skipped)
         self.turns = _user_turns(record)
         self.skip_reason: str | None = None
-        self.first_prompts: list[tuple[int, list[int]]] = []  # (turn, prompt ids) to decode first
+        self.first_prompts: list[tuple[int, object]] = []  # (turn, prompt) to generate first
         if self.turns is not None:
             if not self.turns:
                 self.skip_reason = "'turns' is not a non-empty list of non-empty strings"
                 return
             self.messages = [{"role": "user", "content": self.turns[0]}]
-            self.first_prompts = [(0, generation_prompt_ids(tokenizer, self.messages, template_kwargs))]
+            self.first_prompts = [(0, prompt_of(self.messages))]
             return
         document, reason = normalize_record(record)
         if not isinstance(document, Conversation):
             self.skip_reason = reason or "not a chat record"
             return
         self.messages = [dict(m) for m in document.to_list()]
-        self.first_prompts = [(turn, generation_prompt_ids(tokenizer, self.messages[:turn], template_kwargs))
+        self.first_prompts = [(turn, prompt_of(self.messages[:turn]))
                               for turn, m in enumerate(self.messages) if m["role"] == "assistant"]
         self.num_waiting = len(self.first_prompts)  # >= 1: normalize_record refuses chats without a reply
 
-    def longest_prompt(self, max_new_tokens: int) -> int:
-        """The longest prompt this record can make: for a conversation every user turn, and
-        every earlier reply at its longest (re-encoded text can take a few tokens more than it
-        was generated in)."""
-        if self.turns is None:
-            return max((len(prompt) for _, prompt in self.first_prompts), default=0)
-        rendered = [m for turn in self.turns for m in ({"role": "user", "content": turn},
-                                                        {"role": "assistant", "content": ""})][:-1]
-        return len(generation_prompt_ids(self.tokenizer, rendered, self.template_kwargs)) \
-            + (len(self.turns) - 1) * (max_new_tokens + REPLY_SLACK_TOKENS)
-
-    def replied(self, turn: int, tokens: list[int]) -> tuple[int, list[int]] | None:
-        """A reply to `turn` came in -> the next (turn, prompt) to decode, or None; sets
-        `line` once the record is done."""
-        message = reply_message(self.tokenizer, tokens)  # its reasoning apart, if it thought
+    def took_reply(self, turn: int, message: dict):
+        """The reply to `turn` came in, as an assistant message (reasoning apart) -> the next
+        (turn, prompt) to generate, or None; sets `line` once the record is done."""
         reply = message["content"]
         self.counts["num_turns"] += 1
         if self.turns is None:  # a chat record: every turn was asked at once
@@ -293,12 +290,17 @@ class _Job:
             self.messages.append(message)
             if len(self.messages) // 2 < len(self.turns):
                 self.messages.append({"role": "user", "content": self.turns[len(self.messages) // 2]})
-                return turn + 1, generation_prompt_ids(self.tokenizer, self.messages, self.template_kwargs)
+                return turn + 1, self.prompt_of(self.messages)
         if self.messages:
             self._finish()
         else:
             self.skip_reason = "empty reply"
         return None
+
+    def refuse(self, reason: str) -> None:
+        """No reply can be made for this record (a prompt too long for the server): it is skipped
+        and counted under `reason`; replies still to come for it are ignored."""
+        self.line, self.skip_reason = None, reason
 
     def _finish(self) -> None:
         self.line = json.dumps({"index": self.index, "messages": self.messages}, ensure_ascii=False) + "\n"
@@ -313,7 +315,30 @@ class _Job:
         return self.line is not None or self.skip_reason is not None
 
 
-class _InOrderWriter:
+class _Job(RecordJob):
+    """A RecordJob whose prompts are token ids of the local chat template and whose replies
+    come in as generated token ids."""
+
+    def __init__(self, index: int, record, tokenizer, template_kwargs: dict | None = None):
+        self.tokenizer, self.template_kwargs = tokenizer, template_kwargs
+        super().__init__(index, record, lambda messages: generation_prompt_ids(tokenizer, messages, template_kwargs))
+
+    def replied(self, turn: int, tokens: list[int]) -> tuple[int, list[int]] | None:
+        return self.took_reply(turn, reply_message(self.tokenizer, tokens))  # its reasoning apart, if it thought
+
+    def longest_prompt(self, max_new_tokens: int) -> int:
+        """The longest prompt this record can make: for a conversation every user turn, and
+        every earlier reply at its longest (re-encoded text can take a few tokens more than it
+        was generated in)."""
+        if self.turns is None:
+            return max((len(prompt) for _, prompt in self.first_prompts), default=0)
+        rendered = [m for turn in self.turns for m in ({"role": "user", "content": turn},
+                                                        {"role": "assistant", "content": ""})][:-1]
+        return len(generation_prompt_ids(self.tokenizer, rendered, self.template_kwargs)) \
+            + (len(self.turns) - 1) * (max_new_tokens + REPLY_SLACK_TOKENS)
+
+
+class InOrderWriter:
     """Appends finished records' lines in input order: once the records from progress.next_record
     on are done, at least `every` of them (or the last ones) at a time, flushed and fsynced,
     then the progress file replaced atomically with their counts (the module doc's resume)."""
@@ -327,10 +352,15 @@ class _InOrderWriter:
         if self._ready() >= self.every:
             self.write(self._ready())
 
-    def close(self) -> None:
+    def flush(self) -> int:
+        """Write the finished records that follow the written ones without a gap; -> how many
+        finished records are left unwritten (behind one that never finished)."""
         if self._ready():
             self.write(self._ready())
-        if self.done:  # a record after a gap: never dropped silently
+        return len(self.done)
+
+    def close(self) -> None:
+        if self.flush():  # a record after a gap: never dropped silently
             raise RuntimeError(f"regenerate: records {sorted(self.done)[:5]}... finished but record "
                                f"{self.progress.next_record} never did; nothing after it was written")
 
@@ -385,7 +415,7 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
     ensure_chat_template(tokenizer)
     template_kwargs = thinking_kwargs(tokenizer, thinking)  # refused before anything is written
-    progress = _start(input_path, output, len(records), max_new_tokens, thinking)
+    progress = start_progress(input_path, output, len(records), max_new_tokens, thinking)
     if progress.next_record >= len(records):
         log(f"regenerate: {output} is complete: {progress.summary()}")
         return progress
@@ -398,7 +428,7 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     to_come = sum(job.max_replies for job in jobs)  # at most
     meter = ReplyMeter(progress.num_turns + to_come, "regenerate: the target's replies", progress_bar,
                        initial=progress.num_turns)
-    writer = _InOrderWriter(output, progress, min(batch_size, WRITE_EVERY))
+    writer = InOrderWriter(output, progress, min(batch_size, WRITE_EVERY))
     slots = [(job, turn) for job in jobs for turn, _ in job.first_prompts]  # prompt k -> (its job, turn)
 
     def replied(index: int, tokens: list[int]) -> list[int] | None:

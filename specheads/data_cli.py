@@ -5,10 +5,16 @@
     specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
                               [--thinking default|on|off] [--device auto|cpu|cuda[:N]] [--enforce-eager]
+    specheads data regenerate --server URL [--server URL ...] [--target SERVED_NAME] --input FILE --output FILE
+                              [--server-concurrency N] [--max-retries N] [--request-timeout S] [--api-key KEY]
+                              [--temperature T] [--top-p P] [--top-k K] [--seed S] [--max-new-tokens N] [--thinking M]
     specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
 
 --device defaults to auto (CUDA when torch sees a GPU, else the CPU); on a CUDA device
-regenerate replays its decode steps as CUDA graphs unless --enforce-eager.
+regenerate replays its decode steps as CUDA graphs unless --enforce-eager. With --server,
+regenerate loads nothing: OpenAI-compatible servers (vLLM, SGLang, `specheads serve`) make
+the replies (data/remote_replies.py); it exits 1 when a record's request failed every retry
+(the output holds the records before it; a rerun resumes there).
 
 `add_parser(subparsers)` registers the "data" command on the top-level parser and
 `run(args)` executes it (the returned int is the exit status). Machinery is imported
@@ -71,8 +77,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--thinking", default="default", help=THINKING_HELP)
 
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
-    p.add_argument("--target", required=True,
-                   help=TARGET_HELP)
+    p.add_argument("--target", default=None,
+                   help=TARGET_HELP + "; with --server, the served model name (default: the one the servers serve)")
     p.add_argument("--input", required=True, help="chat records: .jsonl/.json/.parquet or a datasets name")
     p.add_argument("--output", required=True, help="output .jsonl (a rerun resumes it)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
@@ -84,6 +90,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    _add_server_options(p)
 
     p = sub.add_parser("cache", help="cache target hidden states + logits over packed blocks (safetensors shards)")
     p.add_argument("--target", required=True,
@@ -104,6 +111,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_device_options(p, graphs=False)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     return parser
+
+
+# regenerate's options that only its --server path has: dest -> (flag, its default there)
+SERVER_OPTIONS = {"server_concurrency": ("--server-concurrency", 8), "max_retries": ("--max-retries", 5),
+                  "request_timeout": ("--request-timeout", 600.0), "api_key": ("--api-key", None),
+                  "temperature": ("--temperature", 0.0), "top_p": ("--top-p", 1.0), "top_k": ("--top-k", 0),
+                  "seed": ("--seed", None)}
+# ... and the local path's options, which a server decides for itself
+LOCAL_OPTIONS = {"tokenizer": ("--tokenizer", None), "dtype": ("--dtype", "auto"), "device": ("--device", "auto"),
+                 "cuda_graphs": ("--enforce-eager", None), "trust_remote_code": ("--trust-remote-code", False)}
+
+
+def _add_server_options(p) -> None:
+    p.add_argument("--server", action="append", default=[], metavar="URL",
+                   help="an OpenAI-compatible server (vLLM, SGLang, specheads serve) that makes the replies, e.g. "
+                        "http://127.0.0.1:8000; repeatable: requests are spread over them. Nothing loads locally")
+    p.add_argument("--server-concurrency", type=int, default=None, metavar="N",
+                   help="with --server: requests in flight per server (default 8)")
+    p.add_argument("--max-retries", type=int, default=None, metavar="N",
+                   help="with --server: times a failed request is sent again, with exponential backoff (default 5)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="with --server: seconds one reply may take (default 600)")
+    p.add_argument("--api-key", default=None,
+                   help="with --server: the servers' API key (default: the OPENAI_API_KEY environment variable)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="with --server: 0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="with --server: nucleus sampling, keep the top tokens of this mass (default 1)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="with --server: keep the K likeliest tokens (default 0: all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --server: seed for sampling; each request gets one drawn from it (reproducible)")
 
 
 def _prompts(args) -> int:
@@ -165,6 +204,14 @@ def _regenerate(args) -> int:
     from specheads.data.regenerate import regenerate
     from specheads.runner import resolve_target_name
 
+    if args.server:
+        return _regenerate_with_servers(args)
+    given = [flag for dest, (flag, default) in SERVER_OPTIONS.items() if getattr(args, dest) not in (None, default)]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to --server only (the local path decodes greedily); "
+                         "add --server URL or leave them out")
+    if args.target is None:
+        raise ValueError("give --target (the model whose replies are made), or --server URL (a server that makes them)")
     apply_device_options(args)
     progress = regenerate(resolve_target_name(args.target), args.input, args.output, tokenizer_path=args.tokenizer,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
@@ -172,6 +219,28 @@ def _regenerate(args) -> int:
                           cuda_graphs="capture" if args.cuda_graphs else None, thinking=args.thinking)
     print(f"regenerate: {args.output}: {progress.summary()}")
     return 0
+
+
+def _regenerate_with_servers(args) -> int:
+    import os
+
+    from specheads.data.remote_replies import Sampling, regenerate_with_servers
+
+    given = [flag for dest, (flag, default) in LOCAL_OPTIONS.items() if getattr(args, dest) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)} do not apply with --server: the server loads the model and applies "
+                         "its own chat template; leave them out")
+    options = {dest: default if getattr(args, dest) is None else getattr(args, dest)
+               for dest, (_, default) in SERVER_OPTIONS.items()}
+    sampling = Sampling(options["temperature"], options["top_p"], options["top_k"], options["seed"])
+    run = regenerate_with_servers(args.server, args.input, args.output, model=args.target,
+                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                  max_batches=args.max_batches, thinking=args.thinking, sampling=sampling,
+                                  concurrency=options["server_concurrency"], max_retries=options["max_retries"],
+                                  request_timeout_s=options["request_timeout"],
+                                  api_key=options["api_key"] or os.environ.get("OPENAI_API_KEY"))
+    print(f"regenerate: {args.output}: {run.summary()}")
+    return 1 if run.requests.failed_records else 0
 
 
 def _cache(args) -> int:
