@@ -110,7 +110,8 @@ def _tokenize_prompts(state: ServerState, req) -> list[list[int]]:
                                 "server with --chat-template FILE", param="messages", code="no_chat_template")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 **(req.chat_template_kwargs or {}))
         except Exception as err:  # noqa: BLE001 - template errors are the request's fault (roles, order)
             raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -234,11 +234,27 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = ("add_generation_prompt", "continue_final_message", "conversation", "messages",
+                            "return_dict", "tokenize")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # variables for the chat template (vLLM's field), e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        reserved = sorted(set(value or {}) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: the server renders the prompt itself "
+                             f"(chat_template_kwargs may set the template's own variables)")
+        return value
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -118,6 +118,22 @@ def test_chat_streamed_and_not(client, tiny_setup):  # noqa: F811
     assert usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_chat_template_kwargs_reach_the_template(client, server, tiny_setup):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "the cat"}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_setup[0])
+    for kwargs in ({}, {"enable_thinking": False}):
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                               extra_body={"chat_template_kwargs": kwargs})
+        templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        assert templated.endswith("<think></think>") == bool(kwargs)
+        assert reply.usage.prompt_tokens == len(tokenizer(templated, add_special_tokens=False)["input_ids"])
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "chat_template_kwargs": {"tokenize": True}})
+    assert response.status_code == 400 and "tokenize cannot be set here" in response.json()["error"]["message"]
+
+
 def test_sse_wire_format_ends_with_done(server):
     body = {"model": MODEL, "prompt": "the cat", "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:

@@ -21,7 +21,8 @@ from specheads.serving.server.state import ServeConfig
 
 MODEL = "tiny-test"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+                 "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+                 "<think></think>{% endif %}{% endif %}")  # Qwen3's switch, as chat_template_kwargs sets it
 TEXTS = ["def f(x):\n    return x + 1\n", "the cat sat on the mat\n", "import os\nprint(os.getcwd())\n"]
 
 
