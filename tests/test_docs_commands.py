@@ -486,3 +486,10 @@ def test_the_cli_reference_names_every_command_and_option():
         missing += [f"the deprecated spellings do not name {old} ({heading})" for old in sorted(deprecated)
                     if f"`{old}" not in deprecated_table]
     assert not missing, "\n".join(missing)
+
+
+def test_commands_sit_in_fenced_blocks():
+    """An indented code block is not read by the checks above: a command must be fenced (```)."""
+    unfenced = [f"{page.relative_to(REPO)}:{number}" for page in DOCS for number, line in prose_lines(page.read_text())
+                if re.match(r"^( {4,}|\t)", line) and is_command(line)]
+    assert not unfenced, f"commands in indented code blocks (fence them): {unfenced}"
