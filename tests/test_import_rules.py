@@ -1,5 +1,8 @@
-"""DESIGN.md's import rules, read from the source: the "may import" table and the "Never" rules.
+"""The import rules of docs/architecture.md, read from that page and checked against the source:
+the "may import" table and the "Never" rules.
 
+The table's `folder` and `may import` columns are parsed from the page itself, so the page and
+this check cannot drift apart: change a rule there and the code is checked against the new rule.
 Every import in every part (heads/, data/, training/, serving/, recipes/, specheads/, bench/)
 is read with `ast`, lazy imports inside functions included, and so are the imports hidden in
 strings (`importlib.import_module("specheads.x")`, `resources.files("specheads.x")`, which
@@ -21,39 +24,47 @@ import pytest
 
 from conftest import REPO
 
-# DESIGN.md, "Layout": the table's `folder` and `may import` columns, word for word. When
-# the table changes, change it here. What the words mean to the checker:
-# - a part's name: that part. A dotted name (`specheads.runner`): that one module of the face.
-#   Any other name is a third-party package; the ones named anywhere in the column are the
-#   governed ones (GOVERNED), and a part may import those it names plus those of every part
-#   it may import (data may import torch because it may import heads). Packages the table
-#   never names (numpy, tqdm, the standard library) are not governed by it.
-# - "everything, lazily": any part and package, but only inside a function, so that importing
-#   the face imports none of them.
-# - "(...)" says what the import is for; the checker drops it.
-# - tests/ is not checked: tests import the parts they test; its "-" says no part imports it.
-MAY_IMPORT = {
-    "heads/": "torch, transformers, peft, safetensors",
-    "data/": "heads (the target, file writing), datasets",
-    "training/": "heads, data, deepspeed, wandb, peft, datasets",
-    "serving/": "heads, triton, fastapi",
-    "recipes/": "-",
-    "specheads/": "everything, lazily",
-    "bench/": "heads, serving, `specheads.runner` (the shared loader)",
-    "tests/": "-",
-}
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+TABLE_HEADER = ("folder", "owns", "may import")
+
+
+def read_may_import(page: Path = ARCHITECTURE) -> dict[str, str]:
+    """The parts table of docs/architecture.md: folder ("heads/") -> its "may import" cell, as
+    written. What the words mean to the checker (the page says it too):
+    - a part's name: that part. A dotted name (`specheads.runner`): that one module of the face.
+      Any other name is a third-party package; the ones named anywhere in the column are the
+      governed ones (GOVERNED), and a part may import those it names plus those of every part
+      it may import (data may import torch because it may import heads). Packages the table
+      never names (numpy, tqdm, the standard library) are not governed by it.
+    - "everything, lazily": any part and package, but only inside a function, so that importing
+      the face imports none of them.
+    - "(...)" says what the import is for; the checker drops it.
+    - tests/ is not checked: tests import the parts they test; its "-" says no part imports it."""
+    rows, in_table = {}, False
+    for line in page.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is not None and tuple(cells) == TABLE_HEADER:
+            in_table = True
+        elif in_table and cells is None:
+            break
+        elif in_table and not set(line) <= set("|-: "):
+            assert len(cells) == len(TABLE_HEADER), f"{page.name}: a parts table row needs 3 cells: {line}"
+            rows[cells[0].strip("`")] = cells[2]
+    assert rows, f"{page.name} has no table with the header | folder | owns | may import |"
+    return rows
+
+
+MAY_IMPORT = read_may_import()
 # bench/step_costs.py imports specheads.runner (the shared target loader) to time the same
 # target that `specheads bench` loads: allowed, as the table's bench/ row says.
 
-# DESIGN.md, "Layout", the rules after the table, word for word:
-#   Never: `heads` imports `training`, `serving` or `data`; `serving` imports `training`,
-#   `data`, deepspeed, wandb or datasets; anything but `serving/` imports fastapi; kernels
-#   import the app. Importing `specheads` must stay fast (no deepspeed/wandb/fastapi at import).
-# The last one is test_importing_specheads_stays_fast; the others are NEVER.
+# docs/architecture.md, "Never:", one rule a line, word for word (test_the_page_states_every_rule).
+# The last one, "Importing `specheads` must stay fast", is test_importing_specheads_stays_fast;
+# the others are NEVER.
 
 
 class Never(NamedTuple):
-    rule: str  # DESIGN.md's words
+    rule: str  # the page's words
     applies_to: Callable[[str], bool]  # the importing module's dotted name
     forbidden: tuple[str, ...]  # module prefixes: "specheads.data" forbids specheads.data.*
 
@@ -77,23 +88,24 @@ NEVER = (
           lambda module: _within(module, "specheads.serving.kernels"),
           ("specheads.serving.server",)),
 )
+FAST_IMPORT_RULE = "Importing `specheads` must stay fast (no deepspeed/wandb/fastapi at import)"
 SLOW_AT_IMPORT = ("deepspeed", "wandb", "fastapi")  # "no deepspeed/wandb/fastapi at import"
 
-# Imports that break a rule today, each reported to the lead under issue 25 and kept here only
-# so that any NEW break still fails: (file, imported module) -> why it is here. The test below
-# fails when an entry no longer occurs, so the list only shrinks.
+# Imports that break a rule today, each listed with its reason in docs/architecture.md ("Known
+# exceptions") and kept here only so that any NEW break still fails: (file, imported module) ->
+# why it is here. The test below fails when an entry no longer occurs, so the list only shrinks.
 KNOWN_BREAKS = {
     ("data/regenerate.py", "specheads.serving.decode.config"):
-        "reported to lead, issue 25: data/ may import heads and datasets; self-distillation "
-        "decodes with the serving engine (lazily, see the module docstring)",
+        "data/ may import heads and datasets; self-distillation decodes with the serving engine "
+        "(lazily, see the module docstring)",
     ("data/regenerate.py", "specheads.serving.decode.generate"):
-        "reported to lead, issue 25: data/ may import heads and datasets; as above",
+        "data/ may import heads and datasets; as above",
     ("data/self_instruct.py", "specheads.bench"):
-        "reported to lead, issue 25: data/ may import heads and datasets; resources.files "
-        "imports specheads.bench to read the MT-bench prompts shipped in bench/prompts",
+        "data/ may import heads and datasets; resources.files imports specheads.bench to read the "
+        "MT-bench prompts shipped in bench/prompts",
     ("training/dry_run.py", "specheads.recipes"):
-        "reported to lead, issue 25: training/ may import heads, data and packages, not "
-        "recipes; the dry run imports it to find recipes/configs/*.json",
+        "training/ may import heads, data and packages, not recipes; the dry run imports it to "
+        "find recipes/configs/*.json",
 }
 
 PARTS = tuple(folder.rstrip("/") for folder in MAY_IMPORT if folder != "tests/")
@@ -235,7 +247,7 @@ def test_importing_specheads_stays_fast():
     imports = all_imports()
     for start in [FACE, *sorted(set(specheads._EXPORTS.values()))]:
         slow = sorted(_slow_imports_reached(start, imports))
-        assert not slow, f"importing {start} runs {slow}: breaks Importing `specheads` must stay fast"
+        assert not slow, f"importing {start} runs {slow}: breaks {FAST_IMPORT_RULE}"
 
 
 def _slow_imports_reached(start: str, imports: dict[str, list[Import]]) -> set[tuple[str, str]]:
@@ -307,3 +319,29 @@ def test_the_checker_passes_allowed_imports():
     assert _breaks_in("def f():\n    import deepspeed\n    from specheads.training import trainer\n",
                       "specheads.train") == []
     assert _breaks_in("from . import trees\nimport transformers\n", "specheads.serving.decode.engine") == []
+
+
+def test_the_page_states_every_rule():
+    """The page's "Never:" list holds exactly the rules checked here, and its known-exceptions
+    table names exactly the imports KNOWN_BREAKS lets through."""
+    text = ARCHITECTURE.read_text()
+    never_list = text.split("\nNever:\n", 1)[1].lstrip("\n").split("\n\n", 1)[0]
+    stated = [line[2:].strip() for line in never_list.splitlines() if line.startswith("- ")]
+    assert stated == [never.rule for never in NEVER] + [FAST_IMPORT_RULE]
+    exceptions = {tuple(cell.strip().strip("`") for cell in line.strip("|").split("|")[:2])
+                  for line in text.split("### Known exceptions", 1)[1].split("\n## ", 1)[0].splitlines()
+                  if line.startswith("| `")}
+    assert exceptions == set(KNOWN_BREAKS)
+
+
+def test_the_table_reader_reads_what_the_page_says(tmp_path):
+    page = tmp_path / "architecture.md"
+    page.write_text("# x\n\n| folder | owns | may import |\n|---|---|---|\n"
+                    "| `heads/` | the adapter | torch, transformers |\n"
+                    "| `bench/` | benches | heads, `specheads.runner` (the loader) |\n\nAfter the table.\n"
+                    "| a | b |\n")
+    assert read_may_import(page) == {"heads/": "torch, transformers",
+                                     "bench/": "heads, `specheads.runner` (the loader)"}
+    page.write_text("| folder | may import |\n|---|---|\n| `heads/` | torch |\n")
+    with pytest.raises(AssertionError, match="no table"):
+        read_may_import(page)
