@@ -29,7 +29,7 @@ every output must equal hf-greedy's; in bf16 a verify and HF's one-token steps r
 differently, so outputs may part after a near-tie: each first difference is scored by the
 fp32 target (bench/divergence.py) and one that is not at a near-tie is reported as a bug.
 
-Acceptance (DESIGN.md invariant 8): engine alpha = accepted / drafted draft tokens, tau =
+Acceptance (docs/architecture.md invariant 8): engine alpha = accepted / drafted draft tokens, tau =
 (accepted + steps) / steps; acceptance_by_depth[d] = share of steps that accepted a
 (d+1)-th draft token. HF peers do not expose drafted counts: alpha is null, tau = new
 tokens / target forwards seen by the streamer, acceptance_by_depth from the event sizes.

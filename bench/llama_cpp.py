@@ -14,7 +14,7 @@ Every row's server also gets `server_args` (the bench's --llama-cpp-args, say `-
 the flags the bench sets itself (OWN_FLAGS).
 Each row: tok/s (new tokens / wall seconds of the HTTP request, prefill included, as the
 harness times HF generate), speedup over the bench's hf-greedy on the same prompts, alpha/tau
-(DESIGN.md invariant 8) and acceptance by depth from the server's Prometheus counters
+(docs/architecture.md invariant 8) and acceptance by depth from the server's Prometheus counters
 (spec_decode_num_*_total, read before and after each request), and whether each output
 equals llama.cpp-plain's token for token. Identity is judged against llama.cpp's own plain
 greedy, not HF's: a GGUF forward rounds differently from PyTorch's.

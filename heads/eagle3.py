@@ -67,7 +67,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(input_size, num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
         # Computed here, never loaded: a plain fp32 tensor, not a buffer, so no loader can leave
-        # it uninitialised (see DESIGN.md traps), no dtype cast rounds it, and it is not part
+        # it uninitialised (see docs/architecture.md, "Pitfalls"), no dtype cast rounds it, and it is not part
         # of any state dict or checkpoint. rope() moves it to the input's device.
         self.inv_freq = 1.0 / (rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
 

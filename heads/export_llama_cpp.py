@@ -75,7 +75,7 @@ DRAFT_ARCH = "eagle3"
 PRE_TOKENIZER_UNKNOWN = "BPE pre-tokenizer was not recognized"
 EAGLE3_SPEC_TYPE = "draft-eagle3"  # llama-server's --spec-type for an EAGLE-3 heads GGUF
 # The draft that serve commands recommend (this export's, the model card's): the best of eleven
-# llama-server settings with GPU-trained heads on 2 cores (README "Serving on a CPU with llama.cpp");
+# llama-server settings with GPU-trained heads on 2 cores (docs/results/2026-11-26-llama-cpp.md);
 # the bench's defaults stay llama.cpp's own
 SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN = 8, 0.8
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")

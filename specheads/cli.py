@@ -63,7 +63,7 @@ def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="fetch or build the embedded target, distil data, train heads with DeepSpeed, "
                                     "tune, bench them against HF greedy and prompt lookup")
     p.add_argument("--target", default="embedded:smollm2", choices=["embedded:smollm2", "embedded:tiny"],
-                   help="embedded:smollm2 (a real chat model, ~25 min on 2 cores) or embedded:tiny (the quick path)")
+                   help="embedded:smollm2 (a real chat model, about 16 min on 2 cores) or embedded:tiny (the quick path)")
     p.add_argument("--workdir", default="runs/demo",
                    help="where the demo's data, heads, checkpoints and bench report go (reused by the next run)")
     p.add_argument("--recipe", default=None,

@@ -52,8 +52,8 @@ DEMO_OVERRIDES = {"medusa": ["train.steps=1000", "train.save_every=1000"],  # 40
                   "eagle3": ["train.steps=300", "train.save_every=300", "heads.ttt_steps=4"]}
 
 
-# The real-model demo: sized to about 25 minutes on 2 CPU cores (chat replies ~6 min, 120
-# training steps ~16 min at ~8 s a step, tune 1 min, bench ~4 min).
+# The real-model demo: chat replies, 120 training steps, a tune and a bench, about 16 minutes on 2 CPU
+# cores with an empty cache.
 REAL_TARGET = "embedded:smollm2"
 REAL_RECIPE = "smollm2-135m-eagle3"
 REAL_RUN_DIR = "smollm2-eagle3"  # the shipped recipe's run directory in --workdir

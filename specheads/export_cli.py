@@ -103,5 +103,5 @@ def _export_llama_cpp(args) -> int:
     served = f"-m {out}/target.gguf " if not args.no_target else "-m TARGET.gguf "
     draft = " ".join(draft_args(f"{out}/heads.gguf", SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN))
     print(f"exported {args.heads_dir} for llama.cpp -> {out}; serve with:\n"
-          f"  llama-server {served}{draft}   # (+ --poll 0 on a few cores: README \"Serving on a CPU with llama.cpp\")")
+          f"  llama-server {served}{draft}   # (+ --poll 0 on a few cores: docs/serving.md, \"llama.cpp\")")
     return 0

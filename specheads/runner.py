@@ -9,7 +9,7 @@ Where a command runs is decided here too, once for every command: `resolve_devic
 `resolve_cuda_graphs` decides whether verify forwards replay CUDA graphs (on by default on a
 CUDA device, off with `--enforce-eager`).
 
-`specheads train` loads its target in training/trainer.py instead: DESIGN.md lets training/
+`specheads train` loads its target in training/trainer.py instead: docs/architecture.md lets training/
 import heads and data but not this package, and under ZeRO-3 the load runs inside DeepSpeed's
 context. It resolves names through the same data/tiny_target.resolve_target."""
 

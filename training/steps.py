@@ -33,7 +33,7 @@ def repeated_ngram_mask(input_ids_BT: torch.Tensor, n: int) -> torch.Tensor:
     loss: on SmolLM2's 1.8M-token chat data (46% of the loss tokens), the EAGLE-3 CPU recipe at
     1400 steps went from 0.584 to 0.606 depth-1 acceptance on MT-bench and from tau 2.00 to 2.13
     on a 15-node tree, while held-out top-1, which counts the repeats too, fell from 0.577 to
-    0.540 (README, "Repeated n-grams out of the loss")."""
+    0.540 (docs/results/2026-11-26-smollm2-training.md)."""
     repeated = torch.zeros(input_ids_BT.shape, dtype=torch.bool)
     for row, ids in enumerate(input_ids_BT.tolist()):
         seen = set()

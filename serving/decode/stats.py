@@ -1,6 +1,6 @@
 """What one request's decoding returns (`GenerationResult`) and what it counted (`DecodeStats`).
 
-Metrics (DESIGN.md invariant 8), defined once in `alpha_tau` and read by generate, bench,
+Metrics (docs/architecture.md invariant 8), defined once in `alpha_tau` and read by generate, bench,
 tune, the server's responses and /metrics alike:
 - alpha = accepted draft tokens / drafted tokens, where a step drafts `tree.max_depth`
   tokens (what one path can contribute, not the node count);

@@ -14,7 +14,7 @@ histograms are left out of the exposition: the library's only switch for them,
 `disable_created_metrics()`, is process-wide, so `ServerMetrics.collect` drops those
 samples for this registry alone.
 
-Conventions (DESIGN.md invariant 8): acceptance rate alpha = accepted draft tokens /
+Conventions (docs/architecture.md invariant 8): acceptance rate alpha = accepted draft tokens /
 drafted tokens; acceptance length tau = tokens emitted per verify step = (accepted +
 drafts) / drafts, where a draft is one speculative verify step. Everything is counted
 per sequence (one choice of a request) when it finishes successfully, so the latency
