@@ -251,14 +251,15 @@ def _tree_attn_split_kernel(
     t = rows % num_tree
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :] * stride_qd,
+    b64 = b.to(tl.int64)  # a large cache's batch offset passes 2**31 elements
+    q = tl.load(q_ptr + b64 * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_base = k_ptr + b * stride_kb + hkv * stride_kh
-    v_base = v_ptr + b * stride_vb + hkv * stride_vh
+    k_base = k_ptr + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
 
     if split < num_prefix_splits:
@@ -293,10 +294,12 @@ def _tree_attn_split_kernel(
 
     # Partials: o_part [P, R, D], m_part / l_part [P, R], fp32; one block's rows are contiguous.
     num_rows = tl.num_programs(1) // num_kv_heads * num_q_heads * num_tree
-    part_row = split * num_rows + (b * num_q_heads + hq) * num_tree + t  # [BLOCK_M]
-    tl.store(m_part_ptr + part_row, m_i, mask=row_ok)
-    tl.store(l_part_ptr + part_row, l_i, mask=row_ok)
-    tl.store(o_part_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    part = split.to(tl.int64) * num_rows
+    row = (b * num_q_heads + hq) * num_tree + t  # [BLOCK_M]
+    tl.store(m_part_ptr + part + row, m_i, mask=row_ok)
+    tl.store(l_part_ptr + part + row, l_i, mask=row_ok)
+    tl.store(o_part_ptr + part * HEAD_DIM + row[:, None] * HEAD_DIM + d[None, :], acc,
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -314,8 +317,8 @@ def _tree_attn_merge_kernel(
     b = row // (num_tree * num_q_heads)
     parts = tl.arange(0, BLOCK_P)
     p_ok = parts < num_parts
-    m = tl.load(m_part_ptr + parts * num_rows + row, mask=p_ok, other=float("-inf"))  # [BLOCK_P]
-    l = tl.load(l_part_ptr + parts * num_rows + row, mask=p_ok, other=0.0)
+    m = tl.load(m_part_ptr + parts.to(tl.int64) * num_rows + row, mask=p_ok, other=float("-inf"))  # [BLOCK_P]
+    l = tl.load(l_part_ptr + parts.to(tl.int64) * num_rows + row, mask=p_ok, other=0.0)
     m_max = tl.max(m, 0)
     total = tl.sum(tl.math.exp2(m - m_max) * l, 0)  # parts with no visible key (m = -inf) weigh 0
     d = tl.arange(0, BLOCK_D)
@@ -324,12 +327,13 @@ def _tree_attn_merge_kernel(
     for p0 in range(0, num_parts, PART_CHUNK):
         chunk = p0 + tl.arange(0, PART_CHUNK)
         chunk_ok = chunk < num_parts
-        m_c = tl.load(m_part_ptr + chunk * num_rows + row, mask=chunk_ok, other=float("-inf"))
-        o_c = tl.load(o_part_ptr + (chunk * num_rows + row)[:, None] * HEAD_DIM + d[None, :],
+        chunk_row = chunk.to(tl.int64) * num_rows + row  # [PART_CHUNK]
+        m_c = tl.load(m_part_ptr + chunk_row, mask=chunk_ok, other=float("-inf"))
+        o_c = tl.load(o_part_ptr + chunk_row[:, None] * HEAD_DIM + d[None, :],
                       mask=chunk_ok[:, None] & d_ok[None, :], other=0.0)  # [PART_CHUNK, BLOCK_D]
         acc += tl.sum(tl.math.exp2(m_c - m_max)[:, None] * o_c, 0)
     out = acc / total  # [BLOCK_D], fp32 until the one rounding below
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + t * stride_ot + d * stride_od,
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + t * stride_ot + d * stride_od,
              _round_to(out, out_ptr.dtype.element_ty, MODE), mask=d_ok)
 
 
