@@ -22,7 +22,8 @@ decode/    the decode loop and its parts. A single request is a batch of one.
     fallback.py   FallbackPolicy, StepCosts and the decisions, each sequence's SpeculationWindow
     stats.py      DecodeStats, GenerationResult, and the one definition of alpha and tau
     faults.py     which errors end one sequence and which break the engine
-kernels/   tree attention: the Triton kernel (triton_kernel.py), the PyTorch reference and
+kernels/   tree attention: the Triton kernels and their launch plan (triton_kernel.py), the
+           custom operator torch.compile sees (custom_op.py), the PyTorch references and
            the transformers attention function (tree_attention.py)
 server/    the HTTP server: app.py (FastAPI routes), state.py (its config and shared state),
            worker.py (the engine thread), schema.py (request validation), responses.py

@@ -3,17 +3,18 @@
 Triton's NVIDIA backend ships `ptxas` and `cuobjdump`: `triton.compile` lowers a `@triton.jit`
 kernel to PTX and a cubin for any SM with no GPU present, and `cuobjdump -res-usage` reads
 the cubin's registers per thread, stack (spill) bytes and shared memory. The default test
-suite compiles both kernels at the configuration `triton_kernel.launch_config` picks for
-every SM, dtype and head dim we claim (tests/serving/kernels/test_native_compile.py), so a
-kernel that breaks for the GPU, or needs more shared memory than an SM has, fails on every
-CI run, not only when a GPU is lent; `python -m specheads.bench.gpu_kernels --compile-report`
-prints the resources.
+suite compiles both kernels at the plan `triton_kernel.plan` makes for every SM, dtype and
+head dim we claim and a plain step and 16- and 64-node trees (tests/serving/kernels/
+test_native_compile.py), so a kernel that breaks for the GPU, needs more shared memory than
+an SM has, spills, or holds fewer programs per SM than the split rule counts on
+(`LaunchConfig.blocks_per_sm`), fails on every CI run, not only when a GPU is lent;
+`python -m specheads.bench.gpu_kernels --compile-report` prints the resources.
 
 What is compiled is what would run: the launcher's own `kernel_calls` on meta tensors of a
 representative layer (LAYER), specialised by the JIT's own binder for the target SM. The
 JIT turns strides equal to 1 into constants and marks multiples of 16 as aligned, which
-vectorises the K/V loads; a signature of plain i32s compiles another kernel (bf16 at head
-dim 128 on sm_90: 248 registers, against 98 for what runs).
+vectorises the K/V loads; a signature of plain i32s compiles another kernel with far more
+registers (bf16 at head dim 128 on sm_90: 248 against 98, measured on an earlier kernel).
 
 This compiles the kernels; it never runs them. Under TRITON_INTERPRET=1 (the CPU tests)
 `triton.jit` makes interpreted functions when triton_kernel.py is imported, and those cannot
@@ -43,10 +44,20 @@ MAX_BLOCKS_PER_SM = 32
 HEAD_DIMS = (64, 96, 128, 256)  # the families we claim: SmolLM2 64, Phi-3 96, Llama/Qwen/Mistral 128, Gemma 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# The layer the calls are built for: Llama-3.1-8B's heads verifying a 64-node tree at 4k
-# context, batch 1 (the GPU suite's verify shape). The default split policy cuts its prefix
-# into 32 splits, so the merge runs 33 parts at BLOCK_P 64.
-LAYER = dict(batch=1, num_q_heads=32, num_kv_heads=8, num_tree=64, prefix_len=4096)
+# The layer the calls are built for: Llama-3.1-8B's heads at 8k context, batch 1, on a
+# 132-SM GPU (H100/H200 SXM), for a plain decode step and 16- and 64-node trees, which
+# between them take every BLOCK_M the launcher picks at g = 4 (16, 64, and 128 on sm_90).
+LAYER = dict(batch=1, num_q_heads=32, num_kv_heads=8, prefix_len=8192)
+TREES = (1, 16, 64)
+NUM_SMS = 132
+
+
+def cases() -> list[tuple[int, torch.dtype, int, int]]:
+    """(sm, dtype, head dim, T) to compile: every SM, head dim and tree size in fp32 and bf16;
+    fp16, which compiles as bf16 does (the same registers and shared memory in every row of
+    a full report), at T = 16 only, which keeps the test's compile count near 100."""
+    return [(sm, dtype, head_dim, num_tree) for sm in SMS for dtype in DTYPES for head_dim in HEAD_DIMS
+            for num_tree in TREES if dtype != torch.float16 or num_tree == 16]
 
 
 class NoNvidiaBackend(RuntimeError):
@@ -60,6 +71,7 @@ class Resources:
 
     kernel: str  # "split" | "merge"
     sm: int
+    num_tree: int
     dtype: str
     head_dim: int
     blocks: str  # the kernel's block sizes, e.g. "M64 N32 D128" or "P64 D128"
@@ -81,9 +93,14 @@ class Resources:
                 "warps": min(MAX_WARPS_PER_SM // self.num_warps, MAX_BLOCKS_PER_SM)}
 
     @property
+    def resident_blocks(self) -> int:
+        """Blocks one SM holds at once: the least the resources allow."""
+        return min(self.blocks_per_sm().values())
+
+    @property
     def warps_per_sm(self) -> int:
         """Resident warps per SM (occupancy is this over MAX_WARPS_PER_SM)."""
-        return min(self.blocks_per_sm().values()) * self.num_warps
+        return self.resident_blocks * self.num_warps
 
     @property
     def limited_by(self) -> str:
@@ -119,24 +136,23 @@ def _kernel_module():
     return triton_kernel
 
 
-def representative_calls(sm: int, dtype: torch.dtype, head_dim: int):
-    """(LaunchConfig, (split, merge) KernelCalls) that the launcher would make for LAYER at
-    this head dim and dtype on sm_`sm`, built on meta tensors in the layouts the engine
-    passes: q a transposed view of [B, T, Hq, D], K/V a [B, Hkv, S+T, D] cache."""
-    from specheads.serving.kernels.tree_attention import _default_split_size
-
+def representative_calls(sm: int, dtype: torch.dtype, head_dim: int, num_tree: int):
+    """(LaunchPlan, (split, merge) KernelCalls) that the launcher would make for LAYER with a
+    `num_tree`-node tree at this head dim and dtype on sm_`sm`, built on meta tensors in the
+    layouts the engine passes: q a transposed view of [B, T, Hq, D], K/V a [B, Hkv, S+T, D]
+    cache, the prefix lengths a [B] tensor (the CUDA-graph path)."""
     kernels = _kernel_module()
-    batch, num_tree, prefix_len = LAYER["batch"], LAYER["num_tree"], LAYER["prefix_len"]
+    batch, prefix_len = LAYER["batch"], LAYER["prefix_len"]
     meta = dict(device="meta", dtype=dtype)
     q = torch.empty(batch, num_tree, LAYER["num_q_heads"], head_dim, **meta).transpose(1, 2)
     k, v = (torch.empty(batch, LAYER["num_kv_heads"], prefix_len + num_tree, head_dim, **meta) for _ in range(2))
     packed_mask = torch.empty(1, num_tree, -(-num_tree // 32), device="meta", dtype=torch.int32)
-    prefix_lens = torch.empty(batch, device="meta", dtype=torch.int32)
+    prefix_lens = torch.empty(batch, device="meta", dtype=torch.long)
     out = torch.empty(batch, num_tree, LAYER["num_q_heads"], head_dim, **meta).transpose(1, 2)
-    config = kernels.launch_config(head_dim, dtype, sm)
-    calls = kernels.kernel_calls(q, k, v, packed_mask, prefix_lens, prefix_len, head_dim ** -0.5,
-                                 _default_split_size(prefix_len), out, config)
-    return config, calls
+    launch_plan = kernels.plan(batch, LAYER["num_q_heads"], LAYER["num_kv_heads"], num_tree, head_dim, dtype,
+                               prefix_len, sm, NUM_SMS)
+    calls = kernels.kernel_calls(q, k, v, packed_mask, prefix_lens, prefix_len, head_dim ** -0.5, out, launch_plan)
+    return launch_plan, calls
 
 
 def compile_call(call, sm: int):
@@ -172,31 +188,34 @@ def resource_usage(compiled) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def call_resources(call, sm: int, dtype: torch.dtype) -> Resources:
+def call_resources(call, sm: int, dtype: torch.dtype, num_tree: int) -> Resources:
     """Compile one call for sm_`sm` and read its resources."""
     compiled = compile_call(call, sm)
     registers, stack = resource_usage(compiled)
     blocks = " ".join(f"{name.removeprefix('BLOCK_')}{value}" for name, value in call.meta.items()
                       if name.startswith("BLOCK_"))
-    return Resources(kernel=call.name, sm=sm, dtype=DTYPE_NAMES[dtype], head_dim=call.meta["HEAD_DIM"],
+    return Resources(kernel=call.name, sm=sm, num_tree=num_tree, dtype=DTYPE_NAMES[dtype],
+                     head_dim=call.meta["HEAD_DIM"],
                      blocks=blocks, num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages,
                      registers=registers, stack=stack, shared=compiled.metadata.shared)
 
 
 def all_resources() -> list[Resources]:
-    """Both kernels at the launcher's configuration for every SM x dtype x head dim we claim."""
-    return [call_resources(call, sm, dtype) for sm in SMS for dtype in DTYPES for head_dim in HEAD_DIMS
-            for call in representative_calls(sm, dtype, head_dim)[1]]
+    """Both kernels at the launcher's plan for every case in `cases()`."""
+    return [call_resources(call, sm, dtype, num_tree) for sm, dtype, head_dim, num_tree in cases()
+            for call in representative_calls(sm, dtype, head_dim, num_tree)[1]]
 
 
 def format_report(rows: list[Resources]) -> str:
     """Markdown: one row per compiled kernel."""
-    lines = ["| kernel | sm | dtype | head dim | blocks | warps | stages | regs/thread | stack B | shared KB | "
-             "warps/SM | limited by | fits |", "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| kernel | sm | T | dtype | head dim | blocks | warps | stages | regs/thread | stack B | shared KB | "
+             "blocks/SM | warps/SM | limited by | fits |",
+             "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         fits = "yes" if r.shared_ok else f"NO: over {SHARED_MEMORY_LIMIT[r.sm] // 1024} KB"
-        lines.append(f"| {r.kernel} | {r.sm} | {r.dtype} | {r.head_dim} | {r.blocks} | {r.num_warps} | "
-                     f"{r.num_stages} | {r.registers} | {r.stack} | {r.shared / 1024:.1f} | {r.warps_per_sm} | "
+        lines.append(f"| {r.kernel} | {r.sm} | {r.num_tree} | {r.dtype} | {r.head_dim} | {r.blocks} | {r.num_warps} | "
+                     f"{r.num_stages} | {r.registers} | {r.stack} | {r.shared / 1024:.1f} | {r.resident_blocks} | "
+                     f"{r.warps_per_sm} | "
                      f"{r.limited_by} | {fits} |")
     return "\n".join(lines)
 

@@ -5,15 +5,19 @@ ancestors). This module owns:
 
 - `pack_tree_mask` / `unpack_tree_mask`: the bool ancestor mask as int32 bit words
   (bit j % 32 of word j // 32 of row t), the form the kernel reads.
-- `tree_attention_reference`: dense masked softmax in fp32, the PyTorch reference.
+- `tree_attention_reference`: dense masked softmax in fp32, the PyTorch reference; and
+  `tree_attention_flash_reference`, the same rounded where FlashAttention rounds 16-bit
+  inputs, which the kernel's bf16/fp16 output is held to.
 - `tree_attention(..., impl="triton" | "torch")`: the public entry point. The Triton path
-  (serving/kernels/triton_kernel.py, imported lazily) splits long prefixes across programs
-  flash-decoding style and merges the partials by log-sum-exp.
+  is the operator `torch.ops.specheads.tree_attention_` (serving/kernels/custom_op.py, so
+  torch.compile keeps it in the graph) over the kernels of serving/kernels/triton_kernel.py
+  (both imported lazily), which split the prefix across enough programs to fill the GPU,
+  flash-decoding style, and merge the partials by log-sum-exp.
 - `tree_attention_forward` + `register_tree_attention()`: a transformers attention function
   ("specheads_tree"). The tree reaches it as forward kwargs (`tree_mask=`, optional
-  `prefix_len=`, `tree_attention_impl=`), which transformers passes down to attention
-  functions; without `tree_mask` it is plain SDPA, so one loaded model serves prefill,
-  plain decode and tree verification.
+  `prefix_len=`, `max_prefix_len=`, `tree_attention_impl=`), which transformers passes down
+  to attention functions; without `tree_mask` it is plain SDPA, so one loaded model serves
+  prefill, plain decode and tree verification.
 
 Shape legend: B batch, Hq query heads, Hkv KV heads, T tree nodes, S prefix keys,
 D head dim, W = ceil(T / 32) mask words.
@@ -28,13 +32,6 @@ import torch
 
 ATTN_IMPLEMENTATION = "specheads_tree"
 BITS_PER_WORD = 32
-# Prefix keys per program in the Triton path when the caller gives no split size: enough
-# programs to fill a GPU at batch 1 without making the merge long.
-DEFAULT_MAX_PREFIX_SPLITS = 32
-MIN_SPLIT_SIZE = 128
-# Split sizes are multiples of this, and every launch configuration's BLOCK_N divides it
-# (triton_kernel.launch_config checks), so no prefix split ends in a partial key block.
-SPLIT_MULTIPLE = 64
 
 
 def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -106,13 +103,10 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len:
                          f"got {tuple(tree_mask.shape)}")
 
 
-def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             prefix_len: int | list[int] | torch.Tensor, tree_mask: torch.Tensor,
-                             scale: float | None = None) -> torch.Tensor:
-    """Dense masked softmax in fp32. q [B, Hq, T, D]; k, v [B, Hkv, >= S+T, D]; prefix_len
-    S (int, or one per sequence: keys S_b .. S_b+T-1 are sequence b's tree, later keys are
-    ignored); tree_mask bool [T, T] / [B, T, T] or its packed int32 form.
-    -> [B, Hq, T, D] in q's dtype."""
+def _dense_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len, tree_mask: torch.Tensor,
+                  scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 scaled scores [B, Hq, T, L] with -inf where a key is not seen, the values
+    [B, Hq, L, D] in v's dtype); L = max S + T. The checks and the mask of both references."""
     batch, _, num_tree, _ = q.shape
     prefix_lens_B, max_prefix_len = _prefix_lens(prefix_len, batch, q.device)
     _check_shapes(q, k, v, max_prefix_len, tree_mask)
@@ -120,47 +114,69 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = q.shape[1] // k.shape[1]
     num_keys = max_prefix_len + num_tree
     keys = k[:, :, :num_keys].float().repeat_interleave(group, dim=1)  # [B, Hq, L, D]
-    values = v[:, :, :num_keys].float().repeat_interleave(group, dim=1)
+    values = v[:, :, :num_keys].repeat_interleave(group, dim=1)
     tree_BTT = _as_bool_mask(tree_mask, num_tree).to(q.device).expand(batch, num_tree, num_tree)
     cols_L = torch.arange(num_keys, device=q.device)
     tree_col_BL = cols_L[None] - prefix_lens_B[:, None]  # key -> tree node (valid in [0, T))
     in_tree_BL = (tree_col_BL >= 0) & (tree_col_BL < num_tree)
     tree_BTL = tree_BTT.gather(-1, tree_col_BL.clamp(0, num_tree - 1)[:, None].expand(batch, num_tree, num_keys))
     mask = ((cols_L[None] < prefix_lens_B[:, None])[:, None] | (in_tree_BL[:, None] & tree_BTL))[:, None]
-    scores = (q.float() @ keys.transpose(-1, -2)) * scale
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return (probs @ values).to(q.dtype)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale  # products of 16-bit inputs are exact in fp32
+    return scores.masked_fill(~mask, float("-inf")), values
 
 
-def _round_split_size(split_size: int) -> int:
-    """Up to a positive multiple of SPLIT_MULTIPLE."""
-    return max(1, math.ceil(split_size / SPLIT_MULTIPLE)) * SPLIT_MULTIPLE
+def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             prefix_len: int | list[int] | torch.Tensor, tree_mask: torch.Tensor,
+                             scale: float | None = None) -> torch.Tensor:
+    """Dense masked softmax in fp32. q [B, Hq, T, D]; k, v [B, Hkv, >= S+T, D]; prefix_len
+    S (int, or one per sequence: keys S_b .. S_b+T-1 are sequence b's tree, later keys are
+    ignored); tree_mask bool [T, T] / [B, T, T] or its packed int32 form.
+    -> [B, Hq, T, D] in q's dtype."""
+    scores, values = _dense_scores(q, k, v, prefix_len, tree_mask, scale)
+    return (scores.softmax(dim=-1) @ values.float()).to(q.dtype)
 
 
-def _default_split_size(prefix_len: int) -> int:
-    splits = min(DEFAULT_MAX_PREFIX_SPLITS, max(1, math.ceil(prefix_len / MIN_SPLIT_SIZE)))
-    return _round_split_size(math.ceil(prefix_len / splits))
+def tree_attention_flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   prefix_len: int | list[int] | torch.Tensor, tree_mask: torch.Tensor,
+                                   scale: float | None = None) -> torch.Tensor:
+    """The reference rounded where FlashAttention rounds 16-bit inputs: scores in fp32, the
+    scale applied in fp32, p = exp(s - row max) in fp32 with its row sum in fp32, p rounded
+    to v's dtype for the PV product (accumulated in fp32), the division in fp32, one
+    rounding of the output. Arguments as `tree_attention_reference`; for fp32 inputs the two
+    agree. The kernel differs from it only where its blocks round p against a running max
+    (within an ulp of the row's largest output; tests/serving/kernels)."""
+    scores, values = _dense_scores(q, k, v, prefix_len, tree_mask, scale)
+    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # [B, Hq, T, L] fp32
+    return ((p.to(values.dtype).float() @ values.float()) / p.sum(dim=-1, keepdim=True)).to(q.dtype)
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   prefix_len: int | list[int] | torch.Tensor, tree_mask: torch.Tensor, scale: float | None = None, impl: str = "triton",
-                   split_size: int | None = None, out: torch.Tensor | None = None,
+                   prefix_len: int | list[int] | torch.Tensor, tree_mask: torch.Tensor, scale: float | None = None,
+                   impl: str = "triton", split_size: int | None = None, out: torch.Tensor | None = None,
                    max_prefix_len: int | None = None) -> torch.Tensor:
     """Tree attention; see the module docstring.
 
     q [B, Hq, T, D]; k, v [B, Hkv, >= S+T, D]; prefix_len S, an int or one per sequence
-    ([B] list or tensor; a tensor costs one host sync for its max and its check, unless
+    ([B] list or integer tensor; a tensor costs one host sync for its max and its check, unless
     max_prefix_len gives a bound: then nothing syncs, so a CUDA graph can capture the call,
     and the caller guarantees 0 <= S <= max_prefix_len); tree_mask bool [T, T] /
     [B, T, T] or packed int32 [T, W] / [B, T, W]. fp32, bf16 or fp16 (fp32 accumulation).
-    split_size (triton): prefix keys per program, rounded up to a multiple of SPLIT_MULTIPLE.
+    split_size (triton): the prefix is shared by ceil(max S / split_size) programs instead
+    of the default rule's count (triton_kernel.prefix_splits), which depends on the shapes,
+    the bound on S and the GPU only, so a graph captured at one bound stays valid.
     out: optional [B, Hq, T, D] destination of any strides (e.g. a transposed [B, T, Hq, D]).
     -> [B, Hq, T, D] in q's dtype (`out` when given).
     """
-    if max_prefix_len is not None and isinstance(prefix_len, torch.Tensor) and prefix_len.dim() == 1:
-        prefix_lens_B = prefix_len.to(q.device, torch.long)  # the caller's bound: no sync
+    if isinstance(prefix_len, (int, torch.SymInt)):  # read by the kernel as a number
+        if max_prefix_len is not None and max_prefix_len < prefix_len:
+            raise ValueError(f"max_prefix_len ({max_prefix_len}) is below prefix_len ({prefix_len})")
+        kernel_prefix_len, max_prefix_len = prefix_len, prefix_len if max_prefix_len is None else max_prefix_len
+    elif max_prefix_len is not None and isinstance(prefix_len, torch.Tensor) and prefix_len.dim() == 1:
+        if prefix_len.dtype.is_floating_point or prefix_len.dtype == torch.bool:
+            raise TypeError(f"prefix_len must hold integers, got {prefix_len.dtype}")
+        kernel_prefix_len = prefix_len.to(q.device)  # the caller's bound: no sync
     else:
-        prefix_lens_B, max_prefix_len = _prefix_lens(prefix_len, q.shape[0], q.device)
+        kernel_prefix_len, max_prefix_len = _prefix_lens(prefix_len, q.shape[0], q.device)
     _check_shapes(q, k, v, max_prefix_len, tree_mask)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
@@ -173,15 +189,15 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                          "imported; use impl='torch' on the CPU")
-    from specheads.serving.kernels import triton_kernel as tree_attention_kernel
+    from specheads.serving.kernels.custom_op import tree_attention_
 
     packed = _as_packed_mask(tree_mask).to(q.device)
     packed = (packed[None] if packed.dim() == 2 else packed).contiguous()  # [B|1, T, W]
+    per_sequence = isinstance(kernel_prefix_len, torch.Tensor)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    split_size = _default_split_size(max_prefix_len) if split_size is None else _round_split_size(split_size)
-    tree_attention_kernel.launch(q, k, v, packed, prefix_lens_B.to(torch.int32), max_prefix_len, scale,
-                                 split_size, out)
+    tree_attention_(q, k, v, packed, kernel_prefix_len.contiguous() if per_sequence else None,
+                    0 if per_sequence else kernel_prefix_len, max_prefix_len, scale, split_size, out)
     return out
 
 

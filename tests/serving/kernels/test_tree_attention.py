@@ -13,7 +13,6 @@ import torch
 import pytest
 
 from specheads.serving.kernels.tree_attention import (
-    _default_split_size,
     pack_tree_mask,
     register_tree_attention,
     tree_attention,
@@ -138,18 +137,12 @@ def test_triton_matches_reference_fp32(case):
 
 @pytest.mark.parametrize("split_size", [None, 32, 64, 1000])
 def test_long_prefix_is_split_and_merged(split_size):
-    # S = 300: 5 prefix splits for 32 (rounded up to SPLIT_MULTIPLE) and 64, 1 for 1000, plus the
-    # tree split; None is the default policy.
+    # S = 300: 10 prefix splits for 32, 5 for 64, 1 for 1000, plus the tree split; None is the
+    # default rule (triton_kernel.prefix_splits, for the interpreter's stand-in SMs).
     q, k, v, tree_mask = make_inputs(1, 2, 2, 17, 300, 32, torch.float32, seed=7)
     out = run_triton(q, k, v, 300, tree_mask, split_size=split_size)
     ref = tree_attention_reference(q, k, v, 300, tree_mask)
     assert relative_error(out, ref) <= TOLERANCE[torch.float32]
-
-
-def test_default_policy_splits_long_prefixes():
-    assert math.ceil(300 / _default_split_size(300)) > 1
-    assert math.ceil(4096 / _default_split_size(4096)) == 32
-    assert _default_split_size(0) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -180,8 +173,8 @@ def test_per_sequence_masks_and_longer_key_buffer():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_sequence_prefix_lengths(dtype):
-    # A preallocated cache at batch 3: sequence b's tree keys sit at S_b .. S_b+T-1, and the
-    # sequences use 0, 2 and 5 of the 5 prefix splits.
+    # A preallocated cache at batch 3: sequence b's tree keys sit at S_b .. S_b+T-1, and each
+    # spreads its key blocks over the 5 prefix splits: none, 3 of them (some see no key), all.
     prefix_lens = [0, 70, 300]
     q, k, v, _ = make_inputs(3, 2, 2, 9, 300, 16, dtype, seed=13)
     generator = torch.Generator().manual_seed(14)
@@ -212,6 +205,10 @@ def test_rejects_bad_arguments(monkeypatch):
         tree_attention(q, k, v, [1, 2], tree_mask, impl="torch")
     with pytest.raises(TypeError, match="int32"):
         tree_attention(q, k, v, 2, pack_tree_mask(tree_mask).long(), impl="triton")
+    with pytest.raises(TypeError, match="integers"):
+        tree_attention(q, k, v, torch.tensor([2.0]), tree_mask, impl="triton", max_prefix_len=2)
+    with pytest.raises(ValueError, match="split_size"):
+        tree_attention(q, k, v, 2, tree_mask, impl="triton", split_size=0)
 
 
 # --- transformers attention function ----------------------------------------------------
