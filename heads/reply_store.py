@@ -243,8 +243,8 @@ class ReplyStore:
             problems.append(f"tokenizer: the store's ({self.manifest.tokenizer.get('name_or_path')!r}) has another "
                             "vocabulary than the target's")
         if problems:
-            raise StoreError(f"reply store {str(self.directory)!r} was built for {mine.name_or_path!r}, not for the "
-                             f"target {target.name_or_path!r} ({'; '.join(problems)}); build one for this target with "
+            raise StoreError(f"reply store {str(self.directory)!r} (built for {mine.name_or_path!r}) does not fit the "
+                             f"target {target.name_or_path!r}: {'; '.join(problems)}; build one for this target with "
                              "`specheads data store --target T`")
 
     # --- the search (module doc) -------------------------------------------------------------
