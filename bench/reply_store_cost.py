@@ -32,8 +32,8 @@ NUM_TOKENS, MAX_MATCH, MIN_MATCH = 10, 16, 2
 def synthetic_replies(num_tokens: int, vocab: int, seed: int) -> list[np.ndarray]:
     """Replies of about 200 tokens, num_tokens in all: Zipf-chosen phrases of a 5,000-phrase
     bank and random tokens between them."""
-    rng = np.random.default_rng(seed)
-    bank = [rng.integers(0, vocab, rng.integers(3, 25)) for _ in range(5000)]
+    bank_rng, rng = np.random.default_rng(0), np.random.default_rng(seed)  # one bank whatever the seed
+    bank = [bank_rng.integers(0, vocab, bank_rng.integers(3, 25)) for _ in range(5000)]
     replies, total = [], 0
     while total < num_tokens:
         pieces, length = [], int(rng.integers(50, 350))

@@ -27,14 +27,17 @@ The search (`ReplyStore.propose`), given a context:
 1. the longest suffix of its last `max_match` tokens that occurs in the store, at least
    `min_match` tokens long: a binary search over the suffix length (if a suffix occurs, every
    shorter one does), each length found by two binary searches of the suffix array;
-2. the continuation that most often followed it, greedy token by token: the occurrences of the
-   match form one range of the suffix array, sorted by the token that follows; the most
-   frequent next token (ties: the smallest id) is appended and the range narrowed to the
-   occurrences it continues, until num_tokens tokens, a reply's end or an empty range. Above
-   `max_occurrences` occurrences, the next tokens of max_occurrences evenly spaced ones are
-   counted (the range is sorted, so an even spread estimates each token's share), so one step's
-   work is bounded: O(max_match log N) for the match, O(num_tokens (max_occurrences + log N)) for
-   the continuation. The proposal is a function of the store and the context alone.
+2. the continuation that most often followed it, greedy token by token, counted over the
+   match's occurrences (one range of the suffix array), at most `max_occurrences` of them,
+   evenly spaced over the range when there are more (the range is sorted by what follows, so an
+   even spread keeps each continuation's share): the most frequent next token among them (ties:
+   the smallest id), then the most frequent next one among those that went on with it, and so
+   on, until num_tokens tokens or the replies' end. One read of max_occurrences x num_tokens
+   tokens; while every counted occurrence goes on alike (the first and the last in sorted order
+   agree), their shared tokens are taken at once.
+One step's work is bounded: O(log max_match) binary searches of the suffix array for the
+match, each O(max_match log N), then the continuation. The proposal is a function of the store
+and the context alone.
 """
 
 from __future__ import annotations
@@ -199,6 +202,10 @@ class ReplyStore:
         view = memoryview(self._positions)[HEADER_BYTES:]
         self.suffixes = view.cast("i" if manifest.suffix_array_dtype == "<i4" else "q") \
             if sys.byteorder == "little" else np.frombuffer(view, dtype=manifest.suffix_array_dtype)
+        # the same bytes as arrays, for reading many continuations at once
+        self._suffix_array = np.frombuffer(self._positions, dtype=manifest.suffix_array_dtype, offset=HEADER_BYTES)
+        self._token_array = np.frombuffer(self._tokens, dtype=TOKEN_DTYPE, offset=HEADER_BYTES)
+        self._last = int(self._token_array.shape[0]) - 1
         self._check_contents()
 
     def _map(self, name: str, magic: bytes, itemsize: int) -> mmap.mmap:
@@ -257,45 +264,68 @@ class ReplyStore:
         start = self._base + 4 * position
         return self._tokens[start:start + 4 * length]
 
+    def _lower_bound(self, pattern: Sequence[int]) -> tuple[int, bytes]:
+        """(the first suffix-array index whose suffix is >= pattern, pattern as bytes)."""
+        key, tokens, base, width = struct.pack(f">{len(pattern)}I", *pattern), self._tokens, self._base, 4 * len(pattern)
+        lo = bisect_left(self.suffixes, key, 0, self.num_tokens,
+                         key=lambda position: tokens[base + 4 * position:base + 4 * position + width])
+        return lo, key
+
     def find(self, pattern: Sequence[int]) -> tuple[int, int]:
         """[lo, hi): the suffix-array range of the suffixes that start with `pattern`."""
-        key = struct.pack(f">{len(pattern)}I", *pattern)
-        length = len(pattern)
-        prefix = (lambda position: self._suffix(position, length))
-        lo = bisect_left(self.suffixes, key, 0, self.num_tokens, key=prefix)
-        return lo, bisect_right(self.suffixes, key, lo, self.num_tokens, key=prefix)
+        lo, key = self._lower_bound(pattern)
+        tokens, base, width = self._tokens, self._base, len(key)
+        hi = bisect_right(self.suffixes, key, lo, self.num_tokens,
+                          key=lambda position: tokens[base + 4 * position:base + 4 * position + width])
+        return lo, hi
+
+    def occurs(self, pattern: Sequence[int]) -> bool:
+        lo, key = self._lower_bound(pattern)
+        return lo < self.num_tokens and self._suffix(self.suffixes[lo], len(pattern)) == key
 
     def longest_match(self, context: Sequence[int], max_match: int, min_match: int = 1) -> tuple[int, int, int]:
         """(length, lo, hi): the longest suffix of context[-max_match:] that occurs, at least
         min_match tokens long, and its range; (0, 0, 0) when there is none."""
         low, high = min_match, min(max_match, len(context))
-        best = (0, 0, 0)
+        best = 0
         while low <= high:
             length = (low + high) // 2
-            lo, hi = self.find(context[len(context) - length:])
-            if lo < hi:
-                best, low = (length, lo, hi), length + 1
+            if self.occurs(context[len(context) - length:]):
+                best, low = length, length + 1
             else:
                 high = length - 1
-        return best
+        return (best, *self.find(context[len(context) - best:])) if best else (0, 0, 0)
 
     def continuation(self, lo: int, hi: int, offset: int, num_tokens: int, max_occurrences: int) -> list[int]:
         """Up to num_tokens tokens that most often followed the occurrences [lo, hi) of a
         match `offset` tokens long, greedy token by token (module doc)."""
+        size = hi - lo
+        index = np.arange(lo, hi) if size <= max_occurrences else lo + (np.arange(max_occurrences) * size) // max_occurrences
+        starts_k = self._suffix_array[index].astype(np.int64) + offset  # [k] where each continuation starts
+        # [k, num_tokens]: what follows each counted occurrence (read past its reply's end: never taken)
+        rows = self._token_array[np.minimum(starts_k[:, None] + np.arange(num_tokens), self._last)]
         chain: list[int] = []
-        while len(chain) < num_tokens and lo < hi:
-            depth = offset + len(chain)
-            after = (lambda index: self.token(self.suffixes[index] + depth))
-            first, last = after(lo), after(hi - 1)
-            if first == last:  # sorted: every occurrence goes on with the same token
-                chosen = first
-            else:
-                chosen = _most_frequent([after(index) for index in _spread(lo, hi, max_occurrences)])
-                lo = bisect_left(self.suffixes, chosen, lo, hi, key=lambda position: self.token(position + depth))
-                hi = bisect_right(self.suffixes, chosen, lo, hi, key=lambda position: self.token(position + depth))
+        while len(chain) < num_tokens:
+            # rows are sorted (the suffix array's order) and share the chain so far: the first
+            # and the last agree on a token exactly when every row does
+            first, last = rows[0, len(chain):], rows[-1, len(chain):]
+            agree = first == last
+            shared = first.size if agree.all() else int(agree.argmin())
+            if shared:
+                taken = first[:shared].tolist()
+                if SEPARATOR in taken:  # the replies end here
+                    return chain + taken[:taken.index(SEPARATOR)]
+                chain += taken
+                continue
+            column = rows[:, len(chain)]
+            cuts = np.flatnonzero(column[1:] != column[:-1]) + 1
+            run_starts, run_ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [column.size]])
+            best = int((run_ends - run_starts).argmax())  # the first longest run: the smallest token on a tie
+            chosen = int(column[run_starts[best]])
             if chosen == SEPARATOR:  # the most frequent continuation ends the reply here
                 break
             chain.append(chosen)
+            rows = rows[run_starts[best]:run_ends[best]]
         return chain
 
     def propose(self, context: Sequence[int], num_tokens: int, max_match: int, min_match: int = 1,
@@ -307,19 +337,3 @@ class ReplyStore:
             return [], 0
         return self.continuation(lo, hi, length, num_tokens, max_occurrences), length
 
-
-def _spread(lo: int, hi: int, count: int) -> range | list[int]:
-    """Indices in [lo, hi): all of them, or `count` evenly spaced ones, in order."""
-    size = hi - lo
-    return range(lo, hi) if size <= count else [lo + (i * size) // count for i in range(count)]
-
-
-def _most_frequent(sorted_tokens: list[int]) -> int:
-    """The token of the longest run in a sorted list (the smallest token on a tie)."""
-    best, best_count, run_start = sorted_tokens[0], 0, 0
-    for index in range(1, len(sorted_tokens) + 1):
-        if index == len(sorted_tokens) or sorted_tokens[index] != sorted_tokens[run_start]:
-            if index - run_start > best_count:
-                best, best_count = sorted_tokens[run_start], index - run_start
-            run_start = index
-    return best
