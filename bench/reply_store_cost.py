@@ -74,8 +74,8 @@ def measure(num_tokens: int, vocab: int, num_queries: int, occurrences: list[int
                 times.append(time.perf_counter() - start)
                 lengths.append(len(chain))
             micro = 1e6 * np.array(times)
-            rows.append({"max_occurrences": cap, "mean_us": float(micro.mean()), "p50_us": float(np.percentile(micro, 50)),
-                         "p99_us": float(np.percentile(micro, 99)), "mean_chain": float(np.mean(lengths)),
+            rows.append({"max_occurrences": cap, "mean_us": float(micro.mean()),
+                         "p50_us": float(np.percentile(micro, 50)), "p99_us": float(np.percentile(micro, 99)), "mean_chain": float(np.mean(lengths)),
                          "proposed": float(np.mean([n > 0 for n in lengths]))})
     return {"num_tokens": manifest.num_tokens, "num_sequences": manifest.num_sequences, "vocab": vocab,
             "index_bytes": manifest.index_bytes, "bytes_per_token": manifest.index_bytes / manifest.num_tokens,

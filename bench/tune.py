@@ -430,7 +430,8 @@ def format_tuning(report: dict) -> str:
     if store:
         lines += ["", f"reply store {store['path']} ({store['config']['num_tokens']} tokens) on {report['winner']}, "
                       f"measured again side by side: {store['with']['tokens_per_s']:.1f} tok/s (tau "
-                      f"{fmt(store['with']['tau'], '.2f')}) with, {store['without']['tokens_per_s']:.1f} tok/s without: "
+                      f"{fmt(store['with']['tau'], '.2f')}) with, "
+                      f"{store['without']['tokens_per_s']:.1f} tok/s without: "
                       + ("stored (generate/serve use it; --store none turns it off)" if store["chosen"]
                          else "not used")]
     return "\n".join(lines)

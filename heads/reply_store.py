@@ -174,8 +174,8 @@ def read_manifest(directory: str | os.PathLike) -> StoreManifest:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise StoreError(f"{path}: not readable JSON ({err})") from err
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-        raise StoreError(f"{path} is not a reply-store manifest (format={raw.get('format') if isinstance(raw, dict) else None!r}, "
-                         f"expected {FORMAT_NAME!r})")
+        found = raw.get("format") if isinstance(raw, dict) else None
+        raise StoreError(f"{path} is not a reply-store manifest (format={found!r}, expected {FORMAT_NAME!r})")
     if raw.get("format_version") != FORMAT_VERSION:
         raise StoreError(f"{path} has format_version={raw.get('format_version')!r}; this specheads reads version "
                          f"{FORMAT_VERSION}: rebuild the store with `specheads data store`")
@@ -195,7 +195,8 @@ class ReplyStore:
             raise StoreError(f"{self.directory / MANIFEST_NAME}: suffix_array_dtype must be '<i4' or '<i8', "
                              f"got {manifest.suffix_array_dtype!r}")
         self._tokens = self._map(TOKENS_NAME, TOKENS_MAGIC, 4)
-        self._positions = self._map(SUFFIX_ARRAY_NAME, SUFFIX_ARRAY_MAGIC, np.dtype(manifest.suffix_array_dtype).itemsize)
+        self._positions = self._map(SUFFIX_ARRAY_NAME, SUFFIX_ARRAY_MAGIC,
+                                    np.dtype(manifest.suffix_array_dtype).itemsize)
         self.num_tokens = manifest.num_tokens
         self._base = HEADER_BYTES
         # the suffix array as a sequence of Python ints for bisect
@@ -266,7 +267,8 @@ class ReplyStore:
 
     def _lower_bound(self, pattern: Sequence[int]) -> tuple[int, bytes]:
         """(the first suffix-array index whose suffix is >= pattern, pattern as bytes)."""
-        key, tokens, base, width = struct.pack(f">{len(pattern)}I", *pattern), self._tokens, self._base, 4 * len(pattern)
+        key = struct.pack(f">{len(pattern)}I", *pattern)
+        tokens, base, width = self._tokens, self._base, len(key)
         lo = bisect_left(self.suffixes, key, 0, self.num_tokens,
                          key=lambda position: tokens[base + 4 * position:base + 4 * position + width])
         return lo, key
@@ -300,7 +302,8 @@ class ReplyStore:
         """Up to num_tokens tokens that most often followed the occurrences [lo, hi) of a
         match `offset` tokens long, greedy token by token (module doc)."""
         size = hi - lo
-        index = np.arange(lo, hi) if size <= max_occurrences else lo + (np.arange(max_occurrences) * size) // max_occurrences
+        index = np.arange(lo, hi) if size <= max_occurrences \
+            else lo + (np.arange(max_occurrences) * size) // max_occurrences  # evenly spaced
         starts_k = self._suffix_array[index].astype(np.int64) + offset  # [k] where each continuation starts
         # [k, num_tokens]: what follows each counted occurrence (read past its reply's end: never taken)
         rows = self._token_array[np.minimum(starts_k[:, None] + np.arange(num_tokens), self._last)]

@@ -21,7 +21,8 @@ engine-lookup[N] (the engine's own n-gram lookup drafts, no heads) and engine-<h
 (each heads directory's first tree plus lookup; serving/decode/lookup.py), both off with
 --lookup-num-tokens 0; with --store DIR (a store of the target's replies, `specheads data store`),
 engine-store[N] (drafts from the store alone) and engine-<heads>+lookup+store[...] (each heads directory's
-first tree, lookup and the store; serving/decode/store.py); hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
+first tree, lookup and the store; serving/decode/store.py); hf-prompt-lookup[N] (off with
+--prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
 which must share the target's tokenizer). How each metric is measured: bench/harness.py.
 
 --llama-cpp DIR (built llama.cpp binaries: `specheads llama-cpp build` prints where) adds llama.cpp

@@ -130,7 +130,8 @@ class SpeculativeDecoder:
         self.entropy_threshold = entropy_threshold
         self.lookup = lookup
         self.store = store
-        self.chain_sources = ([NgramLookup(lookup)] if lookup is not None else []) + ([store] if store is not None else [])
+        self.chain_sources = [source for source in (NgramLookup(lookup) if lookup is not None else None, store)
+                              if source is not None]
         self.max_depth = self.tree.max_depth
         chain_tokens = [source.num_tokens for source in self.chain_sources]
         # The largest tree a step verifies (sizes the cache).

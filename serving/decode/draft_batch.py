@@ -2,7 +2,8 @@
 
 Every drafter (Medusa heads, EAGLE heads with a static or an EAGLE-2 tree) returns one for
 the rows it drafts; the engine pads in the rows that do not draft (their root alone), adds
-the chains of the chain sources (n-gram lookup, the reply store: `with_chains`), verifies it in one forward and accepts from it
+the chains of the chain sources (n-gram lookup, the reply store: `with_chains`), verifies it
+in one forward and accepts from it
 (serving/decode/accept.py). The accept step reads nothing back to the host: every field it
 needs is a device tensor and every shape is known on the host, so a whole step costs one
 device-to-host copy (the accepted tokens) and can be captured.
@@ -135,7 +136,8 @@ class DraftBatch:
                     row_spans.append(None)
                     continue
                 first = num_base + len(nodes)
-                nodes += [(token, first + step - 1 if step else 0, step + 1, len(kept)) for step, token in enumerate(chain)]
+                nodes += [(token, first + step - 1 if step else 0, step + 1, len(kept))
+                          for step, token in enumerate(chain)]
                 row_spans.append((first, len(chain)))
                 kept.append(list(chain))
             spans.append(row_spans)
@@ -145,8 +147,9 @@ class DraftBatch:
             return self
         num_nodes = num_base + width
         # padding: token 0, no parent, depth 0, a chain of its own (it sees only itself)
-        table = torch.tensor([[list(node) for node in nodes] + [[0, -1, 0, -1 - pad] for pad in range(width - len(nodes))]
-                              for nodes in rows], dtype=torch.long, device=device)  # [n, E, 4]
+        table = torch.tensor([[list(node) for node in nodes]
+                              + [[0, -1, 0, -1 - pad] for pad in range(width - len(nodes))] for nodes in rows],
+                             dtype=torch.long, device=device)  # [n, E, 4]
         tokens_nE, parents_nE, depths_nE, chain_nE = table.unbind(-1)
         valid_nE = parents_nE >= 0
         mask = torch.zeros(num_rows, num_nodes, num_nodes, dtype=torch.bool, device=device)

@@ -365,7 +365,8 @@ class BatchEngine:
         drafting = [index for index, speculates in enumerate(self.fallback.drafting(batch)) if speculates]
         asking = [index for index in drafting if batch[index].chain_states]
         for number, source in enumerate(sources):
-            for index, (chain, goes_alone) in zip(asking, self._draft_chains(source, number, [batch[i] for i in asking])):
+            proposals = self._draft_chains(source, number, [batch[i] for i in asking])
+            for index, (chain, goes_alone) in zip(asking, proposals):
                 chains[index][number] = chain
                 alone[index] = alone[index] or goes_alone
         heads_rows = [index for index in drafting if not alone[index] and self.decoder.drafter is not None
