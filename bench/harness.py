@@ -7,6 +7,8 @@ Methods (each a `Method`: a name, a kind and a `generate(prompt) -> PromptRun` c
     engine-heads      SpeculativeDecoder with heads, one method per draft tree
     engine-lookup     SpeculativeDecoder with n-gram lookup drafts and no heads
     engine-heads+lookup  heads (their stored or tuned tree) plus lookup (serving/decode/lookup.py)
+    engine-store      SpeculativeDecoder with drafts from a store of the target's replies, no heads
+    engine-heads+store   heads plus lookup (when benched) plus the reply store (serving/decode/store.py)
     hf-prompt-lookup  HF `generate(prompt_lookup_num_tokens=N)`
     hf-assisted       HF `generate(assistant_model=draft)` (only with a draft model)
 
@@ -51,7 +53,7 @@ from specheads.serving.decode.stats import alpha_tau
 SCHEMA = "specheads.bench/1"
 REFERENCE = "hf-greedy"
 
-HEADS_KINDS = ("engine-heads", "engine-heads+lookup")  # method kinds that draft with heads
+HEADS_KINDS = ("engine-heads", "engine-heads+lookup", "engine-heads+store")  # method kinds that draft with heads
 
 
 @dataclass
@@ -65,13 +67,15 @@ class PromptRun:
     accepted_per_position: list[int] = field(default_factory=list)  # [D]
     fell_back: bool = False  # the engine switched this request to plain decoding (its fallback policy)
     lookup_accepted: int = 0  # accepted draft tokens that came from n-gram lookup chains
+    store_accepted: int = 0  # accepted draft tokens that came from reply-store chains
     speculative_steps: int = 0  # verify steps that drafted (engine; tau's denominator)
 
 
 @dataclass
 class Method:
     name: str
-    kind: str  # hf-greedy | engine-plain | engine-heads | engine-lookup | engine-heads+lookup | hf-prompt-lookup | hf-assisted
+    kind: str  # hf-greedy | engine-plain | engine-heads | engine-lookup | engine-heads+lookup | engine-store
+    #            | engine-heads+store | hf-prompt-lookup | hf-assisted
     generate: Callable[[list[int], int], PromptRun]  # (prompt ids, max_new_tokens) -> PromptRun
     tree: dict | None = None  # engine-heads: {"source", "num_nodes", "num_draft_nodes", "max_depth"}
     decoder: object = None  # the engine methods' SpeculativeDecoder
@@ -144,6 +148,7 @@ def engine_method(name: str, kind: str, decoder, eos_token_id: int | None, tree:
                          drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
                          accepted_per_position=list(stats.accepted_per_position),
                          fell_back=stats.fallback, lookup_accepted=stats.lookup_accepted,
+                         store_accepted=stats.store_accepted,
                          speculative_steps=stats.speculative_steps)
 
     return Method(name, kind, generate, tree, decoder)
@@ -205,6 +210,7 @@ def summarise(runs: list[PromptRun], identical: list[bool], reference: list[Prom
         "num_identical": sum(identical), "identical": all(identical),
         "num_fallbacks": sum(r.fell_back for r in runs),
         "lookup_accepted": sum(r.lookup_accepted for r in runs),
+        "store_accepted": sum(r.store_accepted for r in runs),
     }
 
 
@@ -267,8 +273,8 @@ def _fmt(value, spec: str) -> str:
 def format_report(report: dict) -> str:
     """Markdown: one overall table, then one row per method x category."""
     header = ("| method | tokens | tok/s | speedup | ITL p50 ms | ITL p90 ms | alpha | tau | acc. by depth "
-              "| identical |")
-    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"
+              "| acc. from lookup/store | identical |")
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"
 
     def row(label: str, s: dict) -> str:
         depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"][:6]) or "-"
@@ -279,9 +285,10 @@ def format_report(report: dict) -> str:
                      f"{divergence['num_near_tie']} near-tie")
             if divergence["num_not_near_tie"]:
                 same += f", {divergence['num_not_near_tie']} NOT near-tie (bug)"
+        chains = f"{s.get('lookup_accepted', 0)}/{s.get('store_accepted', 0)}"
         return (f"| {label} | {s['num_tokens']} | {s['tokens_per_s']:.1f} | {_fmt(s['speedup'], '.2f')}x | "
                 f"{_fmt(s['itl_p50_ms'], '.2f')} | {_fmt(s['itl_p90_ms'], '.2f')} | {_fmt(s['alpha'], '.3f')} | "
-                f"{_fmt(s['tau'], '.2f')} | {depth} | {same} |")
+                f"{_fmt(s['tau'], '.2f')} | {depth} | {chains} | {same} |")
 
     config = report["config"]
     where = ", ".join(str(config[key]) for key in ("dtype", "layout", "device") if config.get(key))
@@ -354,7 +361,7 @@ def engine_kwargs(fallback: bool, cuda_graphs: str | None = None) -> dict:
 def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tuple] | None = None,
                  tree_nodes: list[int] | None = None, eos_token_id: int | None = None,
                  prompt_lookup_num_tokens: int = 10, lookup_num_tokens: int = 10, draft_model=None,
-                 fallback: bool = True, cuda_graphs: str | None = None) -> list[Method]:
+                 fallback: bool = True, cuda_graphs: str | None = None, store=None) -> list[Method]:
     """Every method the bench runs on `target` (a TargetAdapter), hf-greedy first.
 
     heads_list: [(label, heads module, HeadsConfig), ...] to bench side by side (method names
@@ -363,7 +370,9 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
     cuda_graphs: every engine method verifies through CUDA graphs and the kernel (engine_kwargs);
     the HF methods stay as transformers runs them.
     lookup_num_tokens > 0 adds the engine's n-gram lookup alone (`engine-lookup[N]`) and with
-    each heads directory's first tree (`engine-<label>+lookup[...]`)."""
+    each heads directory's first tree (`engine-<label>+lookup[...]`). store (a
+    serving/decode/store.py StoreDrafter) adds it alone (`engine-store[N]`) and with each heads
+    directory's first tree and lookup (`engine-<label>+lookup+store[...]`)."""
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.lookup import LookupConfig
 
@@ -382,21 +391,30 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
         for index, (tree, info) in enumerate(heads_trees(config, tree_nodes)):
             kind = {"heads-dir-tuned": "tuned"}.get(info["source"], info["source"])
             kind = "stored" if kind.startswith("heads-dir") else kind
-            variants = [("", None, "engine-heads")] + ([("+lookup", lookup, "engine-heads+lookup")]
-                                                        if lookup is not None and index == 0 else [])
-            for suffix, with_lookup, method_kind in variants:
+            variants = [("", None, None, "engine-heads")]
+            if index == 0 and lookup is not None:
+                variants.append(("+lookup", lookup, None, "engine-heads+lookup"))
+            if index == 0 and store is not None:
+                variants.append(("+lookup+store" if lookup is not None else "+store", lookup, store,
+                                 "engine-heads+store"))
+            for suffix, with_lookup, with_store, method_kind in variants:
                 name = f"engine-{label}{suffix}[{kind},{info['num_draft_nodes']}]"
                 if any(m.name == name for m in methods):
                     continue
                 decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers, lookup=with_lookup,
-                                             entropy_threshold=info.get("entropy_threshold"),
+                                             store=with_store, entropy_threshold=info.get("entropy_threshold"),
                                              **engine_kwargs(fallback, cuda_graphs))
                 methods.append(engine_method(name, method_kind, decoder, eos_token_id,
                                              dict(info, heads=label, head_kind=config.kind,
-                                                  lookup_num_tokens=lookup_num_tokens if with_lookup else 0)))
+                                                  lookup_num_tokens=lookup_num_tokens if with_lookup else 0,
+                                                  store_num_tokens=store.num_tokens if with_store else 0)))
     if lookup is not None:
         methods.append(engine_method(f"engine-lookup[{lookup_num_tokens}]", "engine-lookup",
                                      SpeculativeDecoder(target, lookup=lookup, **engine_kwargs(fallback, cuda_graphs)),
+                                     eos_token_id))
+    if store is not None:
+        methods.append(engine_method(f"engine-store[{store.num_tokens}]", "engine-store",
+                                     SpeculativeDecoder(target, store=store, **engine_kwargs(fallback, cuda_graphs)),
                                      eos_token_id))
     if prompt_lookup_num_tokens > 0:
         methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target,

@@ -34,6 +34,11 @@ itself plus lookup drafts of `lookup_num_tokens` tokens, on the prompts the swee
 when lookup is faster (and still identical) the stored tree records it
 (`"lookup": {"num_tokens": N}`), and `generate`/`serve` use it unless told otherwise.
 
+Reply store (serving/decode/store.py; `specheads tune --store DIR`): then the winner, with lookup
+if it was kept, is measured again the same way without and with the store's chains as one more
+branch; when the store is faster (and still identical) the stored tree records it
+(`"store": {"path": DIR, ...its settings}`), and `generate`/`serve` use it unless `--store none`.
+
 The winner (best tokens/s) is written into the heads directory's config `tree` field and
 the sweep into tuning.json beside it (heads.heads_dir.update_tree), atomically; `generate`,
 `serve` and `bench` then use it by default.
@@ -193,13 +198,13 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
     return sorted(static, key=lambda s: (s.max_depth, s.num_nodes)) + dynamic + adaedl_twins(static + dynamic, eagle)
 
 
-def _decoder(target, heads, heads_config, setting: Setting, lookup=None):
+def _decoder(target, heads, heads_config, setting: Setting, lookup=None, store=None):
     from specheads.serving.decode.config import SpeculativeDecoder
 
     tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
     # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
     return SpeculativeDecoder(target, heads, setting.tree, tap_layers=tap_layers, fallback=None, lookup=lookup,
-                              entropy_threshold=setting.entropy_threshold)
+                              store=store, entropy_threshold=setting.entropy_threshold)
 
 
 def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
@@ -208,8 +213,28 @@ def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[
     (those plain decoding was measured on) -> {"num_tokens", "chosen", "without", "with"}."""
     from specheads.serving.decode.lookup import LookupConfig
 
-    decoders = {"without": _decoder(target, heads, heads_config, setting),
-                "with": _decoder(target, heads, heads_config, setting, LookupConfig(num_tokens=num_tokens))}
+    return {"num_tokens": num_tokens, **measure_branch(target, heads, heads_config, setting, prompts, plain,
+                                                       max_new_tokens, eos_token_id, {},
+                                                       {"lookup": LookupConfig(num_tokens=num_tokens)})}
+
+
+def measure_store(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
+                  store, lookup, max_new_tokens: int, eos_token_id) -> dict:
+    """The winning setting (with `lookup`, a LookupConfig or None) without and with the reply
+    store's chains (`store`: a serving/decode/store.py StoreDrafter), interleaved on `prompts`
+    -> {"path", "config", "chosen", "without", "with"}."""
+    return {"path": str(store.store.directory.resolve()), "config": dataclasses.asdict(store.config),
+            **measure_branch(target, heads, heads_config, setting, prompts, plain, max_new_tokens, eos_token_id,
+                             {"lookup": lookup}, {"store": store})}
+
+
+def measure_branch(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
+                   max_new_tokens: int, eos_token_id, base: dict, extra: dict) -> dict:
+    """The setting's decoder with the chain sources `base` (decoder kwargs), without and with
+    `extra` too, interleaved on `prompts` -> {"chosen": with is lossless and faster, "without",
+    "with"}."""
+    decoders = {"without": _decoder(target, heads, heads_config, setting, **base),
+                "with": _decoder(target, heads, heads_config, setting, **base, **extra)}
     measured = {name: Measured() for name in decoders}
     for decoder in decoders.values():
         generate(decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
@@ -219,7 +244,7 @@ def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[
     judge = OutputJudge(target, prompts)
     rows = {name: summary(m, plain, plain.outputs, judge) for name, m in measured.items()}
     chosen = rows["with"]["lossless"] and rows["with"]["tokens_per_s"] > rows["without"]["tokens_per_s"]
-    return {"num_tokens": num_tokens, "chosen": chosen, **rows}
+    return {"chosen": chosen, **rows}
 
 
 def _timed(decoder, prompt: list[int], max_new_tokens: int, eos_token_id):
@@ -272,9 +297,10 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
          budget_s: float = 120.0, eos_token_id: int | None = None, max_settings: int = 16,
          depths: list[int] | None = None, node_budgets: tuple[int, ...] = NODE_BUDGETS,
          settings: list[Setting] | None = None, progress: bool = True,
-         log: Callable[[str], None] | None = None, lookup_num_tokens: int = 10, costs=None) -> dict:
+         log: Callable[[str], None] | None = None, lookup_num_tokens: int = 10, costs=None, store=None) -> dict:
     """Measure every setting on `prompts` within `budget_s`; -> the tuning report (winner first).
-    costs: this machine's StepCostTable, which ranks the candidates (None: the prior).
+    costs: this machine's StepCostTable, which ranks the candidates (None: the prior). store: a
+    serving/decode/store.py StoreDrafter to try on the winner (module doc).
 
     Settings the decoder refuses (ValueError, e.g. a tree the heads cannot draft) are
     recorded with their error and skipped, never silently dropped.
@@ -333,17 +359,23 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     if winner is None:
         raise ValueError("no tree setting reproduced plain greedy decoding (token for token, or parting only after "
                          f"a near-tie); not storing a tree (settings: {[r['name'] for r in rows]})")
-    lookup = None
+    lookup = store_report = None
+    setting = next(s for s in active if s.name == winner["name"])
     if lookup_num_tokens > 0:
-        setting = next(s for s in active if s.name == winner["name"])
         lookup = measure_lookup(target, heads, heads_config, setting, prompts[:num_prompts], plain,
                                 lookup_num_tokens, max_new_tokens, eos_token_id)
+    if store is not None:
+        from specheads.serving.decode.lookup import LookupConfig
+
+        kept = LookupConfig(num_tokens=lookup["num_tokens"]) if lookup and lookup["chosen"] else None
+        store_report = measure_store(target, heads, heads_config, setting, prompts[:num_prompts], plain, store, kept,
+                                     max_new_tokens, eos_token_id)
     plain_row = summary(plain, plain, plain.outputs)
     device = str(getattr(target, "device", "cpu"))
     return {"schema": SCHEMA, "winner": winner["name"], "device": device, "torch_threads": torch.get_num_threads(),
             "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "budget_s": budget_s,
             "seconds": time.perf_counter() - start, "plain": plain_row, "settings": rows, "skipped": skipped,
-            "lookup": lookup, "step_costs": costs.to_json() if costs is not None else None}
+            "lookup": lookup, "store": store_report, "step_costs": costs.to_json() if costs is not None else None}
 
 
 def stored_tree(report: dict) -> dict:
@@ -359,6 +391,10 @@ def stored_tree(report: dict) -> dict:
     if lookup and lookup["chosen"]:
         tree["lookup"] = {"num_tokens": lookup["num_tokens"]}
         tree["tuned"]["tokens_per_s_with_lookup"] = lookup["with"]["tokens_per_s"]
+    store = report.get("store")
+    if store and store["chosen"]:
+        tree["store"] = {"path": store["path"], **store["config"]}
+        tree["tuned"]["tokens_per_s_with_store"] = store["with"]["tokens_per_s"]
     return tree
 
 
@@ -389,6 +425,14 @@ def format_tuning(report: dict) -> str:
                       f"side: {lookup['with']['tokens_per_s']:.1f} tok/s (tau {fmt(lookup['with']['tau'], '.2f')}) "
                       f"with, {lookup['without']['tokens_per_s']:.1f} tok/s without: "
                       + ("stored (generate/serve use it; --lookup-num-tokens 0 turns it off)" if lookup["chosen"]
+                         else "not used")]
+    store = report.get("store")
+    if store:
+        lines += ["", f"reply store {store['path']} ({store['config']['num_tokens']} tokens) on {report['winner']}, "
+                      f"measured again side by side: {store['with']['tokens_per_s']:.1f} tok/s (tau "
+                      f"{fmt(store['with']['tau'], '.2f')}) with, "
+                      f"{store['without']['tokens_per_s']:.1f} tok/s without: "
+                      + ("stored (generate/serve use it; --store none turns it off)" if store["chosen"]
                          else "not used")]
     return "\n".join(lines)
 

@@ -4,7 +4,7 @@ Three parts; imports go one way, server -> decode -> kernels (tests/serving/test
 
 decode/    the decode loop and its parts. A single request is a batch of one.
     config.py     SpeculativeDecoder: validated, typed configuration (target, drafter, tree,
-                  attention, fallback policy, lookup); runs nothing. The parser of a heads
+                  attention, fallback policy, lookup, reply store); runs nothing. The parser of a heads
                   directory's `tree` field (TreeSpec)
     engine.py     BatchEngine: one step = draft -> verify -> accept -> commit -> record over
                   every sequence, one target forward; fault isolation per sequence
@@ -13,7 +13,8 @@ decode/    the decode loop and its parts. A single request is a batch of one.
     steps.py      prefill, verify, accept, emit: each step written once, batched
     medusa.py     Medusa drafting (one head call per batch) with AdaEDL's depth cut
     eagle.py      EAGLE drafting, static and EAGLE-2 dynamic trees through one level loop
-    lookup.py     n-gram lookup drafts from the sequence's own context
+    lookup.py     n-gram lookup drafts from the sequence's own context; the chain-source interface
+    store.py      drafts from a store of the target's own replies (heads/reply_store.py)
     trees.py      DraftTree and every constructor, TreePlan (with the greedy accept test),
                   Draft, the accepted-path rule, DynamicTreeConfig
     cache.py      TreeStaticCache: the target's preallocated KV cache, commit in place

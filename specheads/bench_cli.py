@@ -2,6 +2,7 @@
 
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
+                    [--store DIR]
                     [--output-json OUT.json|-] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D]
                     [--device auto|cpu|cuda[:N]] [--enforce-eager]
                     [--llama-cpp DIR [--llama-cpp-draft-max N] [--llama-cpp-draft-p-min P] [--llama-cpp-args "FLAGS"]]
@@ -18,7 +19,10 @@ directories (--heads A --heads B, or --heads A,B) are benched side by side in th
 and named engine-<kind>[...] (engine-medusa[tuned,3], engine-eagle3[tuned,5]);
 engine-lookup[N] (the engine's own n-gram lookup drafts, no heads) and engine-<heads>+lookup[...]
 (each heads directory's first tree plus lookup; serving/decode/lookup.py), both off with
---lookup-num-tokens 0; hf-prompt-lookup[N] (off with --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
+--lookup-num-tokens 0; with --store DIR (a store of the target's replies, `specheads data store`),
+engine-store[N] (drafts from the store alone) and engine-<heads>+lookup+store[...] (each heads directory's
+first tree, lookup and the store; serving/decode/store.py); hf-prompt-lookup[N] (off with
+--prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
 which must share the target's tokenizer). How each metric is measured: bench/harness.py.
 
 --llama-cpp DIR (built llama.cpp binaries: `specheads llama-cpp build` prints where) adds llama.cpp
@@ -49,11 +53,12 @@ JSON (--output-json PATH; `-` prints it on stdout and the tables on stderr), sch
      "tuning": {label: tuning.json of that heads dir (bench/tune.py) or null},
      "methods": [{
         "name": str, "kind": "hf-greedy" | "engine-plain" | "engine-heads" | "engine-heads+lookup"
-                | "engine-lookup" | "hf-prompt-lookup" | "hf-assisted",
+                | "engine-lookup" | "engine-heads+store" | "engine-store" | "hf-prompt-lookup" | "hf-assisted",
         "tree": null | {"source": "heads-dir-tuned" | "heads-dir" | "heads-dir-default" | "calibrated" | "prior",
                         "num_nodes": int, "num_draft_nodes": int, "max_depth": int,
                         "heads": str, "head_kind": str,    # heads label and kind
-                        "lookup_num_tokens": int},         # 0 unless engine-heads+lookup
+                        "lookup_num_tokens": int,          # 0 unless engine-heads+lookup (or +store with lookup)
+                        "store_num_tokens": int},          # 0 unless engine-heads+store
         "overall": SUMMARY, "by_category": {category: SUMMARY},
         "prompts": [{"question_id", "category", "num_prompt_tokens", "num_tokens", "seconds", "steps",
                      "accepted_tokens", "identical": bool,
@@ -70,7 +75,8 @@ JSON (--output-json PATH; `-` prints it on stdout and the tables on stderr), sch
                "divergence": {"num_different", "first_difference_mean", "num_near_tie", "num_not_near_tie"},
                                                           # overall only, when an output differs
                "num_fallbacks": int,   # requests the engine switched to plain decoding (--no-fallback: 0)
-               "lookup_accepted": int} # accepted draft tokens that came from n-gram lookup chains
+               "lookup_accepted": int, # accepted draft tokens that came from n-gram lookup chains
+               "store_accepted": int}  # accepted draft tokens that came from reply-store chains
 """
 
 from __future__ import annotations
@@ -78,8 +84,8 @@ from __future__ import annotations
 import sys
 
 from specheads.errors import UserError
-from specheads.options import (add_device_options, add_lookup_option, add_output_json_option, apply_device_options,
-                               human_output, write_json_report)
+from specheads.options import (STORE_HELP, add_device_options, add_lookup_option, add_output_json_option,
+                               add_store_option, apply_device_options, human_output, write_json_report)
 from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
@@ -112,6 +118,8 @@ def add_parser(subparsers) -> None:
                    help="HF prompt-lookup draft length (0: skip prompt lookup)")
     add_lookup_option(p, 10, "the engine's n-gram lookup draft length, benched alone (engine-lookup) and with each "
                              "heads directory (engine-<heads>+lookup); 0: skip")
+    add_store_option(p, STORE_HELP + ": benched alone (engine-store) and with each heads directory and lookup "
+                                     "(engine-<heads>+lookup+store)")
     p.add_argument("--draft-model", help="small draft model for HF assisted generation (same tokenizer)")
     add_output_json_option(p, old_json="path")
     p.add_argument("--plot", metavar="OUT.png",
@@ -172,13 +180,18 @@ def run(args) -> int:
     from specheads.bench.harness import format_report, heads_label, not_near_ties, run_bench
     from specheads.bench.step_costs import StepCostTable
     from specheads.heads.heads_dir import load_heads, read_heads_config, read_tuning
+    from specheads.heads.reply_store import ReplyStore
+    from specheads.serving.decode.store import StoreDrafter, open_store
     from specheads.heads.target import TargetAdapter
     from specheads.runner import load_target_and_tokenizer, resolve_target_name
 
     for directory in heads_dirs:  # a missing or foreign heads dir fails before the target loads
         read_heads_config(directory)
+    if args.store is not None:  # so does a missing or corrupt store
+        ReplyStore(args.store)
     target, tokenizer = load_target_and_tokenizer(args.target, heads=heads_dirs, dtype=args.dtype, device=args.device,
                                                   trust_remote_code=args.trust_remote_code)
+    store = None if args.store is None else StoreDrafter(open_store(args.store, target.identity, tokenizer))
     heads_list, tuning = [], {}
     for directory in heads_dirs:
         module, heads_config = load_heads(directory, target=target.identity, device=args.device, dtype=target.dtype)
@@ -195,6 +208,7 @@ def run(args) -> int:
         draft_model.to(args.device).eval()
     encoded = encode_prompts(tokenizer, prompts)
     config = {"target": args.target, "heads": heads_dirs or None, "prompts": args.prompts or "default",
+              "store": args.store,
               "dtype_requested": args.dtype, "device": args.device, "cuda_graphs": args.cuda_graphs,
               "chat_template": bool(getattr(tokenizer, "chat_template", None)),
               "torch": torch.__version__, "transformers": transformers.__version__}
@@ -204,7 +218,7 @@ def run(args) -> int:
                        cuda_graphs="capture" if args.cuda_graphs else None,
                        eos_token_id=tokenizer.eos_token_id,
                        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-                       lookup_num_tokens=args.lookup_num_tokens, draft_model=draft_model,
+                       lookup_num_tokens=args.lookup_num_tokens, draft_model=draft_model, store=store,
                        scorer=lambda: TargetAdapter.from_pretrained(target.identity.name_or_path, dtype="float32",
                                                                     device=args.device,
                                                                     trust_remote_code=args.trust_remote_code))

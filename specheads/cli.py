@@ -2,7 +2,7 @@
 
     specheads train RECIPE [--set dotted.key=value ...] [--dry-run]    (RECIPE: a shipped name or a YAML path)
     specheads recipes [NAME]
-    specheads generate --target T [--heads H] --prompt TEXT [--max-new-tokens N] [--output-json PATH|-]
+    specheads generate --target T [--heads H] --prompt TEXT [--max-new-tokens N] [--store DIR] [--output-json PATH|-]
     specheads demo [--target embedded:smollm2|embedded:tiny] [--workdir DIR]
     specheads export HEADS_DIR --format eagle3|medusa|vllm-medusa|merged|llama.cpp --output DIR
     specheads export --import FOREIGN_DIR --output DIR [--target T]
@@ -34,7 +34,7 @@ import sys
 from specheads import __version__
 from specheads.errors import EXIT_USER_ERROR, UserError
 from specheads.options import (Parser, add_device_options, add_lookup_option, add_output_json_option,
-                               apply_device_options, write_json_report)
+                               add_store_option, apply_device_options, write_json_report)
 from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
@@ -56,6 +56,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, help="seed for sampling (reproducible output)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding even with heads")
     add_lookup_option(p, old="--lookup")
+    add_store_option(p)
     add_output_json_option(p, old_json="switch")
 
 
@@ -118,7 +119,8 @@ def cmd_generate(args) -> int:
     apply_device_options(args)
     decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
                                       trust_remote_code=args.trust_remote_code,
-                                      lookup_num_tokens=args.lookup_num_tokens, cuda_graphs=args.cuda_graphs)
+                                      lookup_num_tokens=args.lookup_num_tokens, cuda_graphs=args.cuda_graphs,
+                                      store=args.store)
     prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     if not prompt_ids:
         raise UserError("--prompt is empty after tokenization; give at least one token of text")
@@ -143,12 +145,12 @@ def cmd_generate(args) -> int:
     text, result = "".join(pieces), stream.result
     stats = result.stats
     report = {"text": text, "num_tokens": len(result.tokens), "finish_reason": result.finish_reason,
-              "speculative": (args.heads is not None or bool(args.lookup_num_tokens)) and not args.no_speculate,
+              "speculative": decoder.speculates and not args.no_speculate,
               "alpha": stats.alpha,
               "tau": stats.tau, "tokens_per_s": stats.tokens_per_s, "steps": stats.steps,
               "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
               "fallback": stats.fallback, "fallback_reason": stats.fallback_reason,
-              "lookup_accepted": stats.lookup_accepted}
+              "lookup_accepted": stats.lookup_accepted, "store_accepted": stats.store_accepted}
     if streaming:
         print()
         acceptance = f"alpha={stats.alpha:.3f} tau={stats.tau:.2f}" if stats.speculative_steps \

@@ -9,6 +9,7 @@
                               [--server-concurrency N] [--max-retries N] [--request-timeout S] [--api-key KEY]
                               [--temperature T] [--top-p P] [--top-k K] [--seed S] [--max-new-tokens N] [--thinking M]
     specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
+    specheads data store --input REPLIES.jsonl --target T --output DIR [--tokenizer PATH] [--thinking MODE]
 
 --device defaults to auto (CUDA when torch sees a GPU, else the CPU); on a CUDA device
 regenerate replays its decode steps as CUDA graphs unless --enforce-eager. With --server,
@@ -110,6 +111,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     add_device_options(p, graphs=False)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+
+    p = sub.add_parser("store", help="index the target's replies (regenerate's output) as a draft source for serving "
+                                     "(--store of generate, serve, bench, tune)")
+    p.add_argument("--input", required=True, help="chat records whose assistant turns are the target's replies "
+                                                  "(regenerate's output): .jsonl/.json/.parquet or a datasets name")
+    p.add_argument("--target", required=True, help="the target the replies are from: " + TARGET_HELP)
+    p.add_argument("--output", required=True, help="the store's directory (written whole, replacing one there)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    p.add_argument("--thinking", default="default", help=THINKING_HELP)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code")
     return parser
 
 
@@ -269,6 +280,18 @@ def _cache(args) -> int:
     return 0
 
 
+def _store(args) -> int:
+    from specheads.data.reply_store import build_store
+    from specheads.runner import resolve_target_name
+
+    manifest, report = build_store(args.input, resolve_target_name(args.target), args.output,
+                                   tokenizer_path=args.tokenizer, thinking=args.thinking,
+                                   trust_remote_code=args.trust_remote_code)
+    print(f"store: {args.output}: {report.summary(manifest)} "
+          f"({manifest.index_bytes / max(manifest.num_tokens, 1):.1f} bytes per token)")
+    return 0
+
+
 def run(args) -> int:
     try:
         if args.data_command == "prompts":
@@ -279,6 +302,8 @@ def run(args) -> int:
             return _regenerate(args)
         if args.data_command == "cache":
             return _cache(args)
+        if args.data_command == "store":
+            return _store(args)
     except (UserError, ValueError, FileNotFoundError) as err:  # DataError is a ValueError
         print(f"specheads data {args.data_command}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -5,6 +5,7 @@
   that works today keeps working when an option is added.
 - One name per concept, on every command that has it: `--device` (+ `--enforce-eager`
   where CUDA graphs apply), `--lookup-num-tokens N` (the engine's n-gram lookup drafts),
+  `--store DIR` (drafts from a store of the target's replies, `specheads data store`),
   `--output-json PATH` (a JSON report; `-` is stdout), `--input` and `--output` (a
   command's data in and out).
 - `add_deprecated_alias`: an old spelling kept working, hidden from --help, with one
@@ -20,10 +21,12 @@ import argparse
 import json
 import sys
 
-from specheads.runner import DEVICE_HELP, ENFORCE_EAGER_HELP
+from specheads.runner import DEVICE_HELP, ENFORCE_EAGER_HELP, STORE_OFF
 
 LOOKUP_HELP = ("draft up to N tokens by n-gram lookup in the context (serving/decode/lookup.py), beside the heads "
                "or alone; 0: off")
+STORE_HELP = ("draft from the store of the target's replies in DIR (`specheads data store`; serving/decode/store.py), "
+              "beside the heads and lookup")
 OUTPUT_JSON_HELP = "write the JSON report to PATH ('-': print it on stdout instead of the text)"
 
 
@@ -113,6 +116,13 @@ def add_lookup_option(parser: argparse.ArgumentParser, default: int | None = Non
     parser.add_argument("--lookup-num-tokens", type=int, default=default, metavar="N", help=help_text)
     if old is not None:
         add_deprecated_alias(parser, old, "lookup_num_tokens", "use --lookup-num-tokens", type=int)
+
+
+def add_store_option(parser: argparse.ArgumentParser, help_text: str | None = None) -> None:
+    """--store DIR (dest store). Default None: what `specheads tune` stored in the heads directory;
+    `--store none` turns that off."""
+    parser.add_argument("--store", metavar="DIR", default=None, help=help_text or STORE_HELP + (
+        f" (default: what `specheads tune` stored in the heads directory, else off; {STORE_OFF}: off)"))
 
 
 def add_output_json_option(parser: argparse.ArgumentParser, old_json: str | None = None) -> None:

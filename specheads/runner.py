@@ -64,6 +64,7 @@ def load_inference_target(name_or_path: str, *, heads: Sequence[str] = (), dtype
     return target
 
 
+STORE_OFF = "none"  # --store none: no reply store, even where the heads directory records one
 DEVICE_HELP = "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N"
 ENFORCE_EAGER_HELP = ("run every forward eagerly, as vLLM's --enforce-eager: no CUDA graphs (by default, on a CUDA "
                       "device, the engine's forwards are captured once per shape and replayed, verifying with the "
@@ -106,35 +107,59 @@ def resolve_cuda_graphs(device: str, requested: bool | None = None) -> bool:
 
 def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, progress: bool = True, lookup_num_tokens: int | None = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, store: str | None = None):
     """(SpeculativeDecoder, tokenizer) for a target and optional heads directory.
 
     lookup_num_tokens (n-gram lookup drafts, serving/decode/lookup.py): None uses what the heads
     directory records (`specheads tune` stores lookup when it made the tuned tree faster;
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens.
+    store (a reply store's directory, serving/decode/store.py): None uses what the heads
+    directory records (`specheads tune` stores it when it made the tree faster), "none" turns
+    it off. A store is checked against the target and its tokenizer before it is used.
     cuda_graphs: verify through captured CUDA graphs and the tree-attention kernel (a CUDA
     device only; on an H200 a SmolLM2-shaped forward went from 30 ms eager to 3.1 ms)."""
     if cuda_graphs and not str(device).startswith("cuda"):
         raise ValueError(f"cuda_graphs needs a CUDA device (CUDA graphs record GPU work), got device {device!r}")
     from specheads.heads.heads_dir import load_heads
     from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
+    from specheads.heads.reply_store import ReplyStore
     from specheads.serving.decode.lookup import LookupConfig
 
     if lookup_num_tokens is not None and lookup_num_tokens < 0:
         raise ValueError(f"--lookup-num-tokens must be >= 0 (0: off), got {lookup_num_tokens}")
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens else None
+    if store is not None and store != STORE_OFF:
+        ReplyStore(store)  # a missing or corrupt store fails before the target loads
     adapter, tokenizer = load_target_and_tokenizer(target, heads=[heads] if heads is not None else [], dtype=dtype,
                                                    device=device, trust_remote_code=trust_remote_code,
                                                    progress=progress)
     graphs = dict(cuda_graphs="capture", attn_impl="tree") if cuda_graphs else {}
     if heads is None:
-        decoder = SpeculativeDecoder(adapter, lookup=lookup, **graphs)
+        drafter = store_drafter(store, None, adapter, tokenizer)
+        decoder = SpeculativeDecoder(adapter, lookup=lookup, store=drafter, **graphs)
     else:
         head_module, config = load_heads(heads, target=adapter.identity, device=device, dtype=adapter.dtype)
         spec = TreeSpec.from_heads_config(config)
         if lookup_num_tokens is None:
             lookup = spec.lookup
+        drafter = store_drafter(store, spec, adapter, tokenizer, heads)
         decoder = SpeculativeDecoder(adapter, head_module, spec.tree, tap_layers=config.tap_layers,
-                                     entropy_threshold=spec.entropy_threshold, lookup=lookup, **graphs)
+                                     entropy_threshold=spec.entropy_threshold, lookup=lookup, store=drafter, **graphs)
     return decoder, tokenizer
+
+
+def store_drafter(store: str | None, spec, target, tokenizer, heads: str | None = None):
+    """The StoreDrafter (serving/decode/store.py) of `store` (a directory; None: the one the
+    heads directory's TreeSpec records, a relative path being relative to the heads directory;
+    STORE_OFF: none) for `target` and its tokenizer, with the recorded settings; None for no store."""
+    from pathlib import Path
+
+    from specheads.serving.decode.store import StoreConfig, StoreDrafter, open_store
+
+    if store is None and spec is not None and spec.store_path is not None:
+        store = str(Path(heads).expanduser() / spec.store_path)  # an absolute recorded path stays as it is
+    if store is None or store == STORE_OFF:
+        return None
+    config = spec.store if spec is not None and spec.store is not None else StoreConfig()
+    return StoreDrafter(open_store(store, target.identity, tokenizer), config)
 

@@ -1,7 +1,7 @@
 """`specheads serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     specheads serve --target T [--heads H] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                    [--max-concurrency N] [--max-queue N] [--max-model-len N] [--lookup-num-tokens N]
+                    [--max-concurrency N] [--max-queue N] [--max-model-len N] [--lookup-num-tokens N] [--store DIR]
                     [--device auto|cpu|cuda[:N]] [--enforce-eager]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from specheads.errors import UserError
-from specheads.options import add_device_options, add_lookup_option, apply_device_options
+from specheads.options import add_device_options, add_lookup_option, add_store_option, apply_device_options
 from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
@@ -29,6 +29,7 @@ def add_parser(subparsers) -> None:
                    help=TARGET_HELP)
     p.add_argument("--heads", help="heads directory; omit to serve with plain decoding")
     add_lookup_option(p, old="--lookup")
+    add_store_option(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
@@ -97,7 +98,8 @@ def run(args) -> int:
     def loader():
         decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
                                           trust_remote_code=args.trust_remote_code, progress=False,
-                                          lookup_num_tokens=args.lookup_num_tokens, cuda_graphs=args.cuda_graphs)
+                                          lookup_num_tokens=args.lookup_num_tokens, cuda_graphs=args.cuda_graphs,
+                                          store=args.store)
         if chat_template is None:
             # The same documented fallback that training renders chats with (data/chat.py),
             # so chat requests to a template-less target see the format the heads were trained on.

@@ -1,13 +1,15 @@
 """`specheads tune`: measure draft trees on this hardware and store the fastest in the heads dir.
 
     specheads tune --target T --heads H [--prompts FILE.jsonl] [--max-new-tokens N] [--budget-s S]
-                   [--max-settings N] [--depths 1,2,3] [--node-budgets 4,8,16] [--lookup-num-tokens N]
+                   [--max-settings N] [--depths 1,2,3] [--node-budgets 4,8,16] [--lookup-num-tokens N] [--store DIR]
                    [--output-json PATH|-] [--device auto|cpu|cuda[:N]]
 
 Prompts are Spec-Bench `question.jsonl` records (default: the shipped bench set). The
 winner goes into HEADS/config.json's `tree` (used by generate, serve and bench by
 default) and the whole sweep into HEADS/tuning.json. The winner is then measured with and
-without n-gram lookup drafts (--lookup-num-tokens, 0: skip); lookup is stored when faster. How settings are chosen and
+without n-gram lookup drafts (--lookup-num-tokens, 0: skip); lookup is stored when faster. With --store DIR (a store of
+the target's replies, `specheads data store`) it is then measured with and without the store; the store's path is
+stored when faster. How settings are chosen and
 measured: bench/tune.py. Trees are measured eagerly (no CUDA graphs), on --device (default
 auto: CUDA when torch sees a GPU, else the CPU).
 """
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import sys
 
-from specheads.options import (add_device_options, add_lookup_option, add_output_json_option, apply_device_options,
-                               human_output, write_json_report)
+from specheads.options import (STORE_HELP, add_device_options, add_lookup_option, add_output_json_option,
+                               add_store_option, apply_device_options, human_output, write_json_report)
 from specheads.runner import DTYPE_HELP, TARGET_HELP
 
 
@@ -35,6 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--node-budgets", help="draft-node budgets to sweep, e.g. 4,8,16")
     add_lookup_option(p, 10, "also measure the winner with n-gram lookup drafts of N tokens and store lookup when it "
                              "is faster (0: skip)")
+    add_store_option(p, STORE_HELP + ": also measure the winner with it and store its path when it is faster")
     add_output_json_option(p, old_json="path")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_device_options(p, graphs=False)
@@ -60,15 +63,21 @@ def run(args) -> int:
 
     from specheads.bench.tune import format_tuning, tune_heads_dir
     from specheads.heads.heads_dir import read_heads_config
+    from specheads.heads.reply_store import ReplyStore
+    from specheads.serving.decode.store import StoreDrafter, open_store
     from specheads.runner import load_target_and_tokenizer
 
     read_heads_config(args.heads)  # a missing or foreign heads dir fails before the target loads
+    if args.store is not None:  # so does a missing or corrupt store
+        ReplyStore(args.store)
     target, tokenizer = load_target_and_tokenizer(args.target, heads=[args.heads], dtype=args.dtype,
                                                   device=args.device, trust_remote_code=args.trust_remote_code)
+    store = None if args.store is None else StoreDrafter(open_store(args.store, target.identity, tokenizer))
     encoded = [p.input_ids for p in encode_prompts(tokenizer, prompts)]
     report = tune_heads_dir(target, args.heads, encoded, max_new_tokens=args.max_new_tokens, budget_s=args.budget_s,
                             eos_token_id=tokenizer.eos_token_id, max_settings=args.max_settings, depths=depths,
                             node_budgets=budgets, progress=not args.quiet, lookup_num_tokens=args.lookup_num_tokens,
+                            store=store,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_tuning(report), file=human_output(args))
     print(f"\nstored tree {report['winner']!r} in {args.heads}/config.json (sweep: {args.heads}/tuning.json)",

@@ -1,12 +1,12 @@
 """`SpeculativeDecoder`: validated, typed configuration of a decode (the target, its drafter
-and tree, the attention used to verify, the fallback policy, n-gram lookup). It runs
+and tree, the attention used to verify, the fallback policy, n-gram lookup, the reply store). It runs
 nothing and changes nothing on the target; serving/decode/engine.py's `BatchEngine` runs
 requests with it, and serving/decode/generate.py's `generate`/`stream` run one.
 
 What a heads directory asks serving for is read here too: `parse_tree_field` turns its
 config's `tree` field (heads/heads_dir.py `HeadsConfig.tree`, written by training's
-calibration and `specheads tune`) into a `TreeSpec`, the decoder's tree, AdaEDL threshold
-and n-gram lookup. (heads/ reads the rest of the config, but may not import serving's tree
+calibration and `specheads tune`) into a `TreeSpec`, the decoder's tree, AdaEDL threshold,
+n-gram lookup and reply store. (heads/ reads the rest of the config, but may not import serving's tree
 types.)
 """
 
@@ -20,8 +20,9 @@ from specheads.heads.eagle3 import Eagle3Head, default_tap_layers
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDrafter
 from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
-from specheads.serving.decode.lookup import LookupConfig
+from specheads.serving.decode.lookup import LookupConfig, NgramLookup
 from specheads.serving.decode.medusa import MedusaDrafter
+from specheads.serving.decode.store import StoreConfig, StoreDrafter
 from specheads.serving.decode.trees import DEFAULT_NUM_DRAFT_NODES, DraftTree, DynamicTreeConfig
 
 DEFAULT_EAGLE_DEPTH = 4  # EAGLE heads have no head count: without a tree they draft this deep
@@ -53,6 +54,9 @@ class SpeculativeDecoder:
     the measured step costs it decides by, shared by this decoder's engines.
 
     lookup: n-gram lookup drafts from the context (serving/decode/lookup.py), with or without heads.
+    store: drafts from the store of the target's own replies (serving/decode/store.py
+    StoreDrafter over an opened store), with or without heads and lookup. Their chains are
+    the decoder's `chain_sources`, in that order (lookup, then store).
 
     cuda_graphs: None, or "capture": the engine's cache takes static shapes and every verify
     forward is a CUDA-graph replay, captured once per shape (serving/decode/graphs.py; the
@@ -70,11 +74,15 @@ class SpeculativeDecoder:
                  attn_impl: str = "sdpa", tree_attention_impl: str | None = None,
                  fallback: FallbackPolicy | None = FallbackPolicy(), entropy_threshold: float | None = None,
                  lookup: LookupConfig | None = None, step_costs: StepCosts | None = None,
-                 cuda_graphs: str | None = None):
+                 cuda_graphs: str | None = None, store: StoreDrafter | None = None):
         if tree is not None and not isinstance(tree, (DraftTree, DynamicTreeConfig)):
             raise TypeError(f"tree must be a DraftTree, a DynamicTreeConfig or None, got {type(tree).__name__}")
         if lookup is not None and not isinstance(lookup, LookupConfig):
             raise ValueError(f"lookup must be None or a serving.decode.lookup.LookupConfig, got {lookup!r}")
+        if store is not None and not isinstance(store, StoreDrafter):
+            raise ValueError(f"store must be None or a serving.decode.store.StoreDrafter, got {store!r}")
+        if store is not None:
+            store.store.check_fits(target.identity)
         if fallback is not None and not isinstance(fallback, FallbackPolicy):
             raise ValueError(f"fallback must be None or a serving.decode.fallback.FallbackPolicy, got {fallback!r}")
         if attn_impl not in ("sdpa", "tree"):
@@ -121,15 +129,18 @@ class SpeculativeDecoder:
                 self.drafter = MedusaDrafter(heads, self.tree, target.device, entropy_threshold)
         self.entropy_threshold = entropy_threshold
         self.lookup = lookup
+        self.store = store
+        self.chain_sources = [source for source in (NgramLookup(lookup) if lookup is not None else None, store)
+                              if source is not None]
         self.max_depth = self.tree.max_depth
+        chain_tokens = [source.num_tokens for source in self.chain_sources]
         # The largest tree a step verifies (sizes the cache).
         self.max_tree_nodes = (dynamic.num_nodes + 1 if dynamic is not None else self.tree.num_nodes) \
-            + (lookup.num_tokens if lookup is not None else 0)
+            + sum(chain_tokens)
         # The sampled accept's uniforms per row and step (serving/decode/accept.py accept_rejection):
-        # the deepest and widest tree this decoder drafts, a lookup chain included.
+        # the deepest and widest tree this decoder drafts, its chains included.
         widest = dynamic.top_k if dynamic is not None else self.tree.max_children
-        self.uniform_shape = (max(self.max_depth, lookup.num_tokens if lookup is not None else 0),
-                              widest + (lookup is not None))
+        self.uniform_shape = (max([self.max_depth] + chain_tokens), widest + len(chain_tokens))
         self.fallback = fallback
         self.step_costs = step_costs if step_costs is not None else StepCosts()
         self.attn_impl = attn_impl
@@ -138,8 +149,8 @@ class SpeculativeDecoder:
 
     @property
     def speculates(self) -> bool:
-        """Whether requests draft at all (heads, n-gram lookup, or both), unless they opt out."""
-        return self.drafter is not None or self.lookup is not None
+        """Whether requests draft at all (heads, chain sources, or both), unless they opt out."""
+        return self.drafter is not None or bool(self.chain_sources)
 
     @property
     def drafts_from_head_cache(self) -> bool:
@@ -156,11 +167,14 @@ def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
 @dataclass(frozen=True)
 class TreeSpec:
     """What a heads directory's `tree` field asks for: a static tree or an EAGLE-2 dynamic
-    one, Medusa's AdaEDL depth-cut threshold, and the n-gram lookup tuned with it."""
+    one, Medusa's AdaEDL depth-cut threshold, and the n-gram lookup and reply store tuned with
+    it (store_path: the store's directory, as recorded)."""
 
     tree: DraftTree | DynamicTreeConfig
     entropy_threshold: float | None = None
     lookup: LookupConfig | None = None
+    store: StoreConfig | None = None
+    store_path: str | None = None
 
     @classmethod
     def from_heads_config(cls, config) -> "TreeSpec":
@@ -175,7 +189,8 @@ def parse_tree_field(tree: dict | None, num_heads: int = 1, calibration: dict | 
     {"dynamic": {...}}: an EAGLE-2 tree; {"paths": [...]} with an optional
     "entropy_threshold": that static tree; neither: the calibrated tree
     (calibration["accuracy"], DEFAULT_NUM_DRAFT_NODES nodes) or the prior guess
-    (`DraftTree.default`). {"lookup": {...}} (written by `specheads tune`) rides along."""
+    (`DraftTree.default`). {"lookup": {...}} and {"store": {"path": DIR, ...}} (written by
+    `specheads tune`) ride along."""
     field = tree or {}
     if not isinstance(field, dict):
         raise ValueError(f"the heads config's tree must be an object, got {tree!r}")
@@ -186,12 +201,24 @@ def parse_tree_field(tree: dict | None, num_heads: int = 1, calibration: dict | 
         if not isinstance(lookup_spec, dict) or set(lookup_spec) - set(allowed):
             raise ValueError(f"the heads tree's 'lookup' must be an object with keys from {allowed}, got {lookup_spec!r}")
         lookup = LookupConfig(**lookup_spec)
+    store, store_path = _store_spec(field.get("store"))
     if "dynamic" in field:
-        return TreeSpec(DynamicTreeConfig.from_dict(field), None, lookup)
+        return TreeSpec(DynamicTreeConfig.from_dict(field), None, lookup, store, store_path)
     if field.get("paths"):
         static = DraftTree.from_paths(field["paths"])
     else:
         accuracy = (calibration or {}).get("accuracy")
         static = DraftTree.from_calibration(accuracy[:num_heads], DEFAULT_NUM_DRAFT_NODES) if accuracy \
             else DraftTree.default(num_heads)
-    return TreeSpec(static, field.get("entropy_threshold"), lookup)
+    return TreeSpec(static, field.get("entropy_threshold"), lookup, store, store_path)
+
+
+def _store_spec(spec: dict | None) -> tuple[StoreConfig | None, str | None]:
+    """The tree field's "store": {"path": DIR, **StoreConfig fields} -> (config, path)."""
+    if spec is None:
+        return None, None
+    if not isinstance(spec, dict) or not isinstance(spec.get("path"), str) or not spec["path"]:
+        raise ValueError(f"the heads tree's 'store' must be an object with a 'path' (the store's directory) and keys "
+                         f"from {[f.name for f in fields(StoreConfig)]}, got {spec!r}")
+    settings = {key: value for key, value in spec.items() if key != "path"}
+    return StoreConfig.from_dict(settings, "the heads tree's 'store'"), spec["path"]

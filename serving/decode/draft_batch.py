@@ -2,7 +2,8 @@
 
 Every drafter (Medusa heads, EAGLE heads with a static or an EAGLE-2 tree) returns one for
 the rows it drafts; the engine pads in the rows that do not draft (their root alone), adds
-the n-gram lookup chains (`with_chains`), verifies it in one forward and accepts from it
+the chains of the chain sources (n-gram lookup, the reply store: `with_chains`), verifies it
+in one forward and accepts from it
 (serving/decode/accept.py). The accept step reads nothing back to the host: every field it
 needs is a device tensor and every shape is known on the host, so a whole step costs one
 device-to-host copy (the accepted tokens) and can be captured.
@@ -14,10 +15,10 @@ with *invalid* nodes (`valid` False): padding, or a node a drafter left out this
 verified like the others but never accepted, and never anyone's child.
 
 Node order among siblings is the order in which they are tried by the sampled accept rule
-(serving/decode/accept.py): a static tree's rank order, and a lookup chain after the heads'
-candidates.
+(serving/decode/accept.py): a static tree's rank order, and the chains (lookup's, then the
+store's) after the heads' candidates.
 
-Shape legend: n rows, T nodes (padded), C most children of one node, L lookup tokens.
+Shape legend: n rows, T nodes (padded), C most children of one node, E chain nodes added to a row.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class DraftBatch:
     is_chain: bool = False  # one row whose nodes form a chain: the causal mask is its tree mask
     heads_drafted: list[bool] | None = None  # [n] the heads drafted the row (None: every row)
     head_caches: list | None = None  # [n] an EAGLE drafter's head cache over the committed positions, per row
-    lookup_start: list[int | None] | None = None  # [n] the row's first lookup-chain node, if it has one
+    # [n][S] per row and chain source (with_chains): (first node, length) of its chain, None for none
+    chain_spans: list[list[tuple[int, int] | None]] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -95,7 +97,7 @@ class DraftBatch:
                        depths=self.depths.index_select(0, index), tree_mask=self.tree_mask.index_select(0, index),
                        valid=self.valid.index_select(0, index), is_chain=self.is_chain and len(indices) == 1,
                        heads_drafted=pick(self.heads_drafted), head_caches=pick(self.head_caches),
-                       lookup_start=pick(self.lookup_start))
+                       chain_spans=pick(self.chain_spans))
 
     @classmethod
     def merge(cls, base: "DraftBatch", drafted: "DraftBatch | None", rows: list[int]) -> "DraftBatch":
@@ -117,31 +119,52 @@ class DraftBatch:
         return replace(merged, max_depth=drafted.max_depth, max_children=drafted.max_children, is_chain=False,
                        heads_drafted=heads_drafted, head_caches=head_caches)
 
-    def with_chains(self, chains: list[list[int]]) -> "DraftBatch":
-        """Each row's n-gram chain (target ids, [] for none) as one more branch under its root:
-        nodes T .. T+L-1 (L the longest chain; a shorter chain's tail is invalid), the root's
-        last child, so the sampled accept tries it after the heads' candidates."""
-        length = max(len(chain) for chain in chains)
-        if length == 0:
-            return self
+    def with_chains(self, chains: list[list[list[int]]]) -> "DraftBatch":
+        """Each row's chains (chains[row][source]: target ids, [] for none; serving/decode/lookup.py
+        `ChainSource`) as branches under its root, after its heads' nodes, in source order: the
+        root's last children, so the sampled accept tries them after the heads' candidates. A
+        row's chains follow one another from node T on; a chain that an earlier chain of the row
+        starts with (or repeats) adds no path and is left out. Rows are padded with invalid
+        nodes to the longest row. chain_spans[row][source] records where each chain went."""
         num_rows, num_base, device = self.num_rows, self.num_nodes, self.tokens.device
-        num_nodes = num_base + length
-        chain_nL = torch.tensor([chain + [0] * (length - len(chain)) for chain in chains], dtype=torch.long,
-                                device=device)
-        lengths_n1 = torch.tensor([len(chain) for chain in chains], device=device)[:, None]
-        steps_L = torch.arange(length, device=device)
-        chain_parents_L = torch.cat([torch.zeros(1, dtype=torch.long, device=device), num_base + steps_L[:-1]])
+        spans: list[list[tuple[int, int] | None]] = []
+        rows: list[list[tuple[int, int, int, int]]] = []  # (token, parent, depth, chain) per added node
+        for row_chains in chains:
+            row_spans, nodes, kept = [], [], []
+            for chain in row_chains:
+                if not chain or any(earlier[:len(chain)] == chain for earlier in kept):
+                    row_spans.append(None)
+                    continue
+                first = num_base + len(nodes)
+                nodes += [(token, first + step - 1 if step else 0, step + 1, len(kept))
+                          for step, token in enumerate(chain)]
+                row_spans.append((first, len(chain)))
+                kept.append(list(chain))
+            spans.append(row_spans)
+            rows.append(nodes)
+        width = max(len(nodes) for nodes in rows)
+        if width == 0:
+            return self
+        num_nodes = num_base + width
+        # padding: token 0, no parent, depth 0, a chain of its own (it sees only itself)
+        table = torch.tensor([[list(node) for node in nodes]
+                              + [[0, -1, 0, -1 - pad] for pad in range(width - len(nodes))] for nodes in rows],
+                             dtype=torch.long, device=device)  # [n, E, 4]
+        tokens_nE, parents_nE, depths_nE, chain_nE = table.unbind(-1)
+        valid_nE = parents_nE >= 0
         mask = torch.zeros(num_rows, num_nodes, num_nodes, dtype=torch.bool, device=device)
         mask[:, :num_base, :num_base] = self.tree_mask
-        mask[:, num_base:, 0] = True
-        mask[:, num_base:, num_base:] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        mask[:, num_base:, 0] = valid_nE
+        # a chain node attends to its own chain's nodes up to its depth (its ancestors and itself)
+        mask[:, num_base:, num_base:] = (chain_nE[:, :, None] == chain_nE[:, None, :]) \
+            & (depths_nE[:, None, :] <= depths_nE[:, :, None])
+        most_chains = max(sum(span is not None for span in row_spans) for row_spans in spans)
         return replace(
-            self, tokens=torch.cat([self.tokens, chain_nL], 1),
-            parents=torch.cat([self.parents, chain_parents_L.expand(num_rows, -1)], 1),
-            depths=torch.cat([self.depths, (steps_L + 1).expand(num_rows, -1)], 1), tree_mask=mask,
-            valid=torch.cat([self.valid, steps_L < lengths_n1], 1), max_depth=max(self.max_depth, length),
-            max_children=self.max_children + 1, is_chain=self.is_chain and num_base == 1,
-            lookup_start=[num_base if chain else None for chain in chains])
+            self, tokens=torch.cat([self.tokens, tokens_nE], 1), parents=torch.cat([self.parents, parents_nE], 1),
+            depths=torch.cat([self.depths, depths_nE], 1), tree_mask=mask, valid=torch.cat([self.valid, valid_nE], 1),
+            max_depth=max(self.max_depth, max(len(chain) for row_chains in chains for chain in row_chains)),
+            max_children=self.max_children + most_chains,
+            is_chain=self.is_chain and num_base == 1 and most_chains == 1, chain_spans=spans)
 
     def children(self) -> torch.Tensor:
         """[n, T, C] long: each node's valid children in node order, padded with -1."""

@@ -14,9 +14,11 @@ row and prefills only what it adds. From the next step on it takes part in the b
 
 - draft: the fallback policy says which sequences draft (serving/decode/fallback.py); each
   of those drafts its tree through the decoder's drafter (Medusa: every sequence in one
-  head call; EAGLE: one head run per sequence, with its own head cache), and an n-gram
-  lookup chain from its own context goes alone or as one more branch. The others verify
-  their root alone (a plain step).
+  head call; EAGLE: one head run per sequence, with its own head cache), and each of the
+  decoder's chain sources (n-gram lookup from its own context, the store of the target's
+  replies: serving/decode/lookup.py `ChainSource`), one call per source for every drafting
+  sequence, adds a chain that goes alone or as one more branch. The others verify their
+  root alone (a plain step).
 - verify / accept: serving/decode/steps.py, one forward for the whole batch.
 - commit: the cache keeps each row's accepted entries (serving/decode/cache.py).
 - record: each sequence's next decode state, stats and output (EOS, stop sequences,
@@ -53,7 +55,6 @@ from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.decode.fallback import Fallback, SpeculationWindow
 from specheads.serving.decode.graphs import VerifyGraphs, bucket
 from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_memory
-from specheads.serving.decode.lookup import NgramIndex
 from specheads.serving.decode.logprobs import (TokenLogprob, prompt_logprobs, score_tokens, step_logprob_rows,
                                                unpack_step_logprobs)
 from specheads.serving.decode.sampling import SamplingParams, make_generator
@@ -96,7 +97,7 @@ class Sequence:
     generator: torch.Generator | None
     stats: DecodeStats
     keep_head_rows: bool = False  # EAGLE heads draft for it: the rows of a step they sat out wait for their next run
-    lookup: NgramIndex | None = None  # the context's n-gram index (speculating requests of a lookup decoder)
+    chain_states: list = field(default_factory=list)  # one per decoder.chain_sources (speculating requests)
     state: DecodeState | None = None
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -146,6 +147,7 @@ class BatchEngine:
         self.graphs = None if decoder.cuda_graphs is None else \
             VerifyGraphs(decoder, self.cache, capture=decoder.cuda_graphs == "capture")
         self.rows: list[Sequence] = []  # row i holds rows[i]
+        self.chain_names = [source.name for source in decoder.chain_sources]
         self.fallback = Fallback(decoder.fallback, decoder.step_costs)
         self.clock = decoder.step_costs.clock
         if decoder.attn_impl == "tree":
@@ -183,14 +185,14 @@ class BatchEngine:
                              f"+ one tree ({decoder.max_tree_nodes}) = {needed} positions, more than this "
                              f"engine's max_cache_len {self.max_cache_len}")
         speculating = request.speculate and decoder.speculates
+        prompt = prompt_1P[0].tolist() if speculating and decoder.chain_sources else []
         return Sequence(
             seq_id=seq_id, prompt_1P=prompt_1P, max_new_tokens=request.max_new_tokens,
             eos_ids=frozenset([eos] if isinstance(eos, int) else eos or []), stop_sequences=stop_sequences,
             sampling=None if greedy else request.sampling, acceptance=request.acceptance,
             window=self.fallback.window(speculating, seeded=not greedy and request.sampling.seed is not None),
             generator=None if greedy else make_generator(request.sampling, self.target.device),
-            lookup=NgramIndex(decoder.lookup, prompt_1P[0].tolist())
-            if speculating and decoder.lookup is not None else None,
+            chain_states=[source.start(prompt) for source in decoder.chain_sources] if speculating else [],
             keep_head_rows=speculating and decoder.drafts_from_head_cache,
             stats=DecodeStats(accepted_per_position=[0] * (decoder.max_depth if speculating else 0),
                               lossless=request.acceptance == "rejection"),
@@ -354,20 +356,21 @@ class BatchEngine:
         return batch
 
     def _draft(self, batch: list[Sequence]) -> DraftBatch:
-        """The batch's drafts: each drafting sequence's lookup chain (alone, or one more branch),
-        the heads' trees of the rest, every other row its root alone. A sequence whose drafting
+        """The batch's drafts: each drafting sequence's chains (alone, or more branches), the
+        heads' trees of the rest, every other row its root alone. A sequence whose drafting
         fails ends, its root alone standing in for it in this step's verify."""
-        chains: list[list[int]] = [[] for _ in batch]
-        heads_rows = []
-        for index, (seq, speculates) in enumerate(zip(batch, self.fallback.drafting(batch))):
-            if not speculates:
-                continue
-            alone = False
-            if seq.lookup is not None:
-                chains[index], alone = self._guard(seq, seq.lookup.draft, seq.tokens, int(seq.prompt_1P.shape[1])) \
-                    or ([], False)
-            if not alone and self.decoder.drafter is not None and seq.error is None:
-                heads_rows.append(index)
+        sources = self.decoder.chain_sources
+        chains = [[[] for _ in sources] for _ in batch]  # [n][S]
+        alone = [False] * len(batch)
+        drafting = [index for index, speculates in enumerate(self.fallback.drafting(batch)) if speculates]
+        asking = [index for index in drafting if batch[index].chain_states]
+        for number, source in enumerate(sources):
+            proposals = self._draft_chains(source, number, [batch[i] for i in asking])
+            for index, (chain, goes_alone) in zip(asking, proposals):
+                chains[index][number] = chain
+                alone[index] = alone[index] or goes_alone
+        heads_rows = [index for index in drafting if not alone[index] and self.decoder.drafter is not None
+                      and batch[index].error is None]
         drafted = self._draft_heads([batch[i] for i in heads_rows]) if heads_rows else None
         if drafted is not None and len(drafted[0]) < len(heads_rows):  # rows whose drafting failed
             heads_rows = [heads_rows[i] for i in drafted[0]]
@@ -376,8 +379,21 @@ class BatchEngine:
         else:
             drafts = DraftBatch.merge(DraftBatch.roots(torch.cat([seq.state.root for seq in batch])),
                                       None if drafted is None else drafted[1], heads_rows)
-        chains = [chain if seq.error is None else [] for seq, chain in zip(batch, chains)]
-        return drafts.with_chains(chains) if any(chains) else drafts
+        chains = [row if seq.error is None else [] for seq, row in zip(batch, chains)]
+        return drafts.with_chains(chains) if any(any(row) for row in chains) else drafts
+
+    def _draft_chains(self, source, number: int, seqs: list[Sequence]) -> list[tuple[list[int], bool]]:
+        """One call of a chain source for seqs -> each one's (chain, alone). On an error, one
+        call per sequence, which finds the faulty one and ends it alone (its chain: none)."""
+        if not seqs:
+            return []
+        try:
+            return source.draft([seq.chain_states[number] for seq in seqs], [seq.tokens for seq in seqs])
+        except Exception as err:  # noqa: BLE001 - isolated below, row by row
+            if is_fatal(err):
+                raise
+        alone = [self._guard(seq, source.draft, [seq.chain_states[number]], [seq.tokens]) for seq in seqs]
+        return [([], False) if one is None else one[0] for one in alone]
 
     def _draft_heads(self, seqs: list[Sequence]) -> tuple[list[int], DraftBatch] | None:
         """One drafter call for seqs -> (the drafted rows' indices in seqs, their drafts). On an
@@ -476,7 +492,8 @@ class BatchEngine:
         for row, seq in enumerate(batch):
             before = len(seq.tokens)
             if seq.error is None:
-                self._guard(seq, self._advance, seq, drafts, verified, accepted, host, row, seconds)
+                self._guard(seq, self._advance, seq, drafts, verified, accepted, host, row, seconds,
+                            self.chain_names)
             ok = seq.error is None
             emitted.append(len(host.emitted[row]) if ok else None)
             deltas[seq.seq_id] = seq.tokens[before:] if ok else []
@@ -485,9 +502,10 @@ class BatchEngine:
 
     @staticmethod
     def _advance(seq: Sequence, drafts: DraftBatch, verified: Verified, accepted: Accepted, host: HostAccepted,
-                 row: int, seconds: float) -> None:
+                 row: int, seconds: float, chain_names: list[str]) -> None:
         """One sequence after its committed step: its next decode state, its stats, its output.
-        Device tensors are sliced with host counts: no sync."""
+        chain_names: the decoder's chain sources' names, in order. Device tensors are sliced
+        with host counts: no sync."""
         state, path, emitted = seq.state, host.paths[row], host.emitted[row]
         num_nodes = len(path)
         hidden = verified.taps[row].index_select(0, accepted.path[row, :num_nodes])  # [A, nH]
@@ -501,10 +519,9 @@ class BatchEngine:
                                 root=accepted.emitted[row, num_nodes - 1:num_nodes], hidden=hidden,
                                 next_tokens=next_tokens, draft_cache=head_cache)
         seq.stats.count_step(host.depths[row], num_nodes - 1, seconds)
-        lookup_start = None if drafts.lookup_start is None else drafts.lookup_start[row]
-        if lookup_start is not None:
-            seq.stats.lookup_steps += 1
-            seq.stats.lookup_accepted += sum(node >= lookup_start for node in path)
+        for name, span in zip(chain_names, drafts.chain_spans[row] if drafts.chain_spans is not None else []):
+            if span is not None:
+                seq.stats.count_chain(name, sum(span[0] <= node < span[0] + span[1] for node in path))
         seq.finish_reason = emit(seq.tokens, emitted, seq.max_new_tokens, seq.eos_ids, seq.stop_sequences)
         if seq.logprobs is not None:  # only the entries the output took (emit may stop early)
             entries = unpack_step_logprobs(host.extra[row], emitted, seq.num_top_logprobs,

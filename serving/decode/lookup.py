@@ -23,9 +23,12 @@ from there; when the copy reaches the end of the context it goes on copying its 
 so a loop of period p is drafted for as long as asked (the match just before the suffix is
 exactly p back).
 
-`NgramIndex.draft(output)` is the drafter's one entry point: it takes the sequence's output so
-far and returns the chain and whether it goes alone. `DraftBatch.with_chains`
-(serving/decode/draft_batch.py) adds the chain to the heads' tree as one more branch.
+Chain sources. The engine asks every source of chains the same way (`ChainSource`): n-gram
+lookup (`NgramLookup`, here) and the store of the target's own replies (serving/decode/store.py).
+A source starts a state per sequence from its prompt, and one call per step drafts a chain
+for every sequence that asks; `DraftBatch.with_chains` (serving/decode/draft_batch.py) adds
+each chain as one more branch under the row's root, in the decoder's source order (lookup,
+then store), after the heads' candidates.
 
 Shape legend: T tree nodes of the heads' draft, L lookup tokens, D max depth.
 """
@@ -33,6 +36,7 @@ Shape legend: T tree nodes of the heads' draft, L lookup tokens, D max depth.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -62,11 +66,45 @@ class LookupConfig:
                              f"[{self.min_ngram}, {self.max_ngram}], got {alone!r}")
 
 
+class ChainSource(Protocol):
+    """A drafter of one chain of target ids per sequence, from the tokens alone (no forward).
+    `name` names its DecodeStats counters (serving/decode/stats.py CHAIN_SOURCES); num_tokens
+    is its longest chain (it sizes the cache and the sampled accept's uniforms)."""
+
+    name: str
+    num_tokens: int
+
+    def start(self, prompt: list[int]) -> object:
+        """A new sequence's state, from its prompt's token ids."""
+
+    def draft(self, states: list, outputs: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """One call per step for every sequence that asks: given each one's state and output
+        so far -> each one's chain ([] for none) and whether it goes alone (the heads' draft is
+        skipped for that sequence this step)."""
+
+
+class NgramLookup:
+    """n-gram lookup as a chain source: one `NgramIndex` per sequence."""
+
+    name = "lookup"
+
+    def __init__(self, config: LookupConfig):
+        self.config = config
+        self.num_tokens = config.num_tokens
+
+    def start(self, prompt: list[int]) -> "NgramIndex":
+        return NgramIndex(self.config, prompt)
+
+    def draft(self, states: list["NgramIndex"], outputs: list[list[int]]) -> list[tuple[list[int], bool]]:
+        return [index.draft(output) for index, output in zip(states, outputs)]
+
+
 class NgramIndex:
     """One sequence's context (prompt + output so far) and its n-gram continuation index."""
 
     def __init__(self, config: LookupConfig, tokens: list[int] | None = None):
         self.config = config
+        self.num_prompt_tokens = len(tokens or [])
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest continuation
         self.extend(tokens or [])
@@ -79,11 +117,11 @@ class NgramIndex:
                 index[tuple(tokens[end - n:end])] = end
             tokens.append(int(token))
 
-    def draft(self, output: list[int], prompt_len: int) -> tuple[list[int], bool]:
-        """Index the output tokens not seen yet (output = tokens after the prompt_len prompt
-        tokens), then -> (the chain, up to num_tokens tokens; whether it goes alone: its match
-        is at least alone_at_ngram tokens long, so the heads' draft is skipped)."""
-        self.extend(output[len(self.tokens) - prompt_len:])
+    def draft(self, output: list[int]) -> tuple[list[int], bool]:
+        """Index the output tokens not seen yet (output = the tokens after the prompt it was
+        built from), then -> (the chain, up to num_tokens tokens; whether it goes alone: its
+        match is at least alone_at_ngram tokens long, so the heads' draft is skipped)."""
+        self.extend(output[len(self.tokens) - self.num_prompt_tokens:])
         chain, matched = self.propose()
         alone_at = self.config.alone_at_ngram
         return chain, bool(chain) and alone_at is not None and matched >= alone_at

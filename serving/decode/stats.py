@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The chain sources (serving/decode/lookup.py ChainSource) whose steps and accepted tokens are counted.
+CHAIN_SOURCES = ("lookup", "store")
+
 
 def alpha_tau(accepted_tokens: int, drafted_tokens: int, speculative_steps: int) -> tuple[float, float]:
     """(alpha, tau) from the counts (module doc): the one definition."""
@@ -43,6 +46,8 @@ class DecodeStats:
     plain_tokens_per_s: float | None = None
     lookup_steps: int = 0  # steps that verified an n-gram lookup chain (serving/decode/lookup.py)
     lookup_accepted: int = 0  # draft tokens accepted from lookup chains (part of accepted_tokens)
+    store_steps: int = 0  # steps that verified a reply-store chain (serving/decode/store.py)
+    store_accepted: int = 0  # draft tokens accepted from reply-store chains (part of accepted_tokens)
 
     def count_step(self, depth: int, num_accepted: int, seconds: float) -> None:
         """One committed step that drafted `depth` tokens along a path (0: a plain step) and
@@ -58,6 +63,14 @@ class DecodeStats:
             self.accepted_per_position += [0] * (depth - len(self.accepted_per_position))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+    def count_chain(self, source: str, num_accepted: int) -> None:
+        """One step that verified a chain from `source` (one of CHAIN_SOURCES), num_accepted of
+        its tokens accepted."""
+        if source not in CHAIN_SOURCES:
+            raise ValueError(f"chain source must be one of {CHAIN_SOURCES}, got {source!r}")
+        setattr(self, f"{source}_steps", getattr(self, f"{source}_steps") + 1)
+        setattr(self, f"{source}_accepted", getattr(self, f"{source}_accepted") + num_accepted)
 
     @property
     def speculative_steps(self) -> int:
@@ -93,7 +106,8 @@ class DecodeStats:
             lossless=self.lossless and other.lossless, plain_steps=self.plain_steps + other.plain_steps,
             fallback=self.fallback or other.fallback, fallbacks=self.fallbacks + other.fallbacks,
             lookup_steps=self.lookup_steps + other.lookup_steps,
-            lookup_accepted=self.lookup_accepted + other.lookup_accepted)
+            lookup_accepted=self.lookup_accepted + other.lookup_accepted,
+            store_steps=self.store_steps + other.store_steps, store_accepted=self.store_accepted + other.store_accepted)
 
 
 @dataclass

@@ -62,6 +62,9 @@ class ServerMetrics:
         self.lookup_accepted_tokens = Counter("specheads_spec_decode_num_lookup_accepted_tokens_total",
                                               "Accepted draft tokens that came from n-gram lookup chains.",
                                               registry=None)
+        self.store_accepted_tokens = Counter("specheads_spec_decode_num_store_accepted_tokens_total",
+                                             "Accepted draft tokens that came from reply-store chains.",
+                                             registry=None)
         self.accepted_per_pos = Counter("specheads_spec_decode_num_accepted_tokens_per_pos_total",
                                         "Verify steps that accepted a draft token at this depth (0-based).",
                                         ["position"], registry=None)
@@ -118,7 +121,8 @@ class ServerMetrics:
 
     def observe_finished(self, finish_reason: str, ttft_s: float, e2e_s: float, prompt_tokens: int,
                          generated_tokens: int, drafts: int, drafted_tokens: int, accepted_tokens: int,
-                         accepted_per_position: list[int], lookup_accepted_tokens: int = 0) -> None:
+                         accepted_per_position: list[int], lookup_accepted_tokens: int = 0,
+                         store_accepted_tokens: int = 0) -> None:
         """One sequence finished successfully; drafts = its speculative verify steps."""
         self.success.labels(finished_reason=finish_reason).inc()
         self.ttft.observe(ttft_s)
@@ -130,6 +134,7 @@ class ServerMetrics:
             self.draft_tokens.inc(drafted_tokens)
             self.accepted_tokens.inc(accepted_tokens)
             self.lookup_accepted_tokens.inc(lookup_accepted_tokens)
+            self.store_accepted_tokens.inc(store_accepted_tokens)
             for position, count in enumerate(accepted_per_position):
                 self.accepted_per_pos.labels(position=position).inc(count)
 

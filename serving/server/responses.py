@@ -53,7 +53,8 @@ def aggregate_speculation(stats: list[dict]) -> dict:
             "drafted_tokens": drafted, "accepted_tokens": accepted, "accepted_per_position": per_position,
             **dict(zip(("alpha", "tau"), alpha_tau(accepted, drafted, drafts))),
             "fallback": any(s["fallback"] for s in stats),
-            "lookup_accepted_tokens": sum(s["lookup_accepted_tokens"] for s in stats)}
+            "lookup_accepted_tokens": sum(s["lookup_accepted_tokens"] for s in stats),
+            "store_accepted_tokens": sum(s["store_accepted_tokens"] for s in stats)}
 
 
 def _usage(meta: ResponseMeta, completion_tokens: int) -> dict:

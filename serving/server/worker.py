@@ -41,7 +41,8 @@ def speculation_stats(stats: DecodeStats, enabled: bool) -> dict:
     return {"enabled": enabled, "steps": stats.steps, "drafts": stats.speculative_steps,
             "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
             "accepted_per_position": list(stats.accepted_per_position), "alpha": stats.alpha, "tau": stats.tau,
-            "fallback": stats.fallback, "lookup_accepted_tokens": stats.lookup_accepted}
+            "fallback": stats.fallback, "lookup_accepted_tokens": stats.lookup_accepted,
+            "store_accepted_tokens": stats.store_accepted}
 
 
 class QueueFull(Exception):
@@ -373,7 +374,7 @@ class Engine:
         self.metrics.observe_finished(reason, first - job.arrival, now - job.arrival, len(choice.request.input_ids),
                                       running.num_tokens, speculation["drafts"], speculation["drafted_tokens"],
                                       speculation["accepted_tokens"], speculation["accepted_per_position"],
-                                      speculation["lookup_accepted_tokens"])
+                                      speculation["lookup_accepted_tokens"], speculation["store_accepted_tokens"])
         text, scores = running.take(text, running.num_tokens)
         job.post(Event("finish", index=choice.index, text=text, num_tokens=running.num_tokens,
                        finish_reason=reason, stats=speculation, logprobs=scores))

@@ -211,3 +211,32 @@ def test_bench_cli_several_heads_side_by_side_with_tuning(bench_setup, tmp_path,
         assert report["tuning"] == {"medusa": None, "medusa:second": sweep}
         assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
     assert "engine-medusa:second[tuned,2]" in capsys.readouterr().out
+
+
+def test_run_bench_with_a_reply_store(bench_setup, tmp_path):
+    """--store adds the store alone and beside each heads directory's first tree and lookup; every
+    output stays HF greedy's, and the tables show what the store's chains gave."""
+    from specheads.heads.reply_store import ReplyStore, write_store
+    from specheads.serving.decode.store import StoreConfig, StoreDrafter
+
+    _, heads_dir, target = bench_setup
+    heads, config = load_heads(heads_dir, target=target.identity)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [EncodedPrompt(i, "a", torch.randint(3, 512, (5,), generator=gen).tolist()) for i in range(2)]
+    with torch.no_grad():  # the store holds the target's own replies to the prompts
+        replies = [target.model.generate(torch.tensor([p.input_ids]), do_sample=False, max_new_tokens=10,
+                                         pad_token_id=0)[0, 5:].tolist() for p in prompts]
+    write_store(tmp_path / "s", replies, target=target.identity, tokenizer={"fingerprint": "-"})
+    store = StoreDrafter(ReplyStore(tmp_path / "s"), StoreConfig(num_tokens=4, min_match=1))
+    report = run_bench(target, prompts, 10, heads=heads, heads_config=config, eos_token_id=None, warmup=False,
+                       prompt_lookup_num_tokens=0, lookup_num_tokens=3, fallback=False, store=store)
+    names = [m["name"] for m in report["methods"]]
+    assert "engine-heads+lookup+store[stored,4]" in names and "engine-store[4]" in names
+    for m in report["methods"]:
+        assert m["overall"]["identical"], m["name"]
+        assert m["overall"]["store_accepted"] <= m["overall"]["accepted_tokens"]
+    alone = next(m for m in report["methods"] if m["kind"] == "engine-store")
+    assert 0 < alone["overall"]["store_accepted"] == alone["overall"]["accepted_tokens"]
+    hybrid = next(m for m in report["methods"] if m["kind"] == "engine-heads+store")
+    assert hybrid["tree"]["store_num_tokens"] == 4 and hybrid["tree"]["lookup_num_tokens"] == 3
+    assert "acc. from lookup/store" in format_report(report)

@@ -216,3 +216,33 @@ def test_eagle_candidates_get_adaedl_twins_of_the_deepest_dynamic_trees():
         assert twin.tree.entropy_threshold == ADAEDL_THRESHOLD
         assert twin.record["dynamic"]["entropy_threshold"] == ADAEDL_THRESHOLD
     assert twins[0].num_nodes == max(s.num_nodes for s in dynamic)
+
+
+def test_tune_tries_the_reply_store_and_stores_it_when_faster(setup, tmp_path):
+    from specheads.bench.tune import stored_tree
+    from specheads.heads.reply_store import ReplyStore, write_store
+    from specheads.serving.decode.store import StoreConfig, StoreDrafter
+
+    _, _, target, _, _ = setup
+    heads_dir = fresh_heads_dir(setup, "heads-store")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 8)]
+    with torch.no_grad():
+        replies = [target.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10,
+                                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    write_store(tmp_path / "s", replies, target=target.identity, tokenizer={"fingerprint": "-"})
+    store = StoreDrafter(ReplyStore(tmp_path / "s"), StoreConfig(num_tokens=4))
+    report = tune_heads_dir(target, str(heads_dir), prompts, max_new_tokens=10, budget_s=30, max_settings=2,
+                            node_budgets=(3,), progress=False, lookup_num_tokens=0, store=store)
+    measured = report["store"]
+    assert measured["path"] == str((tmp_path / "s").resolve()) and measured["config"]["num_tokens"] == 4
+    assert measured["without"]["identical"] and measured["with"]["identical"]
+    assert measured["chosen"] == (measured["with"]["tokens_per_s"] > measured["without"]["tokens_per_s"])
+    config = read_heads_config(heads_dir)
+    assert ("store" in config.tree) == measured["chosen"]
+    assert "reply store" in format_tuning(report)
+    chosen = stored_tree(dict(report, store=dict(measured, chosen=True)))
+    assert chosen["store"] == {"path": measured["path"], **measured["config"]}
+    spec = TreeSpec.from_heads_config(HeadsConfig(**{**config.to_dict(), "target": config.target, "tree": chosen}))
+    assert spec.store == StoreConfig(num_tokens=4) and spec.store_path == measured["path"]
+    assert "store" not in stored_tree(dict(report, store=dict(measured, chosen=False)))

@@ -8,7 +8,8 @@ on a tensor, nonzero, boolean-mask indexing, torch.equal, ...) and through the P
 copies that bypass the dispatcher on a CPU tensor (`.tolist()`, `.cpu()`, `.numpy()`).
 
 Covered: Medusa static trees (with AdaEDL's depth cut), EAGLE-3 static trees, EAGLE-2 dynamic
-trees, n-gram lookup alone and as a branch, batches of several sequences of unequal lengths,
+trees, n-gram lookup alone and as a branch, the reply store alone and as a branch beside
+lookup (serving/decode/store.py), batches of several sequences of unequal lengths,
 greedy and sampled rows together, a row that asks for token logprobs, on the configuration a GPU runs (static-shape cache as for
 CUDA graphs, tree attention); and on the SDPA path.
 """
@@ -20,12 +21,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specheads.heads.eagle3 import Eagle3Head
+from specheads.heads.reply_store import ReplyStore, write_store
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 from specheads.serving.decode.lookup import LookupConfig
 from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.decode.store import StoreConfig, StoreDrafter
 from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig
 
 SYNCING_OPS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "unique_dim",
@@ -92,15 +95,30 @@ def medusa_heads(target: TargetAdapter) -> MedusaHeads:
     return MedusaHeads(target.hidden_size, target.vocab_size, num_heads=3).eval()
 
 
+@pytest.fixture(scope="module")
+def store(target, tmp_path_factory) -> StoreDrafter:
+    """A reply store in which every token is followed by others (a chain at every step)."""
+    generator = torch.Generator().manual_seed(7)
+    replies = [torch.randperm(target.vocab_size, generator=generator).tolist() * 2 for _ in range(3)]
+    directory = tmp_path_factory.mktemp("store") / "s"
+    write_store(directory, replies, target=target.identity, tokenizer={"fingerprint": "-"})
+    return StoreDrafter(ReplyStore(directory), StoreConfig(num_tokens=4, min_match=1))
+
+
 DRAFTERS = {
-    "medusa": lambda target: dict(heads=medusa_heads(target), tree=TREE),
-    "medusa-adaedl": lambda target: dict(heads=medusa_heads(target), tree=TREE, entropy_threshold=0.02),
-    "eagle3-static": lambda target: dict(heads=eagle_head(target), tree=TREE),
-    "eagle2-dynamic": lambda target: dict(heads=eagle_head(target),
-                                          tree=DynamicTreeConfig(depth=3, top_k=2, num_nodes=5, entropy_threshold=0.1)),
-    "lookup-alone": lambda target: dict(lookup=LookupConfig(num_tokens=4)),
-    "eagle3-lookup": lambda target: dict(heads=eagle_head(target), tree=TREE,
-                                         lookup=LookupConfig(num_tokens=4, max_ngram=2, alone_at_ngram=None)),
+    "medusa": lambda target, store: dict(heads=medusa_heads(target), tree=TREE),
+    "medusa-adaedl": lambda target, store: dict(heads=medusa_heads(target), tree=TREE, entropy_threshold=0.02),
+    "eagle3-static": lambda target, store: dict(heads=eagle_head(target), tree=TREE),
+    "eagle2-dynamic": lambda target, store: dict(heads=eagle_head(target),
+                                                 tree=DynamicTreeConfig(depth=3, top_k=2, num_nodes=5,
+                                                                        entropy_threshold=0.1)),
+    "lookup-alone": lambda target, store: dict(lookup=LookupConfig(num_tokens=4)),
+    "eagle3-lookup": lambda target, store: dict(heads=eagle_head(target), tree=TREE,
+                                                lookup=LookupConfig(num_tokens=4, max_ngram=2, alone_at_ngram=None)),
+    "store-alone": lambda target, store: dict(store=store),
+    "medusa-lookup-store": lambda target, store: dict(heads=medusa_heads(target), tree=TREE, store=store,
+                                                      lookup=LookupConfig(num_tokens=4, max_ngram=2,
+                                                                          alone_at_ngram=None)),
 }
 
 
@@ -113,13 +131,13 @@ def every_token_prompt(target: TargetAdapter, seed: int, extra: int) -> list[int
 
 @pytest.mark.parametrize("kind, path", [(kind, path) for kind in sorted(DRAFTERS) for path in ("static", "dynamic")]
                          + [("eagle3-lookup", "static-kernel")])
-def test_a_step_reads_the_device_once(target, kind, path, monkeypatch):
+def test_a_step_reads_the_device_once(target, store, kind, path, monkeypatch):
     """static: the cache and verify shapes a CUDA graph captures; static-kernel: with the tree
     attention kernel, as a GPU runs it (under the Triton interpreter here: slow, so one kind)."""
-    decoder = SpeculativeDecoder(target, **DRAFTERS[kind](target), fallback=None,
+    decoder = SpeculativeDecoder(target, **DRAFTERS[kind](target, store), fallback=None,
                                  attn_impl="tree" if path == "static-kernel" else "sdpa",
                                  cuda_graphs=None if path == "dynamic" else "eager")
-    engine = BatchEngine(decoder, max_batch_size=3, max_cache_len=target.vocab_size + 48)
+    engine = BatchEngine(decoder, max_batch_size=3, max_cache_len=target.vocab_size + 56)
     samplings = [None, SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=20, seed=2)]
     for seq_id, (extra, sampling) in enumerate(zip((9, 17, 0), samplings)):
         prompt = every_token_prompt(target, seq_id, extra)
@@ -131,6 +149,9 @@ def test_a_step_reads_the_device_once(target, kind, path, monkeypatch):
         assert syncs == ["Tensor.tolist"], f"step {step} synced {syncs}"
     if "lookup" in kind:  # every step drafted every row's chain
         assert all(seq.stats.lookup_steps == seq.stats.steps for seq in engine.rows)
+    if "store" in kind:  # and its store chain (where the lookup chain did not already hold it)
+        assert all(seq.stats.store_steps > 0 for seq in engine.rows)
+        assert kind != "store-alone" or all(seq.stats.store_steps == seq.stats.steps for seq in engine.rows)
 
 
 def test_the_counter_sees_what_a_gpu_would_wait_for(monkeypatch):

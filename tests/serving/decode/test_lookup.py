@@ -2,7 +2,7 @@
 
 Unit level: `NgramIndex` against a brute-force reference (longest n-gram first, the most
 recent continuation, loops drafted by copying the draft itself), `LookupConfig`
-validation, and `with_lookup_chain`'s tree tensors checked against trees rebuilt from
+validation, and `DraftBatch.with_chains`'s tree tensors checked against trees rebuilt from
 their parents. Engine level, on the tiny random Llama: greedy decoding with lookup (no
 heads, random Medusa heads, a random EAGLE-3 head on a static and on a dynamic tree, with
 and without `alone_at_ngram`) equals HF greedy `generate`, and lookup chains really are
@@ -182,12 +182,12 @@ def plan_batch(paths: list, tokens_nT: torch.Tensor) -> DraftBatch:
 
 def test_with_chains_appends_a_chain_under_the_root():
     base = plan_batch([[0], [1], [0, 0]], torch.tensor([[10, 11, 12, 13]]))  # 0 root, 1 (0,), 2 (1,), 3 (0, 0)
-    drafts = base.with_chains([[5, 6, 7]])  # chain nodes 4, 5, 6
+    drafts = base.with_chains([[[5, 6, 7]]])  # chain nodes 4, 5, 6
     assert drafts.num_nodes == 7 and drafts.max_depth == 3 and not drafts.is_chain
     assert drafts.tokens.tolist() == [[10, 11, 12, 13, 5, 6, 7]]
     assert drafts.parents.tolist() == [[-1, 0, 0, 1, 0, 4, 5]]
     assert drafts.depths.tolist() == [[0, 1, 1, 2, 1, 2, 3]]
-    assert drafts.lookup_start == [4] and drafts.max_children == 3
+    assert drafts.chain_spans == [[(4, 3)]] and drafts.max_children == 3
     assert torch.equal(drafts.tree_mask[0, :4, :4], base.tree_mask[0])  # base nodes unchanged
     assert not drafts.tree_mask[0, :4, 4:].any()  # and blind to the chain
     assert drafts.tree_mask[0, 4:].tolist() == [[True, False, False, False, True, False, False],
@@ -205,20 +205,20 @@ def test_with_chains_appends_a_chain_under_the_root():
 def test_with_chains_keeps_every_row_a_tree(paths, chains):
     tree = DraftTree.from_paths(paths)
     base = plan_batch(paths, torch.arange(2 * tree.num_nodes).reshape(2, -1))
-    drafts = base.with_chains(chains)
+    drafts = base.with_chains([[chain] for chain in chains])
     longest = max(len(chain) for chain in chains)
     assert drafts.num_nodes == tree.num_nodes + longest and drafts.max_depth == max(tree.max_depth, longest)
     for row, chain in enumerate(chains):
         check_row(drafts, row)
         assert drafts.valid[row].tolist() == [True] * tree.num_nodes + [i < len(chain) for i in range(longest)]
         assert drafts.tokens[row, tree.num_nodes:tree.num_nodes + len(chain)].tolist() == chain
-        assert drafts.lookup_start[row] == (tree.num_nodes if chain else None)
+        assert drafts.chain_spans[row] == [(tree.num_nodes, len(chain)) if chain else None]
         assert torch.equal(drafts.tree_mask[row, :tree.num_nodes, :tree.num_nodes], tree.tree_mask)
 
 
 @pytest.mark.parametrize("length", [1, 4])
 def test_a_chain_on_a_root_alone_is_a_pure_chain(length):
-    drafts = DraftBatch.roots(torch.tensor([9])).with_chains([list(range(length))])
+    drafts = DraftBatch.roots(torch.tensor([9])).with_chains([[list(range(length))]])
     check_row(drafts, 0)
     assert drafts.is_chain and drafts.num_nodes == length + 1 and drafts.max_depth == length
     assert torch.equal(drafts.tree_mask[0], torch.ones(length + 1, length + 1, dtype=torch.bool).tril())
@@ -226,7 +226,7 @@ def test_a_chain_on_a_root_alone_is_a_pure_chain(length):
 
 def test_accept_on_a_combined_tree_picks_the_longest_match():
     tokens = torch.tensor([[10, 11, 12, 13]])
-    drafts = plan_batch([[0], [1], [0, 0]], tokens).with_chains([[11, 5, 6]])  # chain nodes 4, 5, 6
+    drafts = plan_batch([[0], [1], [0, 0]], tokens).with_chains([[[11, 5, 6]]])  # chain nodes 4, 5, 6
 
     def run(target_after_node: list[int], draft_tokens: torch.Tensor = drafts.tokens):
         one = DraftBatch(**{**drafts.__dict__, "tokens": draft_tokens})

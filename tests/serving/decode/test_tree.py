@@ -122,7 +122,8 @@ def test_accept_greedy_matches_the_reference():
         for _ in range(200):
             drafts = DraftBatch.from_plan(plan, torch.randint(0, vocab, (1, tree.num_nodes), generator=gen))
             if chain:
-                drafts = drafts.with_chains([torch.randint(0, vocab, (chain,), generator=gen).tolist()])
+                drafts = drafts.with_chains([[torch.randint(0, vocab, (length,), generator=gen).tolist()
+                                              for length in (chain, chain - 1)]])  # a lookup and a store chain
             parents = drafts.parents[0].tolist()
             target_tokens = torch.randint(0, vocab, (drafts.num_nodes,), generator=gen)
             hit = torch.rand(drafts.num_nodes, generator=gen) < 0.6  # make long matches common

@@ -72,7 +72,8 @@ def test_serve_rejects_bad_flags(capsys):
 def test_metrics_text_format():
     metrics = ServerMetrics(running=lambda: 2, waiting=lambda: 1)
     metrics.observe_finished("stop", 0.01, 0.5, prompt_tokens=5, generated_tokens=9, drafts=4, drafted_tokens=12,
-                             accepted_tokens=4, accepted_per_position=[3, 1, 0], lookup_accepted_tokens=2)
+                             accepted_tokens=4, accepted_per_position=[3, 1, 0], lookup_accepted_tokens=2,
+                             store_accepted_tokens=1)
     metrics.observe_finished("length", 0.02, 0.7, prompt_tokens=5, generated_tokens=8, drafts=0, drafted_tokens=0,
                              accepted_tokens=0, accepted_per_position=[])
     values = metric_values(metrics.render().decode())
@@ -81,6 +82,7 @@ def test_metrics_text_format():
     assert values['specheads_e2e_request_latency_seconds_bucket{le="0.5"}'] == 1
     assert values["specheads_spec_decode_acceptance_rate"] == pytest.approx(4 / 12)
     assert values["specheads_spec_decode_num_lookup_accepted_tokens_total"] == 2
+    assert values["specheads_spec_decode_num_store_accepted_tokens_total"] == 1
     assert values["specheads_spec_decode_acceptance_length"] == pytest.approx((4 + 4) / 4)
     assert values['specheads_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 3
     assert values["specheads_num_requests_running"] == 2 and values["specheads_num_requests_waiting"] == 1
@@ -94,6 +96,7 @@ FAMILY_TYPES = {
     "specheads_spec_decode_num_drafts": "counter", "specheads_spec_decode_num_draft_tokens": "counter",
     "specheads_spec_decode_num_accepted_tokens": "counter",
     "specheads_spec_decode_num_lookup_accepted_tokens": "counter",
+    "specheads_spec_decode_num_store_accepted_tokens": "counter",
     "specheads_spec_decode_num_accepted_tokens_per_pos": "counter",
     "specheads_spec_decode_acceptance_rate": "gauge", "specheads_spec_decode_acceptance_length": "gauge",
     "specheads_time_to_first_token_seconds": "histogram", "specheads_inter_token_latency_seconds": "histogram",

@@ -1,0 +1,400 @@
+"""The store of the target's replies (heads/reply_store.py, serving/decode/store.py).
+
+Unit level: the suffix array against sorting the suffixes; the store's proposals against a
+brute force of the documented rule (the longest matching suffix, then the most frequent
+continuation token by token, the smallest id on a tie, stopping at a reply's end), the same for
+every call, batch and reopening; the bounded count (max_occurrences) still proposes what the
+store holds. A corrupt store (sizes, magic, version, order) and one built for another target or
+tokenizer are refused with one line. `with_chains` with a lookup and a store chain per row.
+
+Engine level, on the tiny random Llama: greedy decoding with the store (alone, beside random
+Medusa heads and lookup, beside an EAGLE-3 head's dynamic tree) equals HF greedy in a batch of
+several sequences, and store chains are accepted where the store holds the target's reply;
+sampling with the store as a branch (beside heads and lookup, and alone) keeps the target's
+joint law of the first two tokens (chi-square, as test_decode_sampling.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from specheads.heads.medusa import MedusaHeads
+from specheads.heads.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME, TOKENS_NAME,
+                                         ReplyStore, StoreError, suffix_array, tokenizer_fingerprint, write_store)
+from specheads.heads.target import TargetAdapter, TargetIdentity
+from specheads.serving.decode.config import SpeculativeDecoder, parse_tree_field
+from specheads.serving.decode.draft_batch import DraftBatch
+from specheads.serving.decode.generate import generate
+from specheads.serving.decode.lookup import LookupConfig
+from specheads.serving.decode.sampling import SamplingParams
+from specheads.serving.decode.store import StoreConfig, StoreDrafter, open_store
+from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreePlan
+
+from conftest import make_tiny_model
+from test_batch import run_session
+from test_decode_sampling import chi_square_p_value
+from test_eagle3 import random_head
+from test_lookup import check_row
+
+IDENTITY = TargetIdentity("LlamaForCausalLM", "llama", 64, 256, 2, "tiny")
+TOKENIZER = {"name_or_path": "tiny", "fingerprint": "f" * 64, "vocab_size": 256}
+NUM_NEW = 30
+TREE_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def build(directory, replies, identity=IDENTITY, fingerprint="f" * 64) -> ReplyStore:
+    write_store(directory, replies, target=identity, tokenizer=dict(TOKENIZER, fingerprint=fingerprint))
+    return ReplyStore(directory)
+
+
+def random_replies(seed: int, num: int, vocab: int, max_len: int = 30) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, rng.integers(1, max_len)).tolist() for _ in range(num)]
+
+
+def reference_propose(replies, context, num_tokens, max_match, min_match=1):
+    """Brute force of the documented rule over every occurrence."""
+    context = list(context)[-max_match:]
+    for length in range(len(context), min_match - 1, -1):
+        pattern = context[len(context) - length:]
+        ends = [(r, i + length) for r, reply in enumerate(replies) for i in range(len(reply) - length + 1)
+                if reply[i:i + length] == pattern]
+        if ends:
+            break
+    else:
+        return [], 0
+    chain = []
+    while len(chain) < num_tokens and ends:
+        nexts = [replies[r][p] if p < len(replies[r]) else SEPARATOR for r, p in ends]
+        counts = Counter(nexts)
+        chosen = min(token for token, count in counts.items() if count == max(counts.values()))
+        if chosen == SEPARATOR:
+            break
+        chain.append(chosen)
+        ends = [(r, p + 1) for (r, p), token in zip(ends, nexts) if token == chosen]
+    return chain, length
+
+
+def occurs(replies, tokens) -> bool:
+    return any(reply[i:i + len(tokens)] == tokens for reply in replies for i in range(len(reply) - len(tokens) + 1))
+
+
+# -- the format and the search --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [2, 7])
+def test_suffix_array_sorts_the_suffixes(vocab):
+    rng = np.random.default_rng(vocab)
+    for size in (1, 2, 9, 200):
+        tokens = rng.integers(0, vocab, size).astype(np.uint32)
+        assert suffix_array(tokens).tolist() == sorted(range(size), key=lambda i: tokens[i:].tolist())
+
+
+def test_a_store_states_its_size_and_its_target(tmp_path):
+    replies = random_replies(0, 50, 9)
+    store = build(tmp_path / "s", replies)
+    manifest = store.manifest
+    num_tokens = sum(len(r) for r in replies)
+    assert (manifest.num_sequences, manifest.num_tokens, store.num_tokens) == (50, num_tokens, num_tokens)
+    sizes = {name: (tmp_path / "s" / name).stat().st_size for name in (TOKENS_NAME, SUFFIX_ARRAY_NAME)}
+    assert manifest.files == sizes and manifest.index_bytes == sum(sizes.values())
+    assert manifest.index_bytes == 2 * HEADER_BYTES + 8 * num_tokens + 4 * len(replies)  # 8 bytes a token
+    assert manifest.target == IDENTITY and manifest.tokenizer["fingerprint"] == "f" * 64
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp files left behind"
+
+
+@pytest.mark.parametrize("vocab, max_match, min_match", [(3, 4, 1), (6, 8, 2), (20, 16, 1)])
+def test_proposals_follow_the_rule(tmp_path, vocab, max_match, min_match):
+    replies = random_replies(vocab, 60, vocab)
+    replies += [replies[0][:12]] * 3 + [replies[5]]  # repeated replies: counts above one
+    store = build(tmp_path / "s", replies)
+    rng = np.random.default_rng(1)
+    for _ in range(150):
+        context = rng.integers(0, vocab, rng.integers(0, 12)).tolist()
+        expected = reference_propose(replies, context, 6, max_match, min_match)
+        assert store.propose(context, 6, max_match, min_match, max_occurrences=10 ** 6) == expected, context
+
+
+def test_proposals_are_deterministic_across_calls_batches_and_reopening(tmp_path):
+    replies = random_replies(2, 400, 5, max_len=60)
+    build(tmp_path / "s", replies)
+    config = StoreConfig(num_tokens=8, max_match=6, min_match=1, max_occurrences=4)
+    rng = np.random.default_rng(3)
+    contexts = [rng.integers(0, 5, 10).tolist() for _ in range(40)]
+    first = StoreDrafter(ReplyStore(tmp_path / "s"), config)
+    again = StoreDrafter(ReplyStore(tmp_path / "s"), config)
+    batched = first.draft([first.start(c[:4]) for c in contexts], [c[4:] for c in contexts])
+    alone = [again.draft([again.start(c[:7])], [c[7:]])[0] for c in reversed(contexts)][::-1]
+    assert batched == alone
+    assert sum(bool(chain) for chain, _ in batched) > len(contexts) // 2
+    for context, (chain, goes_alone) in zip(contexts, batched):
+        assert not goes_alone and len(chain) <= 8  # [] where the most frequent continuation ends the reply
+        matched = first.store.propose(context, 8, 6, 1, 4)[1]
+        # a bounded count may not find the most frequent continuation, but what it proposes is in the store
+        assert occurs(replies, context[len(context) - matched:] + chain)
+
+
+def test_alone_at_match_and_no_match(tmp_path):
+    store = build(tmp_path / "s", [[1, 2, 3, 4, 5, 6]])
+    drafter = StoreDrafter(store, StoreConfig(num_tokens=3, max_match=4, min_match=2, alone_at_match=3))
+    assert drafter.draft([[9, 1, 2], [9, 1], [2]], [[3], [2], [7]]) == [([4, 5, 6], True), ([3, 4, 5], False),
+                                                                       ([], False)]
+    assert store.propose([5, 6], 4, 4) == ([], 2)  # the reply ends there
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_tokens=0), "num_tokens"), (dict(max_match=True), "max_match"), (dict(min_match=5, max_match=4), "min_match"),
+    (dict(max_occurrences=0), "max_occurrences"), (dict(alone_at_match=1, min_match=2), "alone_at_match"),
+])
+def test_store_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        StoreConfig(**kwargs)
+
+
+def corrupt(directory, name: str, change) -> None:
+    path = directory / name
+    path.write_bytes(change(path.read_bytes()))
+
+
+@pytest.mark.parametrize("name, change, message", [
+    (TOKENS_NAME, lambda data: data[:-4], "corrupt: tokens.bin is"),
+    (SUFFIX_ARRAY_NAME, lambda data: data + b"\0\0\0\0", "corrupt: suffix_array.bin is"),
+    (TOKENS_NAME, lambda data: b"NOTMAGIC" + data[8:], "magic"),
+    (SUFFIX_ARRAY_NAME, lambda data: data[:8] + struct.pack("<Q", 3) + data[16:], "entry count"),
+    (SUFFIX_ARRAY_NAME, lambda data: data[:16] + data[20:24] + data[16:20] + data[24:], "out of order"),
+    (SUFFIX_ARRAY_NAME, lambda data: data[:16] + struct.pack("<i", 10 ** 6) + data[20:], "out of order"),
+    (TOKENS_NAME, lambda data: data[:-4] + b"\0\0\0\1", "does not end a reply"),
+    (MANIFEST_NAME, lambda data: data.replace(b'"format_version": 1', b'"format_version": 9'), "format_version=9"),
+    (MANIFEST_NAME, lambda data: data.replace(b"specheads-reply-store", b"other"), "not a reply-store manifest"),
+    (MANIFEST_NAME, lambda data: data[:20], "not readable JSON"),
+])
+def test_a_corrupt_store_is_refused_with_one_line(tmp_path, name, change, message):
+    build(tmp_path / "s", random_replies(4, 30, 6))
+    corrupt(tmp_path / "s", name, change)
+    with pytest.raises(StoreError, match=message) as caught:
+        ReplyStore(tmp_path / "s")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_missing_store_is_refused(tmp_path):
+    with pytest.raises(StoreError, match="not a reply store .*specheads data store"):
+        ReplyStore(tmp_path / "nothing")
+    with pytest.raises(StoreError, match="at least one non-empty reply"):
+        write_store(tmp_path / "s", [[], []], target=IDENTITY, tokenizer=TOKENIZER)
+    with pytest.raises(StoreError, match="not a vocabulary id"):
+        write_store(tmp_path / "s", [[1, -2]], target=IDENTITY, tokenizer=TOKENIZER)
+
+
+class VocabTokenizer:
+    def __init__(self, vocab: dict):
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict:
+        return dict(self.vocab)
+
+
+def test_a_store_for_another_target_or_tokenizer_is_refused(tmp_path, tiny_llama_dir):
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    ours = VocabTokenizer({"a": 0, "b": 1})
+    store = build(tmp_path / "s", [[1, 2, 3]], target.identity, tokenizer_fingerprint(ours))
+    assert open_store(tmp_path / "s", target.identity, ours).num_tokens == 3
+    with pytest.raises(StoreError, match="tokenizer: .*another vocabulary"):
+        open_store(tmp_path / "s", target.identity, VocabTokenizer({"a": 0, "c": 1}))
+    other = TargetIdentity(**{**target.identity.__dict__, "vocab_size": 512, "hidden_size": 32})
+    with pytest.raises(StoreError, match="hidden_size: store 64, target 32; vocab_size: store 256, target 512") as caught:
+        store.check_fits(other)
+    assert "specheads data store --target" in str(caught.value)
+    elsewhere = TargetIdentity(**{**target.identity.__dict__, "name_or_path": "/another/copy"})
+    store.check_fits(elsewhere)  # the same model at another path fits
+    build(tmp_path / "t", [[1, 2]], other)
+    with pytest.raises(StoreError, match="does not fit the target"):
+        SpeculativeDecoder(target, store=StoreDrafter(ReplyStore(tmp_path / "t")))
+
+
+def test_the_tree_field_records_a_store(tmp_path):
+    spec = parse_tree_field({"paths": [[0]], "store": {"path": "/s", "num_tokens": 4}})
+    assert spec.store == StoreConfig(num_tokens=4) and spec.store_path == "/s"
+    assert parse_tree_field({"paths": [[0]]}).store is None
+    with pytest.raises(ValueError, match="'store' must be an object with a 'path'"):
+        parse_tree_field({"store": {"num_tokens": 4}})
+    with pytest.raises(ValueError, match="keys from"):
+        parse_tree_field({"store": {"path": "/s", "tokens": 4}})
+
+
+# -- two chains per row ---------------------------------------------------------------------------
+
+
+def test_with_chains_puts_each_source_s_chain_on_its_own_branch():
+    plan = TreePlan(DraftTree.from_paths([[0], [1], [0, 0]]), torch.device("cpu"))
+    base = DraftBatch.from_plan(plan, torch.arange(8).reshape(2, 4))
+    drafts = base.with_chains([[[5, 6], [7, 8, 9]], [[], [3]]])
+    assert drafts.num_nodes == 4 + 5 and drafts.max_depth == 3 and drafts.max_children == 2 + 2
+    assert drafts.chain_spans == [[(4, 2), (6, 3)], [None, (4, 1)]]
+    assert drafts.tokens[0, 4:].tolist() == [5, 6, 7, 8, 9] and drafts.parents[0, 4:].tolist() == [0, 4, 0, 6, 7]
+    assert drafts.tokens[1, 4].item() == 3 and drafts.valid[1].tolist() == [True] * 5 + [False] * 4
+    assert drafts.children()[0, 0].tolist()[:4] == [1, 2, 4, 6]  # heads' candidates, then lookup, then store
+    for row in range(2):
+        check_row(drafts, row)
+    # a chain that an earlier one starts with adds no path: left out
+    repeat = base.with_chains([[[5, 6, 7], [5, 6]], [[4], [4]]])
+    assert repeat.chain_spans == [[(4, 3), None], [(4, 1), None]] and repeat.num_nodes == 7
+    single = DraftBatch.roots(torch.tensor([1])).with_chains([[[2, 3], [4]]])
+    assert not single.is_chain and single.max_children == 2
+    check_row(single, 0)
+    assert DraftBatch.roots(torch.tensor([1])).with_chains([[[], [4, 5]]]).is_chain
+
+
+# -- the engine: greedy ---------------------------------------------------------------------------
+
+
+def hf_greedy(target: TargetAdapter, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy_setup(tiny_llama_dir, tmp_path_factory):
+    """(target, prompts, references, store): the store holds the target's replies to the
+    first four prompts (and noise), not to the last two."""
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, target.vocab_size, (9,), generator=generator).tolist() for _ in range(6)]
+    references = [hf_greedy(target, prompt, NUM_NEW) for prompt in prompts]
+    noise = random_replies(6, 40, target.vocab_size)
+    directory = tmp_path_factory.mktemp("store") / "s"
+    build(directory, references[:4] + noise, target.identity)
+    return target, prompts, references, ReplyStore(directory)
+
+
+def random_medusa(target: TargetAdapter) -> MedusaHeads:
+    torch.manual_seed(0)
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, 3)
+    heads.init_lm_heads_from(target.lm_head())
+    nn.init.normal_(heads.block_weight, std=0.2)
+    return heads.eval()
+
+
+def store_decoder(target, store: ReplyStore, kind: str) -> SpeculativeDecoder:
+    drafter = StoreDrafter(store, StoreConfig(num_tokens=6))
+    if kind == "store":
+        return SpeculativeDecoder(target, store=drafter, fallback=None)
+    if kind == "medusa+lookup+store":
+        return SpeculativeDecoder(target, random_medusa(target), DraftTree.from_paths(TREE_PATHS),
+                                  lookup=LookupConfig(num_tokens=4, alone_at_ngram=None), store=drafter, fallback=None)
+    head, config = random_head(target, seed=3)
+    return SpeculativeDecoder(target, head, DynamicTreeConfig(depth=3, top_k=2, num_nodes=6),
+                              tap_layers=config.tap_layers, store=drafter, fallback=None)
+
+
+@pytest.mark.parametrize("kind", ["store", "medusa+lookup+store", "eagle3-dynamic+store"])
+def test_greedy_decoding_with_the_store_in_a_batch_is_the_target_s_own(greedy_setup, kind):
+    target, prompts, references, store = greedy_setup
+    decoder = store_decoder(target, store, kind)
+    assert decoder.max_tree_nodes == {"store": 1, "medusa+lookup+store": 11, "eagle3-dynamic+store": 7}[kind] + 6
+    lengths = [NUM_NEW, 21, NUM_NEW, 17, NUM_NEW, 25]
+    requests = [(prompt, length) for prompt, length in zip(prompts, lengths)]
+    from specheads.serving.decode.engine import SequenceRequest
+
+    tokens, results, batched_steps = run_session(decoder, [SequenceRequest(p, n) for p, n in requests])
+    assert batched_steps > 3
+    for row, (reference, length) in enumerate(zip(references, lengths)):
+        assert tokens[row] == results[row].tokens == reference[:length], (kind, row)
+        stats = results[row].stats
+        assert 0 <= stats.store_accepted <= stats.accepted_tokens and stats.store_steps <= stats.steps
+    for row in range(4):  # the store holds these replies: whole runs of them are accepted
+        assert results[row].stats.store_accepted >= lengths[row] // 2, (kind, row, results[row].stats)
+        assert results[row].stats.steps < lengths[row] // 2
+    if kind == "store":  # without heads, every speculative step is a store step
+        for result in results:
+            assert result.stats.store_steps == result.stats.speculative_steps
+            assert result.stats.store_accepted == result.stats.accepted_tokens
+
+
+def test_the_store_survives_a_faulty_row(greedy_setup, monkeypatch):
+    """A store search that fails for one sequence ends that sequence alone."""
+    target, prompts, references, store = greedy_setup
+    decoder = store_decoder(target, store, "store")
+    original = ReplyStore.propose
+
+    def faulty(self, context, *args):
+        if list(context[:3]) == prompts[1][:3]:  # the second sequence's first steps
+            raise RuntimeError("injected store fault")
+        return original(self, context, *args)
+
+    monkeypatch.setattr(ReplyStore, "propose", faulty)
+    from specheads.serving.decode.engine import SequenceRequest
+
+    tokens, results, _ = run_session(decoder, [SequenceRequest(p, NUM_NEW) for p in prompts[:3]])
+    assert results[1].finish_reason == "error" and "injected store fault" in results[1].error
+    for row in (0, 2):
+        assert tokens[row] == references[row]
+
+
+# -- the engine: sampling ---------------------------------------------------------------------------
+
+
+VOCAB = 8
+PROMPT = [3, 5, 1, 6]
+NUM_SAMPLES = 3000
+P_VALUE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def sampling_setup(tmp_path_factory):
+    """A tiny-vocabulary target whose joint law of two tokens is enumerable, random Medusa
+    heads, and a store whose most frequent continuation of each first token t1 (after the
+    prompt) is the target's likeliest second token, then two more."""
+    from test_decode_sampling import exact_joint
+
+    directory = make_tiny_model("llama", tmp_path_factory.mktemp("tiny-vocab-llama"), seed=3, vocab_size=VOCAB,
+                                hidden_size=32, num_layers=2)
+    target = TargetAdapter.from_pretrained(directory)
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(0.4)
+    params = SamplingParams(temperature=1.0)
+    joint = exact_joint(target, params)
+    likeliest = joint.argmax(-1).tolist()  # [V]: the likeliest t2 after each t1
+    replies = [[PROMPT[-1], t1, likeliest[t1], (t1 + 1) % VOCAB, (t1 + 2) % VOCAB] for t1 in range(VOCAB)]
+    replies += [[t1, (likeliest[t1] + 3) % VOCAB] for t1 in range(VOCAB)]  # a rarer continuation
+    store = build(tmp_path_factory.mktemp("store") / "s", replies, target.identity)
+    torch.manual_seed(0)
+    heads = MedusaHeads(target.hidden_size, target.vocab_size, 2)
+    nn.init.normal_(heads.lm_head_weight, std=0.5)
+    nn.init.normal_(heads.block_weight, std=0.2)
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield target, heads, store, params, joint
+    torch.set_num_threads(num_threads)
+
+
+@pytest.mark.parametrize("with_heads", [True, False], ids=["medusa+lookup+store", "store-alone"])
+def test_first_two_tokens_follow_the_target_with_the_store(sampling_setup, with_heads):
+    """Store tokens are candidates fixed in advance: beside the heads' tree and a lookup chain
+    (the root's last child), or the whole tree (no heads)."""
+    target, heads, store, params, joint = sampling_setup
+    drafter = StoreDrafter(store, StoreConfig(num_tokens=3, max_match=4, min_match=1))
+    decoder = SpeculativeDecoder(target, heads if with_heads else None,
+                                 DraftTree.from_paths([[0], [1], [2], [0, 0], [1, 0]]) if with_heads else None,
+                                 lookup=LookupConfig(num_tokens=3, alone_at_ngram=None) if with_heads else None,
+                                 store=drafter)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    store_steps = store_accepted = 0
+    for seed in range(NUM_SAMPLES):
+        result = generate(decoder, PROMPT, 2, sampling=SamplingParams(temperature=params.temperature, seed=seed))
+        counts[result.tokens[0], result.tokens[1]] += 1
+        store_steps += result.stats.store_steps
+        store_accepted += result.stats.store_accepted
+        assert result.lossless
+    # beside the heads, a store token that a head's candidate repeats is accepted there, not from the store
+    least = NUM_SAMPLES // 50 if with_heads else NUM_SAMPLES // 10
+    assert store_steps > NUM_SAMPLES // 2 and store_accepted > least, (store_steps, store_accepted)
+    assert chi_square_p_value(counts, joint) > P_VALUE
