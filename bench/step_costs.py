@@ -124,11 +124,11 @@ def draft_costs(target, heads, tap_layers: list[int] | None, prompt_1P: torch.Te
         with torch.inference_mode():
             state = prefill(target, prompt_1P, decoder.tap_layers,
                             TreeStaticCache(target.config, max_cache_len=prompt_1P.shape[1] + 128))
-            if decoder.drafts_from_head_cache:  # the head's first run covers the whole prompt
-                state.draft_cache = decoder.drafter.draft([state]).head_caches[0]
+            head_kv = decoder.drafter.new_cache(1, prompt_1P.shape[1] + 128)
+            decoder.drafter.draft([state], [0], head_kv)  # an EAGLE head's first run covers the whole prompt
             # Steady state: one new committed position per step (a step that accepted nothing).
             state.hidden, state.next_tokens = state.hidden[-1:], state.next_tokens[-1:]
-            costs[depth] = time_ms(lambda: decoder.drafter.draft([state]), target.device, 1, repeats)
+            costs[depth] = time_ms(lambda: decoder.drafter.draft([state], [0], head_kv), target.device, 1, repeats)
     return costs
 
 

@@ -84,7 +84,12 @@ class Attention(nn.Module):
         k = self.k_proj(x_BTI).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BTI).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, position_ids_BT), self.rope(k, position_ids_BT)  # [B, Hq|Hkv, T, D]
-        keys, values = (k, v) if past_kv is None else (torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2))
+        if past_kv is None:
+            keys, values = k, v
+        elif isinstance(past_kv, tuple):
+            keys, values = torch.cat([past_kv[0], k], 2), torch.cat([past_kv[1], v], 2)
+        else:  # a cache that stores this call's keys and values and returns what to attend to (serving's)
+            keys, values = past_kv.update(k, v)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_B1TS,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
@@ -216,15 +221,20 @@ class Eagle3Head(nn.Module):
         """One pass through the layers -> (output feature [B, T, H], this call's (k, v), each
         [L, B, Hkv, T, D]).
 
-        past_kv: (keys, values) [L, B, Hkv, S, D] the rows may also attend to; mask [B, 1, T, S+T]
-        bool (True = attend). Without a mask the T rows attend causally to each other only.
+        past_kv: (keys, values) [L, B, Hkv, S, D] the rows may also attend to, mask [B, 1, T, S+T]
+        bool (True = attend); or a cache whose `layers` each take this call's keys and values
+        (`update(k, v) -> (keys, values)` to attend to, as serving/decode/eagle.py `HeadKV`'s), mask
+        [B, 1, T, its keys]. Without a mask the T rows attend causally to each other only.
         """
         if mask_B1TS is None:
             if past_kv is not None:
                 raise ValueError("past_kv needs an explicit mask")
             seq = embeds_BTH.shape[1]
             mask_B1TS = torch.ones(seq, seq, dtype=torch.bool, device=embeds_BTH.device).tril()[None, None]
-        pasts = [None] * self.num_layers if past_kv is None else list(zip(*past_kv))
+        if past_kv is None:
+            pasts = [None] * self.num_layers
+        else:
+            pasts = list(zip(*past_kv)) if isinstance(past_kv, tuple) else past_kv.layers
         h, first_kv = self.midlayer(embeds_BTH, feature_BTH, position_ids_BT, pasts[0], mask_B1TS)
         new_kv = [first_kv]
         for layer, past in zip(self.layers.values(), pasts[1:]):

@@ -232,6 +232,7 @@ class TreeStaticCache(Cache):
         self.static_shape = static_shape
         self.lengths = _Lengths(batch_size)
         self.storage = _Storage(len(layer_types), batch_size, max_cache_len)
+        self.followers: list[torch.Tensor] = []  # other [L', 2, B, ...] buffers whose rows move with these
         super().__init__(layers=[TreeStaticLayer(max_cache_len, self.lengths, static_shape, self.storage, index)
                                  for index in range(len(layer_types))])
 
@@ -281,8 +282,7 @@ class TreeStaticCache(Cache):
     def swap_rows(self, a: int, b: int) -> None:
         """Exchange the sequences of rows a and b (a scheduler reorders its batch)."""
         length = max(self.lengths.host[a], self.lengths.host[b])
-        buffer = self.storage.buffer
-        if buffer is not None:
+        for buffer in self._buffers():
             row_a = buffer[:, :, a, :, :length].clone()
             buffer[:, :, a, :, :length] = buffer[:, :, b, :, :length]
             buffer[:, :, b, :, :length] = row_a
@@ -293,11 +293,23 @@ class TreeStaticCache(Cache):
         """Move sequence src into row dst (dst's sequence is dropped): keeps the active rows
         contiguous when a sequence leaves a batch."""
         length = self.lengths.host[src]
-        if self.storage.buffer is not None:
-            self.storage.buffer[:, :, dst, :, :length] = self.storage.buffer[:, :, src, :, :length]
+        for buffer in self._buffers():
+            buffer[:, :, dst, :, :length] = buffer[:, :, src, :, :length]
         self.lengths.host[dst] = length
         self.lengths.host[src] = 0
         self._sync_device_lens()
+
+    def follow(self, buffer: torch.Tensor) -> None:
+        """Move the rows of another per-row buffer [L', 2, B, H', >= max_cache_len, D'] with this
+        cache's (swap_rows, move_row): an EAGLE head's KV cache (serving/decode/eagle.py `HeadKV`),
+        whose rows hold at most the positions this cache's rows commit."""
+        if buffer.dim() != 6 or buffer.shape[2] != self.capacity or buffer.shape[4] < self.max_cache_len:
+            raise ValueError(f"a follower buffer must be [L, 2, {self.capacity}, H, >= {self.max_cache_len}, D], "
+                             f"got {tuple(buffer.shape)}")
+        self.followers.append(buffer)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return ([] if self.storage.buffer is None else [self.storage.buffer]) + self.followers
 
     def commit(self, accepted_node_indices: torch.Tensor | Sequence | None = None, *,
                num_kept: Sequence[int] | None = None) -> None:

@@ -41,7 +41,6 @@ class DraftBatch:
     max_children: int  # C, the most children any node may have (host; sizes the sampled accept)
     is_chain: bool = False  # one row whose nodes form a chain: the causal mask is its tree mask
     heads_drafted: list[bool] | None = None  # [n] the heads drafted the row (None: every row)
-    head_caches: list | None = None  # [n] an EAGLE drafter's head cache over the committed positions, per row
     # [n][S] per row and chain source (with_chains): (first node, length) of its chain, None for none
     chain_spans: list[list[tuple[int, int] | None]] | None = None
 
@@ -55,14 +54,14 @@ class DraftBatch:
         return int(self.tokens.shape[1])
 
     @classmethod
-    def from_plan(cls, plan: TreePlan, tokens_nT: torch.Tensor, head_caches: list | None = None) -> "DraftBatch":
+    def from_plan(cls, plan: TreePlan, tokens_nT: torch.Tensor) -> "DraftBatch":
         """Every row with the same static tree: expanded views of the plan, no copies."""
         num_rows = int(tokens_nT.shape[0])
         return cls(tokens=tokens_nT, parents=plan.parents.expand(num_rows, -1),
                    depths=plan.position_offsets.expand(num_rows, -1),
                    tree_mask=plan.tree_mask.expand(num_rows, -1, -1), valid=plan.all_valid.expand(num_rows, -1),
                    max_depth=plan.max_depth, max_children=plan.max_children,
-                   is_chain=plan.is_chain and num_rows == 1, head_caches=head_caches)
+                   is_chain=plan.is_chain and num_rows == 1)
 
     @classmethod
     def roots(cls, roots_n: torch.Tensor) -> "DraftBatch":
@@ -96,8 +95,7 @@ class DraftBatch:
         return replace(self, tokens=self.tokens.index_select(0, index), parents=self.parents.index_select(0, index),
                        depths=self.depths.index_select(0, index), tree_mask=self.tree_mask.index_select(0, index),
                        valid=self.valid.index_select(0, index), is_chain=self.is_chain and len(indices) == 1,
-                       heads_drafted=pick(self.heads_drafted), head_caches=pick(self.head_caches),
-                       chain_spans=pick(self.chain_spans))
+                       heads_drafted=pick(self.heads_drafted), chain_spans=pick(self.chain_spans))
 
     @classmethod
     def merge(cls, base: "DraftBatch", drafted: "DraftBatch | None", rows: list[int]) -> "DraftBatch":
@@ -112,12 +110,11 @@ class DraftBatch:
         index = torch.tensor(rows, dtype=torch.long, device=base.tokens.device)
         for name in ("tokens", "parents", "depths", "tree_mask", "valid"):
             getattr(merged, name).index_copy_(0, index, getattr(drafted, name))
-        heads_drafted, head_caches = list(base.heads_drafted), [None] * base.num_rows
-        for source, row in enumerate(rows):
+        heads_drafted = list(base.heads_drafted)
+        for row in rows:
             heads_drafted[row] = True
-            head_caches[row] = None if drafted.head_caches is None else drafted.head_caches[source]
         return replace(merged, max_depth=drafted.max_depth, max_children=drafted.max_children, is_chain=False,
-                       heads_drafted=heads_drafted, head_caches=head_caches)
+                       heads_drafted=heads_drafted)
 
     def with_chains(self, chains: list[list[list[int]]]) -> "DraftBatch":
         """Each row's chains (chains[row][source]: target ids, [] for none; serving/decode/lookup.py

@@ -144,6 +144,10 @@ class BatchEngine:
         self.max_cache_len = max_cache_len
         self.cache = TreeStaticCache(self.target.config, max_cache_len=max_cache_len, batch_size=max_batch_size,
                                      static_shape=decoder.cuda_graphs is not None)
+        # An EAGLE head's KV cache, one row per engine row, moving with the cache's rows
+        self.head_kv = None if decoder.drafter is None else decoder.drafter.new_cache(max_batch_size, max_cache_len)
+        if self.head_kv is not None:
+            self.cache.follow(self.head_kv.buffer)
         self.graphs = None if decoder.cuda_graphs is None else \
             VerifyGraphs(decoder, self.cache, capture=decoder.cuda_graphs == "capture")
         self.rows: list[Sequence] = []  # row i holds rows[i]
@@ -371,9 +375,9 @@ class BatchEngine:
                 alone[index] = alone[index] or goes_alone
         heads_rows = [index for index in drafting if not alone[index] and self.decoder.drafter is not None
                       and batch[index].error is None]
-        drafted = self._draft_heads([batch[i] for i in heads_rows]) if heads_rows else None
-        if drafted is not None and len(drafted[0]) < len(heads_rows):  # rows whose drafting failed
-            heads_rows = [heads_rows[i] for i in drafted[0]]
+        drafted = self._draft_heads(batch, heads_rows) if heads_rows else None
+        if drafted is None or len(drafted[0]) < len(heads_rows):  # rows whose drafting failed
+            heads_rows = [] if drafted is None else [heads_rows[i] for i in drafted[0]]
         if len(heads_rows) == len(batch):  # every row drafted (the common case): nothing to pad in
             drafts = replace(drafted[1], heads_drafted=[True] * len(batch))
         else:
@@ -395,27 +399,26 @@ class BatchEngine:
         alone = [self._guard(seq, source.draft, [seq.chain_states[number]], [seq.tokens]) for seq in seqs]
         return [([], False) if one is None else one[0] for one in alone]
 
-    def _draft_heads(self, seqs: list[Sequence]) -> tuple[list[int], DraftBatch] | None:
-        """One drafter call for seqs -> (the drafted rows' indices in seqs, their drafts). On an
-        error, one call per sequence, which finds the faulty one and ends it alone."""
+    def _draft_heads(self, batch: list[Sequence], rows: list[int]) -> tuple[list[int], DraftBatch] | None:
+        """One drafter call for the given rows -> (the drafted rows' indices in `rows`, their
+        drafts). On an error, one call per sequence, which finds the faulty one and ends it alone."""
         drafter = self.decoder.drafter
         try:
-            return list(range(len(seqs))), drafter.draft([seq.state for seq in seqs])
+            return list(range(len(rows))), drafter.draft([batch[row].state for row in rows], rows, self.head_kv)
         except Exception as err:  # noqa: BLE001 - isolated below, row by row
             if is_fatal(err):
                 raise
-        alone = [self._guard(seq, drafter.draft, [seq.state]) for seq in seqs]
-        rows = [i for i, one in enumerate(alone) if one is not None]
-        if not rows:
+        alone = [self._guard(batch[row], drafter.draft, [batch[row].state], [row], self.head_kv) for row in rows]
+        drafted = [i for i, one in enumerate(alone) if one is not None]
+        if not drafted:
             return None
-        ones = [alone[i] for i in rows]
+        ones = [alone[i] for i in drafted]
         width = max(one.num_nodes for one in ones)
         padded = [one.padded(width) for one in ones]
         stacked = {name: torch.cat([getattr(one, name) for one in padded])
                    for name in ("tokens", "parents", "depths", "tree_mask", "valid")}
-        caches = None if ones[0].head_caches is None else [one.head_caches[0] for one in ones]
-        return rows, DraftBatch(**stacked, max_depth=max(one.max_depth for one in ones),
-                                max_children=max(one.max_children for one in ones), head_caches=caches)
+        return drafted, DraftBatch(**stacked, max_depth=max(one.max_depth for one in ones),
+                                   max_children=max(one.max_children for one in ones))
 
     def _verify(self, batch: list[Sequence], drafts: DraftBatch) -> Verified | None:
         """ONE forward over rows [0, n). A failed forward of several rows is run again row by
@@ -513,11 +516,9 @@ class BatchEngine:
         heads_drafted = drafts.heads_drafted is None or drafts.heads_drafted[row]
         if seq.keep_head_rows and not heads_drafted:  # the EAGLE head covers these rows on its next run
             hidden, next_tokens = torch.cat([state.hidden, hidden]), torch.cat([state.next_tokens, next_tokens])
-        head_cache = state.draft_cache if drafts.head_caches is None or drafts.head_caches[row] is None \
-            else drafts.head_caches[row]
         seq.state = DecodeState(cache=state.cache, prefix_len=state.prefix_len + num_nodes,
                                 root=accepted.emitted[row, num_nodes - 1:num_nodes], hidden=hidden,
-                                next_tokens=next_tokens, draft_cache=head_cache)
+                                next_tokens=next_tokens)
         seq.stats.count_step(host.depths[row], num_nodes - 1, seconds)
         for name, span in zip(chain_names, drafts.chain_spans[row] if drafts.chain_spans is not None else []):
             if span is not None:

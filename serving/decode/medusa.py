@@ -83,10 +83,14 @@ class MedusaDrafter:
             drafted_NB = self.draft_ids[drafted_NB]  # draft ids -> target ids
         return torch.cat([root_B[:, None], drafted_NB.T], dim=1), logits_KBV
 
-    def draft(self, states: list) -> DraftBatch:
+    def new_cache(self, batch_size: int, max_cache_len: int) -> None:
+        """Medusa heads keep no cache."""
+        return None
+
+    def draft(self, states: list, rows: list[int] | None = None, head_kv=None) -> DraftBatch:
         """B sequences in one head call (each reads its last committed final hidden state and
         its root) -> their drafts; with entropy_threshold, each row's nodes past its cut depth
-        are invalid."""
+        are invalid. rows, head_kv: the drafter interface's (EAGLE's head cache); unused."""
         tokens_BT, logits_DBV = self.draft_tokens(torch.stack([state.hidden[-1] for state in states]),
                                                   torch.cat([state.root for state in states]))
         drafts = DraftBatch.from_plan(self.plan, tokens_BT)

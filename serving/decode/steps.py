@@ -10,7 +10,8 @@ positions; `root` is the next token, already chosen by the target but not yet in
 `hidden` holds the drafter's target taps (concatenated) at the A positions committed by the
 last step (all P prompt positions after prefill), `next_tokens` the token after each of
 them. Medusa reads the final (post-norm) hidden state at position S-1, the one that chose
-`root`; EAGLE heads read every new row (their own KV cache, `draft_cache`, covers the rest).
+`root`; EAGLE heads read every new row (their own KV cache in the engine's row covers the rest:
+serving/decode/eagle.py `HeadKV`).
 
 - draft (the drafters: serving/decode/medusa.py, eagle.py; lookup chains: lookup.py): one
   `DraftBatch` (serving/decode/draft_batch.py) for the batch, each row a tree of T nodes
@@ -55,7 +56,6 @@ class DecodeState:
     root: torch.Tensor  # [1] long, next token, not yet in the cache
     hidden: torch.Tensor  # [A, nH] drafter taps at positions S-A..S-1 (Medusa: nH = H, final hidden)
     next_tokens: torch.Tensor  # [A] long, the token after each of those positions (ends with root)
-    draft_cache: object | None = None  # the EAGLE drafter's head cache over committed positions
     # [L, V] the prefill's logits: its last row (L = 1), or every position it ran (all_logits);
     # they score the first token and the prompt (serving/decode/logprobs.py). None from the first step on.
     logits: torch.Tensor | None = None

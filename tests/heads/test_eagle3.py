@@ -189,8 +189,8 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
     chain_plan = TreePlan(DraftTree.chain(3), target.device)
     real_draft, checked = decoder.drafter.draft, []
 
-    def check_then_force(states):
-        drafts = real_draft(states)
+    def check_then_force(states, rows, head_kv):
+        drafts = real_draft(states, rows, head_kv)
         tree_tokens, context = drafts.tokens[0], prompt + seq.tokens  # the committed tokens, then the root
         assert int(tree_tokens[0]) == seq.tokens[-1]
         for node in range(1, tree.num_nodes):  # the training forward on committed + ancestors' tokens
@@ -206,7 +206,7 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
             assert int(tree_tokens[node]) == int(draft_ids[ranked[int(tree.ranks[node])]])
         checked.append(len(context))
         forced = torch.tensor([[int(tree_tokens[0])] + greedy[len(seq.tokens):][:3]])
-        return DraftBatch.from_plan(chain_plan, forced, head_caches=drafts.head_caches)
+        return DraftBatch.from_plan(chain_plan, forced)
 
     monkeypatch.setattr(decoder.drafter, "draft", check_then_force)
     for _ in range(3):

@@ -76,9 +76,19 @@ class Tree:
         return max(self.depths)
 
 
+def head_kv_for(drafter, state):
+    return drafter.new_cache(1, state.prefix_len + 64)
+
+
+def expand_one(drafter, state):
+    """One state's candidates before the rerank (row 0 of the batched expand)."""
+    drafted = drafter.expand([state], [0], head_kv_for(drafter, state))
+    return type(drafted)(**{name: value[0] for name, value in drafted.__dict__.items()})
+
+
 def drafted_tree(drafter, state) -> Tree:
     """The valid nodes of one state's draft; the drafters leave the state as it was."""
-    drafts = drafter.draft([state])
+    drafts = drafter.draft([state], [0], head_kv_for(drafter, state))
     keep = drafts.valid[0].nonzero()[:, 0]
     new_index = {int(old): new for new, old in enumerate(keep)}
     parents = [new_index.get(int(drafts.parents[0, old]), -1) for old in keep]
@@ -200,7 +210,7 @@ def test_kept_nodes_are_the_best_by_cumulative_log_prob(target, head, config):
         got = tree_paths_as_draft_ids(tree, head)
         assert set(got) == set(expected)
         with torch.inference_mode():
-            drafted = drafter.expand(state)[0]  # the scores behind the rerank are the brute force's
+            drafted = expand_one(drafter, state)  # the scores behind the rerank are the brute force's
         node_of = {path: node for node, path in candidate_paths(drafted, head).items()}
         for path, score in expected.items():
             assert abs(float(drafted.scores[node_of[path]]) - score) < 1e-4
@@ -224,14 +234,14 @@ def test_adaedl_threshold_zero_never_stops_and_one_stops_at_depth_one(target, he
     assert chain_tree.max_depth == 1  # a chain stops as a whole
     # A threshold between the expanded nodes' bounds stops exactly the branches below it.
     with torch.inference_mode():
-        drafted = DynamicEagleDrafter(head, target.embeddings(), base).expand(state)[0]
+        drafted = expand_one(DynamicEagleDrafter(head, target.embeddings(), base), state)
         runner = PathRunner(head, target.embeddings(), state)
         paths = candidate_paths(drafted, head)
         expanded = sorted({int(p) for p in drafted.parents[1:] if int(p) > 0})
         bounds = {node: float(acceptance_bound(runner.logits(paths[node]))) for node in expanded}
         threshold = float(torch.tensor(list(bounds.values())).median()) + 1e-6
         middle = dataclasses.replace(base, entropy_threshold=threshold)
-        stopped_draft = DynamicEagleDrafter(head, target.embeddings(), middle).expand(state)[0]
+        stopped_draft = expand_one(DynamicEagleDrafter(head, target.embeddings(), middle), state)
     low = {node for node, bound in bounds.items() if bound < threshold}
     assert 0 < len(low) < len(bounds)
     depth2 = [n for n in range(1, drafted.tokens.shape[0]) if int(drafted.depths[n]) == 2]
@@ -242,20 +252,22 @@ def test_adaedl_threshold_zero_never_stops_and_one_stops_at_depth_one(target, he
         assert torch.isfinite(stopped_draft.scores[stopped_node]) == (int(drafted.parents[node]) not in low)
 
 
-def test_draft_cache_equals_the_static_drafters_across_steps(target, head, monkeypatch):
+def test_head_cache_equals_the_static_drafters_across_steps(target, head, monkeypatch):
     """In the engine's own steps, the dynamic drafter's head cache equals the static drafter's
-    on the same state and covers every committed position."""
+    (run on the same states in a cache of its own) over every committed position."""
     config = DynamicTreeConfig(depth=3, top_k=2, num_nodes=5)
     decoder = SpeculativeDecoder(target, head, config, tap_layers=TAPS)
     static = StaticEagleDrafter(head, target.embeddings(), DraftTree.chain(3))
-    real_draft, compared = decoder.drafter.draft, []
+    real_draft, compared, mirror = decoder.drafter.draft, [], {}
 
-    def draft_and_compare(states):
-        drafts = real_draft(states)
-        (cache,), (mirror,) = drafts.head_caches, static.draft(states).head_caches
-        assert torch.equal(cache.keys, mirror.keys) and torch.equal(cache.values, mirror.values)
-        assert cache.keys.shape[-2] == states[0].prefix_len
-        compared.append(states[0].prefix_len)
+    def draft_and_compare(states, rows, head_kv):
+        drafts = real_draft(states, rows, head_kv)
+        mirror.setdefault("kv", static.new_cache(head_kv.buffer.shape[2], head_kv.num_slots))
+        static.draft(states, rows, mirror["kv"])
+        committed = states[0].prefix_len
+        torch.testing.assert_close(head_kv.buffer[:, :, rows[0], :, :committed],
+                                   mirror["kv"].buffer[:, :, rows[0], :, :committed], rtol=0, atol=0)
+        compared.append(committed)
         return drafts
 
     monkeypatch.setattr(decoder.drafter, "draft", draft_and_compare)

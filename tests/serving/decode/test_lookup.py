@@ -30,7 +30,7 @@ from specheads.serving.decode.generate import generate
 from specheads.serving.decode.accept import accept_greedy
 from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.steps import DecodeState
-from specheads.serving.decode.eagle import commit_head_rows
+from specheads.serving.decode.eagle import commit_new_rows
 from specheads.serving.decode.trees import DynamicTreeConfig
 from specheads.serving.decode.engine import BatchEngine
 from specheads.serving.decode.lookup import LookupConfig, NgramIndex
@@ -374,15 +374,14 @@ def test_eagle_head_cache_stays_aligned_when_lookup_skips_the_head(setup, kind):
         engine.add(seq)
         with torch.inference_mode():
             while seq.finish_reason is None:
-                cached_before = 0 if seq.state.draft_cache is None else seq.state.draft_cache.keys.shape[-2]
+                cached_before = seq.state.prefix_len - seq.state.hidden.shape[0]  # the head's committed positions
                 engine.step()
                 state = seq.state
-                cached = 0 if state.draft_cache is None else state.draft_cache.keys.shape[-2]
+                cached = state.prefix_len - state.hidden.shape[0]
                 if cached == cached_before:
                     skipped += 1
                 else:
                     ran += 1
-                assert cached + state.hidden.shape[0] == state.prefix_len
                 assert state.next_tokens.shape[0] == state.hidden.shape[0]
                 if seq.finish_reason is not None:
                     break
@@ -393,11 +392,10 @@ def test_eagle_head_cache_stays_aligned_when_lookup_skips_the_head(setup, kind):
                     taps = target(torch.tensor([context[:-1]]), decoder.tap_layers).taps
                     full = DecodeState(cache=None, prefix_len=state.prefix_len, root=state.root,
                                        hidden=torch.cat(taps, dim=-1)[0], next_tokens=torch.tensor(context[1:]))
-                    _, reference_cache = commit_head_rows(head, embeddings, full)
-                    torch.testing.assert_close(state.draft_cache.keys, reference_cache.keys[..., :cached, :],
-                                               atol=1e-4, rtol=1e-4)
-                    torch.testing.assert_close(state.draft_cache.values, reference_cache.values[..., :cached, :],
-                                               atol=1e-4, rtol=1e-4)
+                    reference_kv = decoder.drafter.new_cache(1, len(context) + 8)
+                    commit_new_rows(head, embeddings, reference_kv, [full], [0])
+                    torch.testing.assert_close(engine.head_kv.buffer[:, :, 0, :, :cached],
+                                               reference_kv.buffer[:, :, 0, :, :cached], atol=1e-4, rtol=1e-4)
         assert seq.result().tokens == reference
     assert skipped > 0 and ran > 0  # both kinds of step happened
 
