@@ -27,7 +27,6 @@ import json
 import random
 import re
 from collections import Counter
-from importlib import resources
 from pathlib import Path
 
 from specheads.data.chat_prompts import build_prompts, follow_ups, normalize
@@ -78,8 +77,10 @@ REJECT_REASONS = ("empty", "too short", "too long", "not English", "echoes the i
 
 def evaluation_turns(paths: list[str | Path] = ()) -> list[str]:
     """Every turn of the evaluation prompts: MT-bench (shipped in bench/prompts) and `paths`
-    (question.jsonl files, e.g. Spec-Bench's). Read as data; nothing from bench/ is imported."""
-    shipped = Path(str(resources.files("specheads.bench") / "prompts" / "mt_bench_question.jsonl"))
+    (question.jsonl files, e.g. Spec-Bench's)."""
+    from specheads.bench.prompts import mt_bench_path
+
+    shipped = mt_bench_path()
     turns = []
     for path in [shipped, *map(Path, paths)]:
         turns += [t for line in path.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]

@@ -197,8 +197,9 @@ def _resolve_target(name_or_path: str) -> str:
 def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
     """data.source embedded:chat -> the cached file of the target's own chat replies, generated
     here on first use, on this rank's training device (every rank waits on the same lock;
-    data/chat_prompts.py)."""
-    from specheads.data.chat_prompts import EMBEDDED_CHAT, self_distilled_chat
+    data/chat_data.py)."""
+    from specheads.data.chat_data import self_distilled_chat
+    from specheads.data.chat_prompts import EMBEDDED_CHAT
     from specheads.training.distributed import train_device
 
     if EMBEDDED_CHAT not in (recipe.data.source, recipe.data.eval_source):

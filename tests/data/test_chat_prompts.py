@@ -85,7 +85,7 @@ def check_disjoint(prompts: list[dict], turns: list[str]) -> None:
 
 def test_embedded_chat_is_generated_once_per_target_and_settings(tmp_path, monkeypatch):
     import specheads.data.regenerate as regenerate_module
-    from specheads.data.chat_prompts import self_distilled_chat
+    from specheads.data.chat_data import self_distilled_chat
     from specheads.training.config import load_recipe
     from specheads.training.trainer import _materialize_chat_source
     from test_server_support import build_tiny_setup
