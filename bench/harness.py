@@ -26,7 +26,7 @@ all tokens of a method (or category). tokens/s = new tokens / wall seconds of `g
 
 Dtype and identity. Every method runs in the target's dtype (`specheads bench --dtype`,
 "auto" by default: bf16 on a CPU with native bf16); HF methods on the plain `nn.Linear`
-weights transformers loaded, the engine on the packed ones (heads/cpu_layout.py). In fp32
+weights transformers loaded, the engine on the packed ones (heads/target/cpu_layout.py). In fp32
 every output must equal hf-greedy's; in bf16 a verify and HF's one-token steps round
 differently, so outputs may part after a near-tie: each first difference is scored by the
 fp32 target (bench/divergence.py) and one that is not at a near-tie is reported as a bug.
@@ -106,7 +106,7 @@ def _streamer_cls():
 
 def hf_method(name: str, kind: str, target, eos_token_id: int | None, **generate_kwargs) -> Method:
     """transformers' own `generate` on the target as transformers loaded it: its plain
-    `nn.Linear`s, not the packed weights the engine runs (heads/cpu_layout.py)."""
+    `nn.Linear`s, not the packed weights the engine runs (heads/target/cpu_layout.py)."""
     streamer_cls = _streamer_cls()
     model = target.model
 
@@ -456,7 +456,7 @@ def divergence_checker(target, scorer=None):
     """A DivergenceChecker at the tolerance of target's dtype. Its fp32 scorer: the target
     itself in fp32, else `scorer()` (default: the target's directory loaded again in fp32)."""
     from specheads.bench.divergence import TOLERANCES, DivergenceChecker
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     if target.dtype == torch.float32:
         fp32 = target

@@ -5,7 +5,7 @@ template by bench/prompts.py, sent as ids to llama-server's /completion; greedy:
 top_k 1; no prompt cache):
     llama.cpp-plain           the target converted to GGUF (f32 when the bench runs fp32, else bf16)
     llama.cpp-ngram           the same, with llama.cpp's n-gram speculation (--spec-type ngram-simple)
-    llama.cpp-<heads>[N]      the same, drafting with our EAGLE-3 heads (heads/export_llama_cpp.py,
+    llama.cpp-<heads>[N]      the same, drafting with our EAGLE-3 heads (heads/artefacts/export_llama_cpp.py,
                               --spec-type draft-eagle3 --spec-draft-n-max N); one row per distinct
                               weights (heads directories that differ only in their tree share it);
                               [N,p=P] with --spec-draft-p-min P: a step drafts while the draft's
@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specheads.bench.harness import PromptRun, summarise
-from specheads.heads.export_llama_cpp import (EAGLE3_SPEC_TYPE, LLAMA_CPP_PYTHON, SERVE_DRAFT_MAX,
+from specheads.heads.artefacts.export_llama_cpp import (EAGLE3_SPEC_TYPE, LLAMA_CPP_PYTHON, SERVE_DRAFT_MAX,
                                               SERVE_DRAFT_P_MIN, LlamaCppError, check_draft, draft_args)
 
 SERVER = "llama-server"
@@ -103,7 +103,7 @@ def find_server(directory: str | os.PathLike) -> Path:
 
 def build_llama_cpp(cache_dir: str | os.PathLike, jobs: int | None = None, progress: bool = True) -> Path:
     """The cached llama.cpp build (bin/ with BUILD_TARGETS), built from the pinned source once."""
-    from specheads.heads.export_llama_cpp import pinned_source
+    from specheads.heads.artefacts.export_llama_cpp import pinned_source
     from specheads.heads.atomic import build_once
 
     final = Path(cache_dir) / BUILD_ENTRY
@@ -155,7 +155,7 @@ def llama_server(server: Path, model: Path, extra: list[str], threads: int, log_
     """A llama-server on 127.0.0.1 serving `model`, up within START_TIMEOUT_S; stopped on exit."""
     import httpx
 
-    from specheads.bench.serve_load import free_port
+    from specheads.bench.support import free_port
 
     port = free_port()
     command = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
@@ -257,7 +257,7 @@ def bench_llama_cpp(directory: str | os.PathLike, report: dict, prompts, max_new
     """The llama.cpp rows for `report` (a bench report on the same prompts): {"config", "methods"}.
     heads: [(label, EAGLE-3 heads directory)]; Medusa heads have no llama.cpp drafter.
     extra_args: more llama-server flags for every row (server_args)."""
-    from specheads.heads.export_llama_cpp import export_llama_cpp, run_converter
+    from specheads.heads.artefacts.export_llama_cpp import export_llama_cpp, run_converter
 
     server = find_server(directory)
     threads = threads or _torch_threads()
@@ -297,7 +297,7 @@ def distinct_weights(heads: list[tuple[str, str]]) -> list[tuple[str, str, list[
     model.safetensors, in first-seen order. Heads directories that differ only in their tree
     (a calibrated copy, a tuned one, a chain) give llama.cpp the same draft GGUF, so their rows
     would time one thing several times."""
-    from specheads.heads.heads_dir import WEIGHTS_NAME, resolve_heads_dir
+    from specheads.heads.artefacts.heads_dir import WEIGHTS_NAME, resolve_heads_dir
 
     groups: dict[str, tuple[str, str, list[str]]] = {}
     for label, directory in heads:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 DEFAULT_PROMPTS = "default.jsonl"
 MT_BENCH_PROMPTS = "mt_bench_question.jsonl"
-# The untimed warm-up before timed decoding (bench/harness.py, bench/tune.py, bench/serve_load.py)
+# The untimed warm-up before timed decoding (bench/harness.py, bench/tune.py, bench/tools/serve_load.py)
 # decodes at most this many new tokens, so one-off costs (first kernel calls, allocator growth,
 # lazy imports) are not timed.
 WARMUP_NEW_TOKENS = 8

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from specheads.bench.gpu_kernels import time_ms
+from specheads.bench.support import time_ms
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_DEPTHS = (1, 2, 3, 4, 5, 6)
@@ -33,7 +33,7 @@ class StepCostTable:
     """Measured step costs of one target (+ heads) on this machine, in one dtype and layout."""
 
     dtype: str
-    layout: str  # "packed" | "plain" (heads/cpu_layout.py)
+    layout: str  # "packed" | "plain" (heads/target/cpu_layout.py)
     threads: int
     prefix: int  # committed tokens before the timed forwards
     verify_ms: dict[int, float]  # T -> ms of one verify forward of T tokens (T=1: a decode step)
@@ -168,7 +168,7 @@ def measure_step_costs(target, heads=None, heads_config=None, *, prefix: int = 3
 
 def _random_heads(target, kind: str, num_steps: int, draft_vocab_size: int):
     """Heads of the sizes a recipe trains, randomly initialised (their cost does not depend on weights)."""
-    from specheads.heads.heads_dir import build_heads, eagle_heads_config
+    from specheads.heads.artefacts.heads_dir import build_heads, eagle_heads_config
     from specheads.heads.medusa import MedusaHeads
 
     if kind == "eagle":
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = tuple(int(t) for t in args.trees.split(","))
     depths = tuple(int(d) for d in args.depths.split(","))
     if args.heads:
-        from specheads.heads.heads_dir import load_heads
+        from specheads.heads.artefacts.heads_dir import load_heads
 
         heads, config = load_heads(args.heads, target=target.identity, device=target.device, dtype=target.dtype)
         candidates = [(heads, config)]

@@ -441,7 +441,7 @@ def tune_heads_dir(target, heads_dir: str, prompts: list[list[int]], **kwargs) -
     """Load the heads in `heads_dir`, measure this machine's step costs with them, tune, store
     the winner and the sweep; -> the report."""
     from specheads.bench.step_costs import measure_step_costs
-    from specheads.heads.heads_dir import check_writable, load_heads, update_tree
+    from specheads.heads.artefacts.heads_dir import check_writable, load_heads, update_tree
 
     check_writable(heads_dir)  # the winner is stored there: a Hub id fails now, not after the sweep
     heads, heads_config = load_heads(heads_dir, target=target.identity, device=target.device, dtype=target.dtype)

@@ -30,7 +30,7 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     from specheads.data.regenerate import _target_fingerprint, regenerate
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads import atomic
-    from specheads.heads.target import resolve_dtype
+    from specheads.heads.target.adapter import resolve_dtype
     from filelock import FileLock
 
     resolved = str(resolve_dtype(dtype, device)).removeprefix("torch.")

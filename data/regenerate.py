@@ -16,7 +16,7 @@ Decoding is greedy (deterministic) on the serving engine with continuous batchin
 (serving/decode/generate.generate_many: up to --batch-size sequences share each target
 forward, a finished reply's row takes the next prompt at once, and every record of the run
 goes through one such batch, so no row waits for a batch of records to drain), in the
-device's fast dtype by default with packed weights (heads/cpu_layout.py); a progress bar
+device's fast dtype by default with packed weights (heads/target/cpu_layout.py); a progress bar
 shows reply tokens/s and the ETA. Generating with the engine is why data/ imports serving.decode here
 (and only here, lazily). Generation stops at the target's EOS ids (its generation_config's,
 which for chat models include the end-of-turn token, plus the tokenizer's EOS). A
@@ -153,7 +153,7 @@ def target_continuations(target, tokenizer, prompts: list[list[int]], max_new_to
                          prefill_group: int | None = None) -> list[list[int]]:
     """The target's greedy continuation (token ids, cut before the first stop token) of each
     token-id prompt; at a temperature above 0, a sampled one (top_p; prompt i with seeds[i],
-    so that a rerun draws the same). target: a heads/target.py TargetAdapter
+    so that a rerun draws the same). target: a heads/target/adapter.py TargetAdapter
     (load_generation_target). The engine decodes them with continuous batching, batch_size
     sequences per target forward (serving/decode/generate.generate_many); on_reply(num_tokens)
     as each one ends.
@@ -212,9 +212,9 @@ class ReplyMeter:
 def load_generation_target(target: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
                            pack_weights: bool | str = "auto"):
     """The target as the engine generates with it: the device's fast dtype ("auto"), linear
-    weights packed where that pays (heads/cpu_layout.py; not for CUDA graphs' static shapes:
+    weights packed where that pays (heads/target/cpu_layout.py; not for CUDA graphs' static shapes:
     pack_weights=False)."""
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     return TargetAdapter.from_pretrained(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                          pack_weights=pack_weights)
@@ -475,7 +475,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
     """
     import random
 
-    from specheads.heads.target import resolve_dtype
+    from specheads.heads.target.adapter import resolve_dtype
 
     lo, hi = prompt_tokens
     if num_records < 1 or max_new_tokens < 1 or batch_size < 1 or not 1 <= lo <= hi:

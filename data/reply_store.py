@@ -1,4 +1,4 @@
-"""Building a reply store (heads/reply_store.py) from chat records: `specheads data store`.
+"""Building a reply store (heads/artefacts/reply_store.py) from chat records: `specheads data store`.
 
     specheads data store --input REPLIES.jsonl --target T --output DIR [--tokenizer PATH]
                          [--thinking default|on|off]
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from specheads.data.records import Conversation
 from specheads.data.text import DataError, extract_documents, load_records, load_tokenizer, tokenize_documents
-from specheads.heads.reply_store import StoreManifest, tokenizer_fingerprint, write_store
+from specheads.heads.artefacts.reply_store import StoreManifest, tokenizer_fingerprint, write_store
 
 NOT_A_CHAT = "not a chat record (a store holds assistant replies only)"
 
@@ -68,7 +68,7 @@ def build_store(input_path: str, target: str, output: str, *, tokenizer_path: st
     """Read the chat records of `input_path`, tokenize their replies with `target`'s tokenizer
     (or tokenizer_path's) and write the store into `output` -> (its manifest, the report).
     target: a resolved target path or hub id (its config gives the identity)."""
-    from specheads.heads.export import resolve_target
+    from specheads.heads.artefacts.export import resolve_target
 
     start = time.perf_counter()
     identity = resolve_target(target)

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specheads.heads import gguf
+from specheads.heads.target import gguf
 from specheads.heads.atomic import build_once, default_cache_dir
 
 DEFAULT_TARGET_NAME = "embedded:tiny"
-SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/gguf.py)
+SMOLLM2_TARGET_NAME = "embedded:smollm2"  # SmolLM2-135M-Instruct, converted from its GGUF (heads/target/gguf.py)
 EMBEDDED_TARGETS = (DEFAULT_TARGET_NAME, SMOLLM2_TARGET_NAME)
 EOS_TOKEN = "<|endoftext|>"  # also the BOS token: documents are separated by it
 PAD_TOKEN = "<|pad|>"
@@ -101,7 +101,7 @@ def resolve_target(name_or_path: str, progress: bool = True) -> str:
     `target.name_or_path` into something `from_pretrained` loads.
 
     `embedded:tiny` -> the cached build (built if needed); `embedded:smollm2` -> SmolLM2-135M-Instruct
-    from its PyPI wheel, converted and cached (heads/gguf.py); a `.gguf` file, or a directory holding
+    from its PyPI wheel, converted and cached (heads/target/gguf.py); a `.gguf` file, or a directory holding
     exactly one and no config.json -> its cached HF conversion; anything else as is.
     """
     if name_or_path == DEFAULT_TARGET_NAME:

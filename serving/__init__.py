@@ -14,7 +14,7 @@ decode/    the decode loop and its parts. A single request is a batch of one.
     medusa.py     Medusa drafting (one head call per batch) with AdaEDL's depth cut
     eagle.py      EAGLE drafting, static and EAGLE-2 dynamic trees through one level loop
     lookup.py     n-gram lookup drafts from the sequence's own context; the chain-source interface
-    store.py      drafts from a store of the target's own replies (heads/reply_store.py)
+    store.py      drafts from a store of the target's own replies (heads/artefacts/reply_store.py)
     trees.py      DraftTree and every constructor, TreePlan (with the greedy accept test),
                   Draft, the accepted-path rule, DynamicTreeConfig
     cache.py      TreeStaticCache: the target's preallocated KV cache, commit in place

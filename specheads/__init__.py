@@ -11,12 +11,12 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TargetAdapter": "specheads.heads.target",
-    "load_target": "specheads.heads.target",
+    "TargetAdapter": "specheads.heads.target.adapter",
+    "load_target": "specheads.heads.target.adapter",
     "MedusaHeads": "specheads.heads.medusa",
-    "HeadsConfig": "specheads.heads.heads_dir",
-    "save_heads": "specheads.heads.heads_dir",
-    "load_heads": "specheads.heads.heads_dir",
+    "HeadsConfig": "specheads.heads.artefacts.heads_dir",
+    "save_heads": "specheads.heads.artefacts.heads_dir",
+    "load_heads": "specheads.heads.artefacts.heads_dir",
     "DraftTree": "specheads.serving.decode.trees",
     "SpeculativeDecoder": "specheads.serving.decode.config",
     "generate": "specheads.serving.decode.generate",

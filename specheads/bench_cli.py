@@ -44,7 +44,7 @@ JSON (--output-json PATH; `-` prints it on stdout and the tables on stderr), sch
                 "cuda_graphs",       # every engine method verified through graphs + kernel (CUDA, no --enforce-eager)
                 "dtype",             # what every method ran in ("auto" resolved), HF baselines included
                 "dtype_requested",   # --dtype as given
-                "layout",            # "packed" | "plain": the engine's linear weights (heads/cpu_layout.py)
+                "layout",            # "packed" | "plain": the engine's linear weights (heads/target/cpu_layout.py)
                 "tie_tolerance",     # only when an output differs: bench/divergence.py
                 "chat_template": bool, "torch", "transformers"},
      "step_costs": [StepCostTable JSON (bench/step_costs.py), + "heads": label per heads directory],
@@ -179,10 +179,10 @@ def run(args) -> int:
 
     from specheads.bench.harness import format_report, heads_label, not_near_ties, run_bench
     from specheads.bench.step_costs import StepCostTable
-    from specheads.heads.heads_dir import load_heads, read_heads_config, read_tuning
-    from specheads.heads.reply_store import ReplyStore
+    from specheads.heads.artefacts.heads_dir import load_heads, read_heads_config, read_tuning
+    from specheads.heads.artefacts.reply_store import ReplyStore
     from specheads.serving.decode.store import StoreDrafter, open_store
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
     from specheads.runner import load_target_and_tokenizer, resolve_target_name
 
     for directory in heads_dirs:  # a missing or foreign heads dir fails before the target loads
@@ -267,7 +267,7 @@ def llama_cpp_rows(args, extra_args: list[str], report: dict, encoded, target, h
 
     from specheads.bench.llama_cpp import bench_llama_cpp
     from specheads.data.tiny_target import default_cache_dir
-    from specheads.heads.export_llama_cpp import LlamaCppError, find_converter, pinned_source
+    from specheads.heads.artefacts.export_llama_cpp import LlamaCppError, find_converter, pinned_source
 
     try:
         converter = find_converter(args.llama_cpp)

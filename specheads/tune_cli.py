@@ -62,8 +62,8 @@ def run(args) -> int:
     apply_device_options(args)
 
     from specheads.bench.tune import format_tuning, tune_heads_dir
-    from specheads.heads.heads_dir import read_heads_config
-    from specheads.heads.reply_store import ReplyStore
+    from specheads.heads.artefacts.heads_dir import read_heads_config
+    from specheads.heads.artefacts.reply_store import ReplyStore
     from specheads.serving.decode.store import StoreDrafter, open_store
     from specheads.runner import load_target_and_tokenizer
 

@@ -84,12 +84,12 @@ def fill(argv: list[str], tmp_path) -> list[str]:
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Every target load (TargetAdapter.from_pretrained included) goes through heads.target.load_target."""
-    import specheads.heads.target
+    import specheads.heads.target.adapter
 
     def refuse(*args, **kwargs):
         raise AssertionError("a user error must be reported before any model loads")
 
-    monkeypatch.setattr(specheads.heads.target, "load_target", refuse)
+    monkeypatch.setattr(specheads.heads.target.adapter, "load_target", refuse)
 
 
 def gpus(monkeypatch, count: int) -> None:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from specheads.data.corpus import stdlib_texts
-from specheads.heads.heads_dir import load_heads
+from specheads.heads.artefacts.heads_dir import load_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.stats import DecodeStats
@@ -191,7 +191,7 @@ def test_demo_trains_tunes_and_benches_both_heads(embedded_target_dir, tmp_path,
     import argparse
 
     from specheads import demo
-    from specheads.heads.heads_dir import read_heads_config, read_tuning
+    from specheads.heads.artefacts.heads_dir import read_heads_config, read_tuning
 
     for name, value in {"DISTILL_RECORDS": 24, "DISTILL_NEW_TOKENS": 32, "TUNE_BUDGET_S": 5.0, "TUNE_PROMPTS": 2,
                         "BENCH_LIMIT": 3}.items():

@@ -213,6 +213,49 @@ def test_every_part_imports_only_what_design_allows():
     assert not found, "\n".join(found)
 
 
+# docs/architecture.md, "Inside heads/ and bench/": each part's sub-folders and their rank. A
+# module imports its own sub-folder and those of lower rank (the part's root files are rank 0):
+# in heads/, artefacts -> target -> the heads; in bench/, gpu/ and tools/ -> the bench.
+SUB_FOLDERS = {"heads": {"target": 1, "artefacts": 2}, "bench": {"gpu": 1, "tools": 1}}
+
+
+def sub_folder(module: str) -> str:
+    """The sub-folder of heads/ or bench/ a dotted name lives in; "" for the part's root files."""
+    names = module.split(".")
+    return names[2] if len(names) > 3 and names[2] in SUB_FOLDERS.get(names[1], {}) else ""
+
+
+def sub_folder_breaks(module: str, imports: list[Import]) -> list[str]:
+    part = part_of(module)
+    rank = SUB_FOLDERS.get(part, {})
+    own = sub_folder(module)
+    return [f"{imp.line} imports {imp.module}" for imp in imports if part_of(imp.module) == part
+            and sub_folder(imp.module) != own and rank.get(sub_folder(imp.module), 0) >= rank.get(own, 0)]
+
+
+def test_sub_folders_import_one_way():
+    files = source_files()
+    for part, folders in SUB_FOLDERS.items():
+        assert {path.parent.name for path in (REPO / part).glob("*/__init__.py")} == set(folders), part
+    found = [f"{files[module].relative_to(REPO).as_posix()}:{where}" for module, imports in all_imports().items()
+             for where in sub_folder_breaks(module, imports)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("source, module, breaks", [
+    ("from specheads.heads.artefacts.heads_dir import load_heads\n", "specheads.heads.target.adapter", True),
+    ("from specheads.heads.artefacts.heads_dir import load_heads\n", "specheads.heads.eagle3", True),
+    ("from specheads.heads.target.adapter import TargetAdapter\n", "specheads.heads.artefacts.export", False),
+    ("from specheads.heads import atomic\n", "specheads.heads.target.gguf", False),
+    ("def f():\n    from specheads.bench.tools.serve_load import main\n", "specheads.bench.gpu.suite", True),
+    ("from specheads.bench.gpu.suite import main\n", "specheads.bench.harness", True),
+    ("from specheads.bench.harness import run_bench\n", "specheads.bench.tools.learning_curve", False),
+])
+def test_the_sub_folder_checker(source, module, breaks):
+    imports = imports_in(source, module, False, set(source_files()))
+    assert bool(sub_folder_breaks(module, imports)) == breaks
+
+
 def test_importing_specheads_stays_fast():
     """What `import specheads` runs (module-level imports, followed through the project's
     modules) reaches none of deepspeed, wandb, fastapi; nor do the public API's lazy

@@ -28,7 +28,7 @@ import torch
 
 from specheads.data.feature_cache import FeatureCache, write_cache
 from specheads.data.text import PackedBlocks
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.training.features import Features, OnlineTarget
 from specheads.training.losses import Teacher
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.heads.tree_paths import expand_paths, expected_accepted_draft_tokens
 
 

@@ -58,8 +58,8 @@ from typing import TextIO
 
 import torch
 
-from specheads.heads.gguf import GGUFError, find_gguf_file, read_gguf_config, smollm2_target_dir
-from specheads.heads.target import resolve_dtype
+from specheads.heads.target.gguf import GGUFError, find_gguf_file, read_gguf_config, smollm2_target_dir
+from specheads.heads.target.adapter import resolve_dtype
 from specheads.training.config import Recipe, RecipeError
 from specheads.training.ds_config import build_ds_config
 from specheads.training.head_kinds import head_kind
@@ -188,8 +188,8 @@ def build_on_meta(recipe: Recipe, config):
     """-> (target model, heads module, HeadsConfig), all parameters on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from specheads.heads.heads_dir import build_heads
-    from specheads.heads.target import TargetAdapter, freeze
+    from specheads.heads.artefacts.heads_dir import build_heads
+    from specheads.heads.target.adapter import TargetAdapter, freeze
     from specheads.training.trainer import _heads_config, initial_heads
 
     with torch.device("meta"):

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from specheads.data.text import PackedBlocks
-from specheads.heads.heads_dir import HeadsConfig
-from specheads.heads.target import TargetAdapter
+from specheads.heads.artefacts.heads_dir import HeadsConfig
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.training.losses import DistillOutput, Teacher
 
 

@@ -26,8 +26,8 @@ import torch
 
 from specheads.heads.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE
 from specheads.heads.eagle3 import next_token_embeddings
-from specheads.heads.heads_dir import HeadsConfig, eagle_heads_config
-from specheads.heads.target import TargetAdapter, TargetIdentity
+from specheads.heads.artefacts.heads_dir import HeadsConfig, eagle_heads_config
+from specheads.heads.target.adapter import TargetAdapter, TargetIdentity
 from specheads.training.config import HeadsSpec, RecipeError
 from specheads.training.features import frozen_target
 from specheads.training.losses import DistillOutput, eagle_ttt_loss, medusa_distill_loss

@@ -50,9 +50,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads import atomic
-from specheads.heads.export import ADAPTER_SUBDIR, LORA_META
-from specheads.heads.heads_dir import HeadsConfig
-from specheads.heads.target import TargetAdapter, resolve_dtype
+from specheads.heads.artefacts.export import ADAPTER_SUBDIR, LORA_META
+from specheads.heads.artefacts.heads_dir import HeadsConfig
+from specheads.heads.target.adapter import TargetAdapter, resolve_dtype
 from specheads.training.config import RecipeError
 from specheads.training.features import Features, OnlineTarget
 from specheads.training.losses import DistillOutput

@@ -53,8 +53,8 @@ from transformers.utils import logging as transformers_logging
 from specheads.data.text import BlockSampler, PackedBlocks
 from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import build_draft_vocab
-from specheads.heads.heads_dir import HeadsConfig, build_heads, save_heads
-from specheads.heads.target import TargetAdapter, check_target_exists
+from specheads.heads.artefacts.heads_dir import HeadsConfig, build_heads, save_heads
+from specheads.heads.target.adapter import TargetAdapter, check_target_exists
 from specheads.training import checkpoint
 from specheads.training import lora as lora_mode
 from specheads.training.cached import CachedFeatures, cache_directory, open_cache
@@ -186,7 +186,7 @@ def _say(dist: Dist, message: str) -> None:
 def _resolve_target(name_or_path: str) -> str:
     """The one resolution path (data/tiny_target.py): embedded names, GGUF files and directories."""
     from specheads.data.tiny_target import resolve_target
-    from specheads.heads.gguf import GGUFError
+    from specheads.heads.target.gguf import GGUFError
 
     try:
         return resolve_target(name_or_path, progress=True)
@@ -304,7 +304,7 @@ def initial_heads(directory: str, config: HeadsConfig, kind: HeadKind,
     """heads.init_from: the trained heads at `directory`, checked to have the shape `config`
     (this recipe's, for this target) gives; RecipeError naming each key that differs. check_only:
     the configs only, no weights read (-> None)."""
-    from specheads.heads.heads_dir import load_heads, read_heads_config
+    from specheads.heads.artefacts.heads_dir import load_heads, read_heads_config
 
     where = f"heads.init_from={directory!r}"
     try:

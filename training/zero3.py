@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.training.config import Recipe
 from specheads.training.distributed import Dist, train_device
 from specheads.training.ds_config import build_ds_config

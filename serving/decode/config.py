@@ -4,7 +4,7 @@ nothing and changes nothing on the target; serving/decode/engine.py's `BatchEngi
 requests with it, and serving/decode/generate.py's `generate`/`stream` run one.
 
 What a heads directory asks serving for is read here too: `parse_tree_field` turns its
-config's `tree` field (heads/heads_dir.py `HeadsConfig.tree`, written by training's
+config's `tree` field (heads/artefacts/heads_dir.py `HeadsConfig.tree`, written by training's
 calibration and `specheads tune`) into a `TreeSpec`, the decoder's tree, AdaEDL threshold,
 n-gram lookup and reply store. (heads/ reads the rest of the config, but may not import serving's tree
 types.)
@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from torch import nn
 
 from specheads.heads.eagle3 import Eagle3Head, default_tap_layers
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDrafter
 from specheads.serving.decode.fallback import FallbackPolicy, StepCosts
 from specheads.serving.decode.lookup import LookupConfig, NgramLookup
@@ -64,7 +64,7 @@ class SpeculativeDecoder:
     any device (how the CPU tests check what a graph records, and a way to rule the capture
     out when a GPU run disagrees).
 
-    On a packed CPU target (heads/cpu_layout.py) the drafters run a copy of the heads whose
+    On a packed CPU target (heads/target/cpu_layout.py) the drafters run a copy of the heads whose
     linear layers are packed too (`packed_for_inference`, weights shared): build the decoder
     after the heads' weights are final.
     """
@@ -111,7 +111,7 @@ class SpeculativeDecoder:
             tree = DraftTree.default(getattr(heads, "num_heads", DEFAULT_EAGLE_DEPTH)) if heads is not None \
                 else DraftTree.chain(0)
         if heads is not None and target.packed is not None:  # a CPU inference target: heads packed too
-            from specheads.heads.cpu_layout import packed_for_inference
+            from specheads.heads.target.cpu_layout import packed_for_inference
 
             heads = packed_for_inference(heads)
         self.target = target
@@ -178,7 +178,7 @@ class TreeSpec:
 
     @classmethod
     def from_heads_config(cls, config) -> "TreeSpec":
-        """What a HeadsConfig (heads/heads_dir.py) records: parse_tree_field over its tree,
+        """What a HeadsConfig (heads/artefacts/heads_dir.py) records: parse_tree_field over its tree,
         head count and calibration."""
         return parse_tree_field(config.tree, config.num_heads, config.calibration)
 

@@ -1,7 +1,7 @@
 """CUDA graphs for the verify forward: on a GPU, one eager target forward costs 21-24 ms of
 Python and kernel launches whatever the model's size (an H200 with SmolLM2's shape at 1k
 context: 23.6 ms eager, 3.5 ms replayed; Llama-3.1-8B's shape at 4k: 23.9 against 9.9;
-`python -m specheads.bench.gpu_suite --sections graphs`), so the engine captures the forward
+`python -m specheads.bench.gpu.suite --sections graphs`), so the engine captures the forward
 once per shape and replays it every step.
 
 `VerifyGraphs` owns one graph per (first row, rows, T) over the engine's static-shape

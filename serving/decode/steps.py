@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.sampling import SamplingParams, target_probs

@@ -1,6 +1,6 @@
 """The store of the target's own replies as a source of draft chains (SuffixDecoding, REST).
 
-A reply store (heads/reply_store.py: the format, the suffix search; built by `specheads data
+A reply store (heads/artefacts/reply_store.py: the format, the suffix search; built by `specheads data
 store` from the replies `specheads data regenerate` wrote) holds what the target said to the
 training prompts. Chat replies repeat themselves across prompts (openings, list markers,
 code idioms, closing formulas), so the continuation that most often followed the context's
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from specheads.heads.reply_store import ReplyStore, tokenizer_fingerprint
+from specheads.heads.artefacts.reply_store import ReplyStore, tokenizer_fingerprint
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class StoreDrafter:
 
 
 def open_store(directory: str | os.PathLike, target_identity, tokenizer=None) -> ReplyStore:
-    """The store in `directory`, checked against the target (heads/target.py TargetIdentity)
+    """The store in `directory`, checked against the target (heads/target/adapter.py TargetIdentity)
     and, given one, its tokenizer (StoreError, one line, when it was built for others)."""
     store = ReplyStore(directory)
     store.check_fits(target_identity, tokenizer_fingerprint(tokenizer) if tokenizer is not None else None)

@@ -8,7 +8,7 @@ head dim we claim and a plain step and 16- and 64-node trees (tests/serving/kern
 test_native_compile.py), so a kernel that breaks for the GPU, needs more shared memory than
 an SM has, spills, or holds fewer programs per SM than the split rule counts on
 (`LaunchConfig.blocks_per_sm`), fails on every CI run, not only when a GPU is lent;
-`python -m specheads.bench.gpu_kernels --compile-report` prints the resources.
+`python -m specheads.bench.gpu.kernels --compile-report` prints the resources.
 
 What is compiled is what would run: the launcher's own `kernel_calls` on meta tensors of a
 representative layer (LAYER), specialised by the JIT's own binder for the target SM. The

@@ -121,7 +121,7 @@ def launch_config(head_dim: int, dtype, sm: int, rows: int = 64) -> LaunchConfig
     quarters padding and hold the registers of all 64; a 64-node tree (256 rows at g = 4)
     runs 2 row blocks, each reading the K/V once for its 128 rows, not 4.
 
-    The rest is the compile report's pick (`python -m specheads.bench.gpu_kernels
+    The rest is the compile report's pick (`python -m specheads.bench.gpu.kernels
     --compile-report`: registers, stack and shared memory of the JIT's own specialisation
     of a Llama-8B-shaped layer) among BLOCK_N 32/64 (16/32 for fp32) x 4/8 warps x 2/3
     stages (1/2 for fp32), compiled for a 64-node tree and checked for a plain step and a

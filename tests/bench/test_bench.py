@@ -10,9 +10,9 @@ import torch
 from conftest import make_byte_bpe_tokenizer, make_tiny_model
 from specheads.bench.harness import format_report, run_bench
 from specheads.bench.prompts import EncodedPrompt, encode_prompts, load_prompts
-from specheads.heads.heads_dir import HeadsConfig, load_heads, save_heads
+from specheads.heads.artefacts.heads_dir import HeadsConfig, load_heads, save_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 
 CATEGORIES = ["chat", "code", "math", "summarisation", "translation", "retrieval"]
 NUM_HEADS = 3
@@ -183,7 +183,7 @@ def test_bench_cli_several_heads_side_by_side_with_tuning(bench_setup, tmp_path,
     """--heads A --heads B (or A,B) benches both in one run, each at its tuned tree; the
     report carries each directory's tune sweep and the plot draws it."""
     from specheads import bench_cli
-    from specheads.heads.heads_dir import update_tree
+    from specheads.heads.artefacts.heads_dir import update_tree
 
     target_dir, heads_dir, target = bench_setup
     heads, config = load_heads(heads_dir, target=target.identity)
@@ -216,7 +216,7 @@ def test_bench_cli_several_heads_side_by_side_with_tuning(bench_setup, tmp_path,
 def test_run_bench_with_a_reply_store(bench_setup, tmp_path):
     """--store adds the store alone and beside each heads directory's first tree and lookup; every
     output stays HF greedy's, and the tables show what the store's chains gave."""
-    from specheads.heads.reply_store import ReplyStore, write_store
+    from specheads.heads.artefacts.reply_store import ReplyStore, write_store
     from specheads.serving.decode.store import StoreConfig, StoreDrafter
 
     _, heads_dir, target = bench_setup

@@ -1,8 +1,8 @@
 """On a CUDA GPU (`pytest -m gpu`, off by default): the GPU suite's parity and lossless
-sections (bench/gpu_suite.py) at their full sizes, with the Triton kernel compiled, not
-interpreted; the compiled GPU decoder (heads/gpu_decoder.py) captured in a CUDA graph as the
+sections (bench/gpu/suite.py) at their full sizes, with the Triton kernel compiled, not
+interpreted; the compiled GPU decoder (heads/target/gpu_decoder.py) captured in a CUDA graph as the
 engine captures it; a peaked random target of SmolLM2's shape decided beyond bf16 rounding.
-The whole suite with timings is bench/gpu_run.sh (`python -m specheads.bench.gpu_suite`).
+The whole suite with timings is bench/gpu/run.sh (`python -m specheads.bench.gpu.suite`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from specheads.bench import gpu_suite
+from specheads.bench.gpu import suite as gpu_suite
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -45,7 +45,7 @@ def test_greedy_is_lossless_on_cuda(ctx):
 def test_compiled_forward_replays_in_a_cuda_graph(ctx, dtype):
     """The compiled forward captured over the static cache: its replay gives what it gives
     eagerly, and what the model's own forward gives (fp32: to rounding; bf16: to bf16's)."""
-    from specheads.bench.gpu_engine import adapters, prefilled_cache, random_llama, verify_call
+    from specheads.bench.gpu.engine import adapters, prefilled_cache, random_llama, verify_call
     from specheads.serving.decode.graphs import capture
 
     forwards = adapters(ctx, random_llama(gpu_suite.LLAMA_TINY | dict(hidden_size=128), ctx.device, dtype))
@@ -63,7 +63,7 @@ def test_compiled_forward_replays_in_a_cuda_graph(ctx, dtype):
 
 
 def test_peaked_target_is_decided_beyond_bf16_rounding(ctx):
-    from specheads.bench.gpu_engine import peaked_llama
+    from specheads.bench.gpu.engine import peaked_llama
 
     with torch.no_grad():
         peaked = peaked_llama(ctx, gpu_suite.SMOLLM2_SHAPE)

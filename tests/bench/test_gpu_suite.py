@@ -1,4 +1,4 @@
-"""The GPU suite (bench/gpu_suite.py) in --tiny CPU mode, so it cannot rot between the rare
+"""The GPU suite (bench/gpu/suite.py) in --tiny CPU mode, so it cannot rot between the rare
 runs on a GPU.
 
 The suite runs in a subprocess as the device machine would run it: the packages that
@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from specheads.bench import gpu_steps, gpu_suite
+from specheads.bench.gpu import steps as gpu_steps, suite as gpu_suite
 
 MISSING_ON_DEVICE = ("deepspeed", "fastapi", "uvicorn", "pydantic", "wandb", "datasets", "gguf")
 
@@ -61,7 +61,7 @@ def run_hidden(*args: str, timeout: int) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def suite_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-suite")
-    proc = run_hidden("specheads.bench.gpu_suite", "--out", str(out), "--device", "cpu", "--tiny",
+    proc = run_hidden("specheads.bench.gpu.suite", "--out", str(out), "--device", "cpu", "--tiny",
                       "--compile-cache", str(out / "compile_cache.bin"), timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "gpu_suite.json").read_text())
@@ -93,7 +93,7 @@ def test_every_section_runs_without_error(suite_run):
     meta = report["meta"]
     assert meta["tiny"] and meta["triton_interpret"] == "1" and meta["gpu_decoder"] == "compile"
     assert meta["torch"] and meta["triton"] and meta["device_name"].startswith("cpu")
-    assert meta["command"].startswith("python -m specheads.bench.gpu_suite") and "--tiny" in meta["command"]
+    assert meta["command"].startswith("python -m specheads.bench.gpu.suite") and "--tiny" in meta["command"]
     assert meta["compile_cache"] == "none"  # nothing to load on a first run
     assert stdout.count("[gpu_suite] goal ") == len(report["goals"])
 
@@ -253,7 +253,7 @@ def test_kernel_groups(name, group):
 
 
 def test_a_budget_skips_the_sections_left(tmp_path):
-    proc = run_hidden("specheads.bench.gpu_suite", "--out", str(tmp_path), "--device", "cpu", "--budget-s", "0",
+    proc = run_hidden("specheads.bench.gpu.suite", "--out", str(tmp_path), "--device", "cpu", "--budget-s", "0",
                       "--sections", "profile,gemm", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
@@ -273,9 +273,9 @@ def test_verify_call_runs_the_tree_it_builds():
     """The step sections' verify forward attends through the tree kernel with the tree it drew:
     the same logits as the explicit 4-D tree mask, in both rows of a static cache of unequal
     lengths (a forward that dropped the tree arguments would run a causal chain instead)."""
-    from specheads.bench.gpu_engine import prefilled_cache, random_llama, verify_call
-    from specheads.bench.gpu_kernels import random_tree_mask
-    from specheads.heads.target import TargetAdapter
+    from specheads.bench.gpu.engine import prefilled_cache, random_llama, verify_call
+    from specheads.bench.gpu.kernels import random_tree_mask
+    from specheads.heads.target.adapter import TargetAdapter
 
     tree = random_tree_mask(8, torch.Generator().manual_seed(8))
     assert not torch.equal(tree, torch.ones(8, 8, dtype=torch.bool).tril())  # not a chain
@@ -291,7 +291,7 @@ def test_verify_call_runs_the_tree_it_builds():
 
 
 def test_the_device_run_script_runs_the_suite(tmp_path):
-    """bench/gpu_run.sh as the device runs it, from a repository root without carried wheels:
+    """bench/gpu/run.sh as the device runs it, from a repository root without carried wheels:
     the package comes from its links, the suite's options pass through, the report lands in OUT."""
     repo, out, bin_dir = tmp_path / "repo", tmp_path / "out", tmp_path / "bin"
     for folder in (repo, out, bin_dir):

@@ -1,4 +1,4 @@
-"""The learning curve (bench/learning_curve.py): held-out top-1 read from each heads
+"""The learning curve (bench/tools/learning_curve.py): held-out top-1 read from each heads
 directory's calibration, tau from its bench report at its own tree, a table and a PNG; with
 --eval-prompts, every point's top-1 on one fixed set of the target's greedy replies, by the
 training loss's own rule; --series groups the points."""
@@ -12,10 +12,10 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import make_byte_bpe_tokenizer, make_tiny_model
-from specheads.bench import learning_curve
-from specheads.heads.heads_dir import HeadsConfig, load_heads, save_heads
+from specheads.bench.tools import learning_curve
+from specheads.heads.artefacts.heads_dir import HeadsConfig, load_heads, save_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 
 
 def _heads_dir(root, target, name: str, top1: list[float]):
@@ -75,7 +75,7 @@ def test_fixed_set_top1_is_the_training_metric_on_those_replies(kind, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from specheads.heads.eagle3 import next_token_embeddings
-    from specheads.heads.heads_dir import build_heads, eagle_heads_config
+    from specheads.heads.artefacts.heads_dir import build_heads, eagle_heads_config
     from specheads.training.losses import eagle_ttt_loss, medusa_distill_loss
 
     target = TargetAdapter.from_pretrained(make_tiny_model("llama", tmp_path / "target", num_layers=3))

@@ -10,7 +10,7 @@ import pytest
 
 from specheads.bench.harness import PromptRun, summarise
 from specheads.bench.llama_cpp import complete, find_server, format_llama_cpp, spec_counters
-from specheads.heads.export_llama_cpp import LlamaCppError
+from specheads.heads.artefacts.export_llama_cpp import LlamaCppError
 
 METRICS = """\
 # HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
@@ -162,7 +162,7 @@ def test_llama_server_drafts_with_our_heads(tmp_path):
     from specheads.bench.llama_cpp import build_llama_cpp, draft_args, run_row
     from specheads.bench.prompts import EncodedPrompt
     from specheads.data.tiny_target import default_cache_dir
-    from specheads.heads.export_llama_cpp import export_llama_cpp, find_converter, pinned_source
+    from specheads.heads.artefacts.export_llama_cpp import export_llama_cpp, find_converter, pinned_source
     from specheads.train import main as train
 
     build = build_llama_cpp(default_cache_dir())

@@ -12,10 +12,10 @@ from conftest import make_tiny_model
 from specheads.bench.step_costs import StepCostTable
 from specheads.bench.tune import (ADAEDL_THRESHOLD, ADAEDL_TWINS, adaedl_twins, candidate_settings, dynamic_settings,
                                   format_tuning, static_settings, tune_heads_dir)
-from specheads.heads.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_config, read_tuning, save_heads,
+from specheads.heads.artefacts.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_config, read_tuning, save_heads,
                                        update_tree)
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import TreeSpec
 from specheads.serving.decode.trees import DraftTree
 
@@ -142,7 +142,7 @@ def test_tuned_lookup_is_stored_and_used_by_default(tmp_path):
 def test_bench_uses_the_tuned_tree(setup):
     from specheads.bench.harness import heads_trees, run_bench
     from specheads.bench.prompts import EncodedPrompt
-    from specheads.heads.heads_dir import load_heads
+    from specheads.heads.artefacts.heads_dir import load_heads
 
     _, _, target, _, _ = setup
     heads_dir = fresh_heads_dir(setup, "heads-b")
@@ -220,7 +220,7 @@ def test_eagle_candidates_get_adaedl_twins_of_the_deepest_dynamic_trees():
 
 def test_tune_tries_the_reply_store_and_stores_it_when_faster(setup, tmp_path):
     from specheads.bench.tune import stored_tree
-    from specheads.heads.reply_store import ReplyStore, write_store
+    from specheads.heads.artefacts.reply_store import ReplyStore, write_store
     from specheads.serving.decode.store import StoreConfig, StoreDrafter
 
     _, _, target, _, _ = setup

@@ -347,7 +347,7 @@ def cache_blocks(chat_tok):
 
 def test_feature_cache_prints_its_size_first_and_round_trips(cache_blocks, target_512, tmp_path):
     from specheads.data.feature_cache import FeatureCache, estimate_bytes, write_cache
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     target = TargetAdapter.from_pretrained(target_512)
     logged = []
@@ -375,7 +375,7 @@ def test_feature_cache_prints_its_size_first_and_round_trips(cache_blocks, targe
 
 def test_feature_cache_top_k_and_size_limit(cache_blocks, target_512, tmp_path):
     from specheads.data.feature_cache import FeatureCache, write_cache
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     target = TargetAdapter.from_pretrained(target_512)
     logged = []

@@ -53,7 +53,7 @@ def records() -> list[dict]:
 
 
 def start_server(target_dir: Path) -> tuple[subprocess.Popen, str]:
-    from specheads.bench.serve_load import free_port
+    from specheads.bench.support import free_port
 
     port = free_port()
     process = subprocess.Popen(
@@ -238,7 +238,7 @@ def test_a_run_whose_server_dies_stops_at_the_failed_record_and_a_rerun_resumes(
 
 
 def test_an_unreachable_server_fails_with_one_line_naming_it(tmp_path, source, capsys):
-    from specheads.bench.serve_load import free_port
+    from specheads.bench.support import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     output = tmp_path / "out.jsonl"

@@ -18,9 +18,9 @@ import torch
 from specheads.cli import main
 from specheads.data.reply_store import NOT_A_CHAT, build_store, reply_runs
 from specheads.data.text import DataError, load_tokenizer
-from specheads.heads.heads_dir import update_tree
-from specheads.heads.reply_store import ReplyStore, tokenizer_fingerprint
-from specheads.heads.target import TargetAdapter
+from specheads.heads.artefacts.heads_dir import update_tree
+from specheads.heads.artefacts.reply_store import ReplyStore, tokenizer_fingerprint
+from specheads.heads.target.adapter import TargetAdapter
 
 from conftest import make_byte_bpe_tokenizer
 from test_server_support import build_tiny_setup

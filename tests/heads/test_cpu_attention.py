@@ -1,4 +1,4 @@
-"""The ragged CPU attention kernel (heads/cpu_attention.py) against a per-row PyTorch reference.
+"""The ragged CPU attention kernel (heads/target/cpu_attention.py) against a per-row PyTorch reference.
 
 Each row reads its own keys from strided views of a longer cache, through a mask of any
 shape (a plain prefix, a tree, a row that sees nothing), at the head sizes the kernel
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads import cpu_attention
+from specheads.heads.target import cpu_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler on this machine")
 

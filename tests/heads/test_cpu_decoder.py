@@ -1,4 +1,4 @@
-"""The fused CPU forward (heads/cpu_decoder.py) computes what the model's own forward computes:
+"""The fused CPU forward (heads/target/cpu_decoder.py) computes what the model's own forward computes:
 logits, taps and cache, with and without a cache, padding masks, tree masks and
 logits_to_keep, for Llama, Qwen2 (biases) and Qwen3 (q/k norms), with its C kernels and with their torch
 fallback; its kernels round as transformers' ops do; models it cannot run keep their own
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from specheads.heads import cpu_decoder
-from specheads.heads.cpu_decoder import FusedDecoder, unsupported_reason
-from specheads.heads.cpu_layout import pack_linears
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target import cpu_decoder
+from specheads.heads.target.cpu_decoder import FusedDecoder, unsupported_reason
+from specheads.heads.target.cpu_layout import pack_linears
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.cache import TreeStaticCache
 
 from conftest import make_tiny_model

@@ -1,4 +1,4 @@
-"""The CPU's fast dtype and packed linear weights (heads/cpu_layout.py): the packed path gives
+"""The CPU's fast dtype and packed linear weights (heads/target/cpu_layout.py): the packed path gives
 the unpacked logits within the dtype's tolerance, `plain_weights()` really runs the original
 layers, and "auto" picks fp32 on a CPU without native bf16."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from specheads.heads import cpu_layout
-from specheads.heads.cpu_layout import PackedLinear, auto_dtype, pack_linears
-from specheads.heads.target import TargetAdapter, resolve_dtype
+from specheads.heads.target import cpu_layout
+from specheads.heads.target.cpu_layout import PackedLinear, auto_dtype, pack_linears
+from specheads.heads.target.adapter import TargetAdapter, resolve_dtype
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # Max |logit difference| allowed between the packed and the plain layout: fp32 sums in another
@@ -30,7 +30,7 @@ def test_packed_logits_match_the_plain_layout(tiny_llama_dir, dtype):
     packed = TargetAdapter.from_pretrained(tiny_llama_dir, dtype=dtype, pack_weights=True)
     assert plain.layout == "plain" and packed.layout == "packed"
     num_linears = sum(type(m) is nn.Linear for m in plain.model.modules())
-    # q, k, v, gate and up run fused (heads/cpu_decoder.py), packed there; the rest packed here.
+    # q, k, v, gate and up run fused (heads/target/cpu_decoder.py), packed there; the rest packed here.
     assert packed.packed.num_packed + packed.fused.num_fused == num_linears > 0
     assert sum(type(m) is nn.Linear for m in packed.model.modules()) == packed.fused.num_fused
     input_ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -98,9 +98,9 @@ class _Attention(nn.Module):
 
 @pytest.fixture(params=["kernel", "bmm"])
 def attention_path(request, monkeypatch):
-    """Both ways the grouped attention computes: the ragged C kernel (heads/cpu_attention.py)
+    """Both ways the grouped attention computes: the ragged C kernel (heads/target/cpu_attention.py)
     where it builds, and the bucketed bmm path it falls back to."""
-    from specheads.heads import cpu_attention
+    from specheads.heads.target import cpu_attention
 
     if request.param == "kernel" and not cpu_attention.available():
         pytest.skip("no C compiler on this machine")
@@ -189,7 +189,7 @@ def test_packing_swaps_sdpa_for_grouped_attention_and_plain_restores_it(tiny_lla
 def test_heads_packed_for_inference_share_weights_and_give_the_same_drafts(tiny_llama_dir, dtype):
     from test_eagle3 import random_head
 
-    from specheads.heads.cpu_layout import packed_for_inference
+    from specheads.heads.target.cpu_layout import packed_for_inference
 
     target = TargetAdapter.from_pretrained(tiny_llama_dir)
     head, _ = random_head(target, seed=4)

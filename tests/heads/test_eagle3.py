@@ -15,9 +15,9 @@ import torch
 from specheads.data.vocab_counts import count_tokens
 from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.eagle3 import Eagle3Head, default_tap_layers, next_token_embeddings
-from specheads.heads.export_eagle3 import LAYER_WEIGHT_NAMES
-from specheads.heads.heads_dir import HeadsConfig, build_heads, load_heads, read_heads_config, save_heads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.artefacts.export_eagle3 import LAYER_WEIGHT_NAMES
+from specheads.heads.artefacts.heads_dir import HeadsConfig, build_heads, load_heads, read_heads_config, save_heads
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
 from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 from specheads.serving.decode.generate import generate

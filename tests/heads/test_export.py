@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specheads import export_cli
-from specheads.heads.export import export_heads, import_heads
-from specheads.heads.heads_dir import HeadsConfig, load_heads, save_heads
+from specheads.heads.artefacts.export import export_heads, import_heads
+from specheads.heads.artefacts.heads_dir import HeadsConfig, load_heads, save_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetIdentity
+from specheads.heads.target.adapter import TargetIdentity
 
 HIDDEN, VOCAB, NUM_HEADS, NUM_LAYERS = 32, 96, 3, 2
 TARGET = TargetIdentity(architecture="LlamaForCausalLM", model_type="llama", hidden_size=HIDDEN,

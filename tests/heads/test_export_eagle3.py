@@ -1,4 +1,4 @@
-"""heads/export_eagle3.py through heads/export.py: the EAGLE-3 layout (one layer, and vLLM's
+"""heads/artefacts/export_eagle3.py through heads/artefacts/export.py: the EAGLE-3 layout (one layer, and vLLM's
 multi-layer drafts) out and back, exactly. Synthetic states carry the module's parameter names
 and shapes; the real module is used where its arithmetic matters."""
 
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from specheads.heads import export_eagle3
-from specheads.heads.export import detect_format, export_heads, import_heads
-from specheads.heads.heads_dir import HeadsConfig, build_heads, eagle_heads_config, load_heads, save_heads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.artefacts import export_eagle3
+from specheads.heads.artefacts.export import detect_format, export_heads, import_heads
+from specheads.heads.artefacts.heads_dir import HeadsConfig, build_heads, eagle_heads_config, load_heads, save_heads
+from specheads.heads.target.adapter import TargetAdapter
 
 from test_export import HIDDEN, TARGET, VOCAB, assert_same_state, read_config
 

@@ -1,4 +1,4 @@
-"""heads/export_llama_cpp.py and `specheads export --format llama.cpp`: what llama.cpp's converter
+"""heads/artefacts/export_llama_cpp.py and `specheads export --format llama.cpp`: what llama.cpp's converter
 reads from our EAGLE-3 export, and one-line errors for what it cannot take. No llama.cpp build
 here; the conversion and llama-server itself run in tests/bench/test_llama_cpp.py (slow)."""
 
@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from conftest import make_byte_bpe_tokenizer, make_tiny_model
 from specheads import export_cli
-from specheads.heads.export import export_heads
-from specheads.heads.export_llama_cpp import (CONVERTER, EAGLE3_MARKER, LlamaCppError, check_target_dir,
+from specheads.heads.artefacts.export import export_heads
+from specheads.heads.artefacts.export_llama_cpp import (CONVERTER, EAGLE3_MARKER, LlamaCppError, check_target_dir,
                                               export_llama_cpp, find_converter)
-from specheads.heads.heads_dir import build_heads, eagle_heads_config, save_heads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.artefacts.heads_dir import build_heads, eagle_heads_config, save_heads
+from specheads.heads.target.adapter import TargetAdapter
 
 # What convert_hf_to_gguf.py reads from an EAGLE-3 checkpoint, written down from llama.cpp as
 # vendored in llama-cpp-python 0.3.36 (sdist sha256 832db069...a2e), conversion/llama.py, class

@@ -1,4 +1,4 @@
-"""GGUF targets (heads/gguf.py): a `.gguf` file, a directory holding one, and `embedded:smollm2`.
+"""GGUF targets (heads/target/gguf.py): a `.gguf` file, a directory holding one, and `embedded:smollm2`.
 
 A tiny Llama (conftest's make_tiny_model) with a byte-level BPE tokenizer and a chat template is
 written as a GGUF with the `gguf` package, in llama.cpp's conventions (tensor names, q/k rows
@@ -29,10 +29,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specheads.data.tiny_target import SMOLLM2_TARGET_NAME, resolve_target
-from specheads.heads import gguf as gguf_target
-from specheads.heads.gguf import GGUFError
+from specheads.heads.target import gguf as gguf_target
+from specheads.heads.target.gguf import GGUFError
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.trees import DraftTree

@@ -1,4 +1,4 @@
-"""The GPU decoder (heads/gpu_decoder.py) computes what the model's own forward computes, eager
+"""The GPU decoder (heads/target/gpu_decoder.py) computes what the model's own forward computes, eager
 and compiled (torch.compile runs on the CPU too): logits, taps and cache with and without a
 cache, padding masks, logits_to_keep and a tree verify over the engine's static-shape
 TreeStaticCache (a 4-D mask, or the tree attention with device prefix lengths, as a CUDA-graph
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from specheads.heads import gpu_decoder
-from specheads.heads.gpu_decoder import GpuDecoder, unsupported_reason
-from specheads.heads.target import GPU_DECODER_ENV, TargetAdapter, gpu_decoder_mode
+from specheads.heads.target import gpu_decoder
+from specheads.heads.target.gpu_decoder import GpuDecoder, unsupported_reason
+from specheads.heads.target.adapter import GPU_DECODER_ENV, TargetAdapter, gpu_decoder_mode
 from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.kernels.tree_attention import pack_tree_mask, use_tree_attention
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from specheads.heads.heads_dir import HeadsConfig, load_heads, read_heads_config, save_heads
+from specheads.heads.artefacts.heads_dir import HeadsConfig, load_heads, read_heads_config, save_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter, TargetIdentity, check_target_exists
+from specheads.heads.target.adapter import TargetAdapter, TargetIdentity, check_target_exists
 from specheads.heads.tree_paths import expand_paths, expected_accepted_draft_tokens
 
 

@@ -1,4 +1,4 @@
-"""Heads by Hugging Face Hub id (heads/heads_dir.py resolve_heads_dir): every reader of a heads
+"""Heads by Hugging Face Hub id (heads/artefacts/heads_dir.py resolve_heads_dir): every reader of a heads
 directory takes `org/name`, resolved through huggingface_hub's snapshot_download and its cache.
 
 Nothing touches the network: the tests build a Hub cache in the layout huggingface_hub writes
@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads.export import export_heads
-from specheads.heads.heads_dir import read_heads_config, resolve_heads_dir
+from specheads.heads.artefacts.export import export_heads
+from specheads.heads.artefacts.heads_dir import read_heads_config, resolve_heads_dir
 
 from test_export import make_medusa_dir
 
@@ -54,8 +54,8 @@ LOAD_AND_EXPORT = """
 import json, sys
 import torch
 from specheads.cli import main
-from specheads.heads.export import import_heads
-from specheads.heads.heads_dir import load_heads, read_tuning
+from specheads.heads.artefacts.export import import_heads
+from specheads.heads.artefacts.heads_dir import load_heads, read_tuning
 original, out = sys.argv[1], sys.argv[2]
 
 def same(a, b):
@@ -99,7 +99,7 @@ def test_commands_load_and_export_heads_by_hub_id_from_the_cache(hub, tmp_path):
 def test_a_local_directory_wins_over_a_hub_id(hub, tmp_path):
     cache, _ = hub
     make_medusa_dir(tmp_path / REPO_ID, draft_vocab=40)  # ./specheads-test/tiny-medusa: other heads, same name
-    code = (f"from specheads.heads.heads_dir import read_heads_config, resolve_heads_dir\n"
+    code = (f"from specheads.heads.artefacts.heads_dir import read_heads_config, resolve_heads_dir\n"
             f"print(resolve_heads_dir('{REPO_ID}'), read_heads_config('{REPO_ID}').draft_vocab_size)")
     result = run_python(code, cache, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Model cards (heads/model_card.py): every heads directory and every export carries a README.md
+"""Model cards (heads/artefacts/model_card.py): every heads directory and every export carries a README.md
 whose YAML header the Hub reads and whose body says what the heads are, what they were trained
 on, how well they draft by depth and how each runtime serves them. The specheads commands in a
 card are parsed by the real `specheads` parser, so a renamed flag fails here."""
@@ -15,9 +15,9 @@ import torch
 import yaml
 
 from specheads.cli import build_parser
-from specheads.heads import model_card
-from specheads.heads.export import export_heads, import_heads
-from specheads.heads.heads_dir import (HeadsConfig, build_heads, check_writable, read_heads_config, save_heads,
+from specheads.heads.artefacts import model_card
+from specheads.heads.artefacts.export import export_heads, import_heads
+from specheads.heads.artefacts.heads_dir import (HeadsConfig, build_heads, check_writable, read_heads_config, save_heads,
                                        update_tree)
 
 from test_export import TARGET, make_medusa_dir

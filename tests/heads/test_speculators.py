@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_model
-from specheads.heads import export_eagle3
-from specheads.heads.export import export_heads
-from specheads.heads.heads_dir import build_heads, eagle_heads_config, save_heads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.artefacts import export_eagle3
+from specheads.heads.artefacts.export import export_heads
+from specheads.heads.artefacts.heads_dir import build_heads, eagle_heads_config, save_heads
+from specheads.heads.target.adapter import TargetAdapter
 
 SPECULATORS = "speculators==0.9.0"
 SPECULATORS_TRANSFORMERS = "transformers<=5.19"  # speculators 0.9.0's own pin

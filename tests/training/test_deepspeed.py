@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads.heads_dir import load_heads
+from specheads.heads.artefacts.heads_dir import load_heads
 
 from test_training import markov_walks, write_jsonl, write_recipe
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from specheads.data.feature_cache import FeatureCache, write_cache
 from specheads.data.text import DataError
 from specheads.heads.eagle3 import default_tap_layers
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.train import main
 from specheads.training.config import load_recipe
 from specheads.training.data_split import load_training_data

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads.heads_dir import read_heads_config
+from specheads.heads.artefacts.heads_dir import read_heads_config
 from specheads.train import main
 
 from test_training import markov_walks, write_jsonl, write_recipe

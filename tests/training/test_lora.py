@@ -121,7 +121,7 @@ def test_resuming_a_lora_checkpoint_without_the_lora_section_fails_clearly(targe
 def test_merged_export_decodes_losslessly_against_the_merged_target(lora_run, target_with_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from specheads.heads.export import export_merged
+    from specheads.heads.artefacts.export import export_merged
     from specheads.runner import load_decoder
 
     out = export_merged(lora_run, tmp_path / "merged")

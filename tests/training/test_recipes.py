@@ -281,7 +281,7 @@ def gpu_total(dry_run_text: str) -> float:
 
 
 def test_target_dtype_auto_is_the_devices_fast_dtype(capsys, tmp_path, tiny_llama_dir, monkeypatch):
-    from specheads.heads import cpu_layout
+    from specheads.heads.target import cpu_layout
 
     path = tmp_path / "recipe.yaml"
     path.write_text(f"target:\n  name_or_path: {tiny_llama_dir}\n  dtype: auto\nheads:\n  kind: medusa\n"

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from specheads.data.text import DataError, build_blocks
-from specheads.heads.heads_dir import load_heads
+from specheads.heads.artefacts.heads_dir import load_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.train import main
 from specheads.training.calibrate import measure_accuracy
 from specheads.training.config import HeadsSpec

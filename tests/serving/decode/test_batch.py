@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
@@ -169,7 +169,7 @@ def test_kernel_path_batched(setup, tiny_llama_dir, kind):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("kind", ["plain", "medusa-oracle", "eagle3-dynamic", "medusa-oracle-triton"])
 def test_fused_cpu_forward_batched_greedy_equals_hf(setup, tiny_llama_dir, kind):
-    """The packed target runs the fused CPU forward (heads/cpu_decoder.py) in every prefill,
+    """The packed target runs the fused CPU forward (heads/target/cpu_decoder.py) in every prefill,
     draft tap and verify step, with the grouped attention or the tree attention: in fp32 its
     greedy output is HF's."""
     target, prompts, references, long = setup

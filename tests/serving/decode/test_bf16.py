@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specheads.bench.divergence import BF16_TIE_TOLERANCE, DivergenceChecker, first_difference
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.trees import DraftTree

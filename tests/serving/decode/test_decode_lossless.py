@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.stats import DecodeStats

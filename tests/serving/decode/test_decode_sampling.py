@@ -21,7 +21,7 @@ from scipy import stats as scipy_stats
 from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.trees import DynamicTreeConfig

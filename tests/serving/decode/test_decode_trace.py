@@ -1,4 +1,4 @@
-"""What one greedy EAGLE-3 decode step crosses (bench/decode_trace.py, issue 25): the tool
+"""What one greedy EAGLE-3 decode step crosses (bench/tools/decode_trace.py, issue 25): the tool
 traces one BatchEngine.step, and the step stays within the functions and files it crossed
 when the decode room was last tidied. A new helper on the step's path fails here: fold it
 into an existing one, or raise the bound and say why in the commit."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from specheads.bench.decode_trace import StepTrace, format_report, tiny_eagle3_decoder, trace_one_step
+from specheads.bench.tools.decode_trace import StepTrace, format_report, tiny_eagle3_decoder, trace_one_step
 
 # 54 before issue 25, 45 after it; 57 and 11 since the step accepts on the device for the whole
 # batch (serving/decode/accept.py) from one batched draft object (serving/decode/draft_batch.py),

@@ -21,9 +21,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specheads.heads.eagle3 import Eagle3Head
-from specheads.heads.reply_store import ReplyStore, write_store
+from specheads.heads.artefacts.reply_store import ReplyStore, write_store
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 from specheads.serving.decode.lookup import LookupConfig

@@ -14,7 +14,7 @@ import torch
 
 from specheads.heads.draft_vocab import build_draft_vocab
 from specheads.heads.eagle3 import Eagle3Head
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.eagle import DynamicEagleDrafter, StaticEagleDrafter

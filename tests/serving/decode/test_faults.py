@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate

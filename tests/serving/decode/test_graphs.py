@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specheads.heads.eagle3 import Eagle3Head
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.engine import BatchEngine, SequenceRequest
 from specheads.serving.decode.generate import generate

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.logprobs import (TokenLogprob, prompt_logprobs, score_tokens, step_logprob_rows,
                                                unpack_step_logprobs)

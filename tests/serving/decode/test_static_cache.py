@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from dynamic_cache_reference import commit_path, new_cache
 from specheads.serving.decode.cache import TreeStaticCache
 from specheads.serving.decode.trees import DraftTree

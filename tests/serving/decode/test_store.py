@@ -1,4 +1,4 @@
-"""The store of the target's replies (heads/reply_store.py, serving/decode/store.py).
+"""The store of the target's replies (heads/artefacts/reply_store.py, serving/decode/store.py).
 
 Unit level: the suffix array against sorting the suffixes; the store's proposals against a
 brute force of the documented rule (the longest matching suffix, then the most frequent
@@ -16,7 +16,6 @@ joint law of the first two tokens (chi-square, as test_decode_sampling.py).
 
 from __future__ import annotations
 
-import json
 import struct
 from collections import Counter
 
@@ -26,9 +25,9 @@ import torch
 from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME, TOKENS_NAME,
+from specheads.heads.artefacts.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME, TOKENS_NAME,
                                          ReplyStore, StoreError, suffix_array, tokenizer_fingerprint, write_store)
-from specheads.heads.target import TargetAdapter, TargetIdentity
+from specheads.heads.target.adapter import TargetAdapter, TargetIdentity
 from specheads.serving.decode.config import SpeculativeDecoder, parse_tree_field
 from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.generate import generate

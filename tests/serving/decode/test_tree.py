@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads.heads_dir import HeadsConfig
-from specheads.heads.target import TargetIdentity
+from specheads.heads.artefacts.heads_dir import HeadsConfig
+from specheads.heads.target.adapter import TargetIdentity
 from specheads.heads.tree_paths import expand_paths
 from specheads.serving.decode.config import TreeSpec
 from specheads.serving.decode.accept import accept_greedy

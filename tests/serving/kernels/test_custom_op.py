@@ -3,7 +3,7 @@ reference's output, its fake implementation traces without running a kernel, and
 torch.compile keeps a function that calls it, directly or through the transformers attention
 function, in one graph (fullgraph=True) with the same output. Under TRITON_INTERPRET the
 operator is opaque to the compiler (serving/kernels/custom_op.py); on a GPU it is a
-triton_op whose kernels inductor compiles (bench/gpu_kernels.py's parity section checks).
+triton_op whose kernels inductor compiles (bench/gpu/kernels.py's parity section checks).
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def decoder(embedded_target_dir):
     from torch import nn
 
     from specheads.heads.medusa import MedusaHeads
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.trees import DraftTree
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import make_byte_bpe_tokenizer, make_tiny_model
-from specheads.heads.heads_dir import HeadsConfig, save_heads
+from specheads.heads.artefacts.heads_dir import HeadsConfig, save_heads
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.target import TargetAdapter
+from specheads.heads.target.adapter import TargetAdapter
 from specheads.runner import load_decoder
 from specheads.serving.server.server import ServerThread
 from specheads.serving.server.state import ServeConfig

@@ -2,20 +2,20 @@
 
 Sections, in the order they run (the figures the GPU work must reach first), each a function
 returning its own figures (one that raises records its error; the others still run):
-- step_time (bench/gpu_steps.py): Llama-3.1-8B- and SmolLM2-shaped bf16 targets, decode and
+- step_time (bench/gpu/steps.py): Llama-3.1-8B- and SmolLM2-shaped bf16 targets, decode and
   verify steps (T = 16/32/64) as CUDA-graph replays over the static-shape cache with the tree
   kernel, batch 1/8/32, the model's own forward against the compiled GPU decoder, each beside
   the weight-read floor.
-- kernel_speed (bench/gpu_kernels.py): the Triton tree-attention kernel against SDPA (% of HBM).
-- end_to_end (bench/gpu_engine.py): tokens/s on peaked random targets (greedy decided beyond
+- kernel_speed (bench/gpu/kernels.py): the Triton tree-attention kernel against SDPA (% of HBM).
+- end_to_end (bench/gpu/engine.py): tokens/s on peaked random targets (greedy decided beyond
   bf16 rounding) of both shapes at batch 1/8/32: HF greedy, the engine's plain decoding and
   oracle-drafted decoding, graphs and kernel on; speedups against the engine's plain decoding
   with graphs; bf16 outputs against HF's, every difference scored as near-tie or not.
-- lossless (bench/gpu_engine.py): fp32 greedy of every engine, everything on included, against
+- lossless (bench/gpu/engine.py): fp32 greedy of every engine, everything on included, against
   HF greedy on a tiny random Llama.
-- profile (bench/gpu_steps.py): where a graphed 8B decode step's kernel time goes.
-- parity (bench/gpu_kernels.py): the kernel against its PyTorch reference.
-- gemm, autotune_step (bench/gpu_steps.py): cuBLAS against inductor's autotuned GEMMs at 1-64
+- profile (bench/gpu/steps.py): where a graphed 8B decode step's kernel time goes.
+- parity (bench/gpu/kernels.py): the kernel against its PyTorch reference.
+- gemm, autotune_step (bench/gpu/steps.py): cuBLAS against inductor's autotuned GEMMs at 1-64
   rows; the decoder in max-autotune.
 
 The report starts with the goals (`goals`: the must-reach figures), each beside its target.
@@ -23,7 +23,7 @@ It is written to OUT/gpu_suite.json and OUT/gpu_suite.md after every section, so
 stopped at its time limit keeps what it measured; `--budget-s` skips the sections that would
 start after that many seconds. `--compile-cache FILE` loads inductor's cache artifacts from
 FILE when it exists and writes them there after every section (a second run on a fresh
-machine then compiles from the cache). bench/gpu_run.sh is the device run (docs/gpu/ has its
+machine then compiles from the cache). bench/gpu/run.sh is the device run (docs/gpu/ has its
 plan).
 
 It imports torch, triton, transformers and the serving/heads modules that pull no deepspeed,
@@ -48,9 +48,9 @@ from types import SimpleNamespace
 import torch
 
 from specheads.heads import atomic
-from specheads.bench.gpu_engine import free_device_memory, section_end_to_end, section_lossless
-from specheads.bench.gpu_kernels import section_kernel_speed, section_parity
-from specheads.bench.gpu_steps import section_autotune_step, section_gemm, section_profile, section_step_time
+from specheads.bench.gpu.engine import free_device_memory, section_end_to_end, section_lossless
+from specheads.bench.gpu.kernels import section_kernel_speed, section_parity
+from specheads.bench.gpu.steps import section_autotune_step, section_gemm, section_profile, section_step_time
 
 PEAK_HBM = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))  # bytes/s
 # tests/serving/kernels/test_tree_attention.py PARITY_CASES: (B, Hkv, group, T, S, D).
@@ -244,7 +244,7 @@ def _save_compile_cache(path: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m specheads.bench.gpu_suite", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specheads.bench.gpu.suite", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (implied by --device cpu)")
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device_name": ctx.device_name, "device": str(device), "tiny": tiny, "gpu_decoder": ctx.gpu_decoder,
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "cuda": torch.version.cuda, "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-            "peak_hbm_bytes_per_s": ctx.peak_bw, "command": " ".join(["python -m specheads.bench.gpu_suite", *argv]),
+            "peak_hbm_bytes_per_s": ctx.peak_bw, "command": " ".join(["python -m specheads.bench.gpu.suite", *argv]),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "compile_cache": _load_compile_cache(args.compile_cache)}
     report = {"schema": "specheads.gpu_suite/2", "meta": meta, "goals": [], "sections": {}}
     args.out.mkdir(parents=True, exist_ok=True)

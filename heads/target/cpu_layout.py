@@ -1,7 +1,7 @@
 """How the frozen target runs fast on a CPU: the fast dtype, linear weights packed once, and
 attention over the KV heads.
 
-Three decisions, all made here and applied behind the target adapter (heads/target.py), never in
+Three decisions, all made here and applied behind the target adapter (heads/target/adapter.py), never in
 the drafters or the accept rule:
 
 - dtype "auto": bf16 on a CPU with native bf16 arithmetic (AVX512-BF16 or AMX), fp32 on any
@@ -26,7 +26,7 @@ the drafters or the accept rule:
   (0.040 against 0.065 ms for the bmm path), and so does anything this path does not cover.
   Rows of one batch attend to different lengths (continuous batching mixes a first turn's
   100 keys with a third turn's 800), and each row reads only its own: where a C compiler is
-  found, heads/cpu_attention.py's kernel reads them in place in the cache; elsewhere the
+  found, heads/target/cpu_attention.py's kernel reads them in place in the cache; elsewhere the
   rows are sorted by how many keys they see and each bucket of rows multiplies only its own
   longest length (`_row_buckets`), its keys and values gathered into a scratch buffer that
   every layer and step reuses. 96 rows at 100-800 keys (mean 410), bf16, one layer: the
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads import cpu_attention
+from specheads.heads.target import cpu_attention
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 CPU_ATTENTION = "specheads_cpu"
@@ -161,7 +161,7 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scaling is None else scaling
     query_BHGD = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # G = group * T rows per KV head
-    if kernel:  # each row's own keys, read in place (heads/cpu_attention.py); no mask: all of them
+    if kernel:  # each row's own keys, read in place (heads/target/cpu_attention.py); no mask: all of them
         mask_BTK = None if attention_mask is None else attention_mask[:, 0, :, :num_keys]
         out_BHGD = cpu_attention.ragged_attention(query_BHGD, key, value, mask_BTK, num_new, scale)
         return out_BHGD.view(batch, num_q_heads, num_new, head_dim).transpose(1, 2), None
@@ -264,7 +264,7 @@ class PackedWeights:
 
     def unpack(self, which) -> None:
         """Put the plain `nn.Linear` back for every `PackedLinear` that `which(packed)` selects,
-        and drop its packed copy (heads/cpu_decoder.py holds those weights fused instead)."""
+        and drop its packed copy (heads/target/cpu_decoder.py holds those weights fused instead)."""
         kept = []
         for swap in self.swaps:
             if which(swap.packed):

@@ -1,7 +1,7 @@
-"""What a reply store (heads/reply_store.py) costs at a real data size: build time, bytes per
+"""What a reply store (heads/artefacts/reply_store.py) costs at a real data size: build time, bytes per
 token, and one step's search per sequence.
 
-    python -m specheads.bench.reply_store_cost [--tokens 4000000] [--vocab 49152] [--queries 2000]
+    python -m specheads.bench.tools.reply_store_cost [--tokens 4000000] [--vocab 49152] [--queries 2000]
                                                [--max-occurrences 16,64,256] [--output-json PATH]
 
 The store is synthetic but shaped like chat replies: each reply strings together phrases from
@@ -16,15 +16,14 @@ the store in, as a served store is.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from specheads.heads.reply_store import ReplyStore, write_store
-from specheads.heads.target import TargetIdentity
+from specheads.heads.artefacts.reply_store import ReplyStore, write_store
+from specheads.heads.target.adapter import TargetIdentity
 
 NUM_TOKENS, MAX_MATCH, MIN_MATCH = 10, 16, 2
 

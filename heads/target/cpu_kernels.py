@@ -1,7 +1,7 @@
 """Small C kernels for the CPU, compiled once per machine and called through ctypes.
 
-PyTorch has no op for a few things the CPU inference path needs (heads/cpu_attention.py's
-ragged attention; heads/cpu_decoder.py's fused RMSNorm, RoPE and SiLU-and-multiply). An
+PyTorch has no op for a few things the CPU inference path needs (heads/target/cpu_attention.py's
+ragged attention; heads/target/cpu_decoder.py's fused RMSNorm, RoPE and SiLU-and-multiply). An
 extension built against torch's headers takes a minute to compile; a plain C file takes a
 second. `compile_library` builds one with the system C compiler (`cc -O3 -march=native
 -fopenmp`) into the specheads cache, keyed by the source, the flags, the compiler and this

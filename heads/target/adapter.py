@@ -33,7 +33,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == AUTO:
-        from specheads.heads.cpu_layout import auto_dtype
+        from specheads.heads.target.cpu_layout import auto_dtype
 
         return auto_dtype(device)
     if dtype not in DTYPES:
@@ -142,9 +142,9 @@ class TargetAdapter:
     """A frozen causal LM plus the few things heads need from it.
 
     pack_weights: lay the linear weights out for inference once, for the device at hand. On
-    a CPU (heads/cpu_layout.py): "auto" packs where it pays (oneDNN, fp32 or bf16), True
+    a CPU (heads/target/cpu_layout.py): "auto" packs where it pays (oneDNN, fp32 or bf16), True
     always (a CPU model; tests), False never (training: the packed op has no autograd). On a
-    CUDA GPU, "auto" or True builds the GPU decoder (heads/gpu_decoder.py) in the mode
+    CUDA GPU, "auto" or True builds the GPU decoder (heads/target/gpu_decoder.py) in the mode
     `gpu_decoder` names.
 
     gpu_decoder: None (default) builds it where pack_weights asks for an inference layout and
@@ -163,13 +163,13 @@ class TargetAdapter:
         if pack_weights not in (False, True, AUTO):
             raise ValueError(f"pack_weights must be True, False or {AUTO!r}, got {pack_weights!r}")
         if pack_weights:
-            from specheads.heads.cpu_layout import pack_linears, packing_pays
+            from specheads.heads.target.cpu_layout import pack_linears, packing_pays
 
             if pack_weights is True or packing_pays(self.dtype, self.device):
                 self.packed = pack_linears(model)
         self.fused = None  # heads/cpu_decoder.FusedDecoder where the packed model has one
         if self.packed is not None:
-            from specheads.heads.cpu_decoder import FusedDecoder
+            from specheads.heads.target.cpu_decoder import FusedDecoder
 
             self.fused = FusedDecoder.build(model, self.packed)
         self.gpu = None  # heads/gpu_decoder.GpuDecoder where one is asked for and the model has one
@@ -177,7 +177,7 @@ class TargetAdapter:
         if mode != "off":
             if self.packed is not None:
                 raise ValueError(f"gpu_decoder={gpu_decoder!r} needs an unpacked target; pass pack_weights=False")
-            from specheads.heads.gpu_decoder import GpuDecoder
+            from specheads.heads.target.gpu_decoder import GpuDecoder
 
             self.gpu = GpuDecoder.build(model, mode)
 
@@ -189,8 +189,8 @@ class TargetAdapter:
 
     @property
     def layout(self) -> str:
-        """How the linear weights run: "packed" (oneDNN, heads/cpu_layout.py), "fused-<mode>"
-        (the GPU decoder, heads/gpu_decoder.py) or "plain"."""
+        """How the linear weights run: "packed" (oneDNN, heads/target/cpu_layout.py), "fused-<mode>"
+        (the GPU decoder, heads/target/gpu_decoder.py) or "plain"."""
         if self.packed is not None:
             return "packed"
         return f"fused-{self.gpu.mode}" if self.gpu is not None else "plain"

@@ -2,11 +2,11 @@
 # The GPU suite's run on a bare GPU machine (docs/gpu/2026-11-27-plan-gpu-pace.md says how it is
 # launched and what each figure is compared against). Run it from the repository root:
 #
-#     OUT=<folder for the report> bash bench/gpu_run.sh [gpu_suite options, e.g. --sections end_to_end]
+#     OUT=<folder for the report> bash bench/gpu/run.sh [gpu_suite options, e.g. --sections end_to_end]
 #
 # It installs the wheels carried in .whl/ (the transformers version the project tests with; the
 # machine's torch, triton and the rest stay), puts the repository on the path as the `specheads`
-# package (pyproject's package-dir, as links), and runs `python -m specheads.bench.gpu_suite`,
+# package (pyproject's package-dir, as links), and runs `python -m specheads.bench.gpu.suite`,
 # which writes OUT/gpu_suite.json and OUT/gpu_suite.md after every section and prints each goal
 # beside its target at the end. Sections that would start after BUDGET_S seconds are skipped,
 # and the suite is stopped at LIMIT_S, so the whole run ends inside one 10-minute call with time
@@ -42,11 +42,11 @@ fi
 
 cd "$WORK"  # the repository root's own specheads/ folder would shadow the linked package
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || say "no nvidia-smi"
-python3 -c "import torch, transformers, triton, specheads.bench.gpu_suite as s; \
+python3 -c "import torch, transformers, triton, specheads.bench.gpu.suite as s; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, \
 'from', s.__file__)" || { say "the suite does not import"; exit 1; }
 say "suite starts (budget ${BUDGET_S}s, limit ${LIMIT_S}s)"
-timeout -k 15 "$LIMIT_S" python3 -m specheads.bench.gpu_suite --out "$OUT" --budget-s "$BUDGET_S" \
+timeout -k 15 "$LIMIT_S" python3 -m specheads.bench.gpu.suite --out "$OUT" --budget-s "$BUDGET_S" \
     --compile-cache "$OUT/compile_cache.bin" "$@" 2>&1 | tee "$OUT/gpu_run.log"
 status=${PIPESTATUS[0]}
 say "suite ended with status $status"

@@ -1,6 +1,6 @@
 """Ragged grouped-query attention for a CPU: each batch row reads only its own keys, in place.
 
-The grouped attention of heads/cpu_layout.py multiplies batched matrices, and oneDNN's bf16
+The grouped attention of heads/target/cpu_layout.py multiplies batched matrices, and oneDNN's bf16
 bmm needs dense batches: it gathers every row's keys and values out of the KV cache first,
 so one decode step of 96 SmolLM2 rows at a mean 270 keys moved each key three times (read,
 written, read again) and the attention cost about 125 ns a row, key and layer. This kernel
@@ -13,8 +13,8 @@ themselves (four keys' scores per reduction, two keys' values per instruction); 
 and in fp32, plain C loops that the compiler vectorises. 96 SmolLM2 rows at 100-800 keys
 (mean 410), one layer: the bmm path 3.2-4.1 ms, the plain loops 2.0 ms, AVX512-BF16 1.0 ms.
 
-It is C, compiled once per machine and called through ctypes (heads/cpu_kernels.py: PyTorch
-has no op for it). Where no compiler is found, `available()` is False and heads/cpu_layout.py
+It is C, compiled once per machine and called through ctypes (heads/target/cpu_kernels.py: PyTorch
+has no op for it). Where no compiler is found, `available()` is False and heads/target/cpu_layout.py
 keeps its bmm path.
 
 Shapes: q [B, Hkv, G, D] (query head h reads KV head h // group; row g of a KV head is query
@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from specheads.heads import cpu_kernels
+from specheads.heads.target import cpu_kernels
 
 SOURCE = cpu_kernels.BF16_HELPERS + r"""
 
@@ -221,7 +221,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel (heads/cpu_kernels.py), None where it cannot be built."""
+    """The compiled kernel (heads/target/cpu_kernels.py), None where it cannot be built."""
     library = cpu_kernels.compile_library("cpu_attention", SOURCE)
     if library is None:
         return None

@@ -4,15 +4,15 @@ On a CPU, a one-token decode step of SmolLM2-135M in bf16 (2 cores, through the 
 18.3 ms: 8 ms in its 211 linear layers, 4 ms in SDPA over the cache, and 6 ms in everything
 else, some 90 small torch ops a layer (RMSNorm alone is seven, RoPE nine) and the
 `nn.Module` calls, hooks and keyword plumbing around them. The linear layers already run
-packed (heads/cpu_layout.py); the rest is overhead that a CPU pays per op, not per byte.
+packed (heads/target/cpu_layout.py); the rest is overhead that a CPU pays per op, not per byte.
 `FusedDecoder` runs the same computation with fewer, larger ops (the step: 10.3-10.8 ms;
 this VM's timings move by 10-20% between runs):
 
 - q, k and v are one packed linear layer, and so are gate and up (their weights concatenated
   once, at build, into oneDNN's layout; the separate packed copies are dropped, so memory
   stays one packed copy of the weights);
-- RMSNorm, RoPE and SiLU-and-multiply are each one C call (heads/cpu_kernels.py builds them,
-  as it builds heads/cpu_attention.py's ragged attention); where no C compiler is found,
+- RMSNorm, RoPE and SiLU-and-multiply are each one C call (heads/target/cpu_kernels.py builds them,
+  as it builds heads/target/cpu_attention.py's ragged attention); where no C compiler is found,
   torch ops with transformers' own formulas;
 - no module calls, hooks or output recorders: one Python loop over the layers, calling the
   packed GEMMs directly (a `PackedLinear` module call costs about 2 us more than its op).
@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads import cpu_kernels
-from specheads.heads.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
+from specheads.heads.target import cpu_kernels
+from specheads.heads.target.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -149,7 +149,7 @@ SIGNATURES = {"rms_norm": [_POINTER, _POINTER, _I64, _I32, _F32, _POINTER],
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The elementwise kernels (heads/cpu_kernels.py), None where they cannot be built."""
+    """The elementwise kernels (heads/target/cpu_kernels.py), None where they cannot be built."""
     library = cpu_kernels.compile_library("cpu_decoder", SOURCE)
     if library is None:
         return None
@@ -203,7 +203,7 @@ class _Layer:
 
 
 def architecture_reason(model: nn.Module) -> str | None:
-    """Why a fused Llama-family forward (this module's, or heads/gpu_decoder.py's) cannot compute
+    """Why a fused Llama-family forward (this module's, or heads/target/gpu_decoder.py's) cannot compute
     what `model` computes, or None when it can: the architecture, its MLP activation and its
     attention layers (every one full attention)."""
     name = type(model).__name__

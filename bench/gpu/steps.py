@@ -1,10 +1,10 @@
-"""The GPU suite's step sections (bench/gpu_suite.py runs them, with its shapes in `ctx`): what
+"""The GPU suite's step sections (bench/gpu/suite.py runs them, with its shapes in `ctx`): what
 one engine step costs on the device and where that time goes.
 
 - step_time: a decode step (T = 1) and verify steps (T = 16/32/64) of a random bf16 target
   over a static-shape cache at a fixed context, batch 1, 8 and 32, replayed as CUDA graphs as
   the engine replays them (tree kernel), for the model's own forward ("hf") and the GPU
-  decoder ("compiled", heads/gpu_decoder.py); each beside the weight-read floor: bytes of
+  decoder ("compiled", heads/target/gpu_decoder.py); each beside the weight-read floor: bytes of
   weights (less the input embedding, of which a step reads one row per token) and of the
   K/V a step reads, over the card's HBM rate.
 - profile: torch.profiler over graphed decode steps at the 8B shape, CUDA kernel time grouped
@@ -24,9 +24,10 @@ import re
 
 import torch
 
-from specheads.bench.gpu_engine import (adapters, free_device_memory, prefilled_cache, random_llama, step_ms,
+from specheads.bench.gpu.engine import (adapters, free_device_memory, prefilled_cache, random_llama, step_ms,
                                         verify_call)
-from specheads.bench.gpu_kernels import graph_ms, time_ms
+from specheads.bench.gpu.kernels import graph_ms
+from specheads.bench.support import time_ms
 
 # Kernel names -> groups, first match wins (attention first: flash's "splitkv" is no split-K
 # GEMM). Inductor's fused kernels (triton_poi/red/per) are the norms, RoPE, SiLU and residual
@@ -102,7 +103,7 @@ def section_step_time(ctx) -> dict:
 def section_autotune_step(ctx) -> dict:
     """The 8B decode and first verify step with the GPU decoder in max-autotune (inductor also
     tries its Triton GEMMs), against the default compile of the same model."""
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     model_name, shape, context = ctx.step_models[0]
     model = random_llama(shape, ctx.device, torch.bfloat16, init_std=None)
@@ -214,7 +215,7 @@ def _gemm_ms(ctx, linear, x, weights) -> float:
 def section_gemm(ctx) -> dict:
     from transformers import LlamaConfig
 
-    from specheads.heads.gpu_decoder import allow_recompiles
+    from specheads.heads.target.gpu_decoder import allow_recompiles
 
     config = LlamaConfig(**ctx.step_models[0][1])
     allow_recompiles()  # one graph per (shape, rows)

@@ -4,7 +4,7 @@
     <dir>/model.safetensors  the head weights (EAGLE heads: the draft-vocab maps d2t/t2d
                              too; Medusa heads with a draft vocab: token_map)
 
-    <dir>/README.md          the model card (heads/model_card.py): Hub metadata, training data,
+    <dir>/README.md          the model card (heads/artefacts/model_card.py): Hub metadata, training data,
                              held-out acceptance, serve commands per runtime
     <dir>/tuning.json        `specheads tune`'s sweep, once tuned
 
@@ -34,8 +34,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specheads.heads import atomic, model_card
-from specheads.heads.target import TargetIdentity, _looks_like_hub_id
+from specheads.heads import atomic
+from specheads.heads.artefacts import model_card
+from specheads.heads.target.adapter import TargetIdentity, _looks_like_hub_id
 
 FORMAT_NAME = "specheads"
 FORMAT_VERSION = 1
@@ -54,7 +55,7 @@ class HeadsConfig:
     vocab_size: int
     num_heads: int
     num_layers: int
-    tap_layers: list[int]  # target layers the heads read (see heads/target.py for the convention)
+    tap_layers: list[int]  # target layers the heads read (see heads/target/adapter.py for the convention)
     target: TargetIdentity
     tree: dict | None = None  # {"paths": [[rank, ...], ...], ...}; read by serving/decode/config.py parse_tree_field
     calibration: dict | None = None  # per-depth top-k accuracy measured after training
@@ -127,7 +128,7 @@ def eagle_heads_config(target, kind: str = "eagle3", *, num_steps: int, tap_laye
                        draft_vocab_size: int, num_attention_heads: int | None = None,
                        num_kv_heads: int | None = None, intermediate_size: int | None = None,
                        identity: TargetIdentity | None = None, num_layers: int = 1) -> HeadsConfig:
-    """The HeadsConfig of an EAGLE head for `target` (a heads/target.py TargetAdapter): its
+    """The HeadsConfig of an EAGLE head for `target` (a heads/target/adapter.py TargetAdapter): its
     attention and MLP sizes, rope and norm from the target's config unless given; EAGLE-3
     taps default to default_tap_layers, EAGLE-1/2 ("eagle") reads the final hidden state over
     the full vocab. num_steps: the draft depths it is trained and calibrated for."""
@@ -181,7 +182,7 @@ def write_weights_dir(directory: str | os.PathLike, config: dict, state: dict[st
                       card: HeadsConfig | None = None, layout: str = "specheads") -> Path:
     """config.json + one safetensors file (and, with `torch_twin`, the same tensors
     torch.save'd under that name) + with `card`, the model card of those heads in `layout`
-    (heads/model_card.py), written atomically (atomic.staged_dir)."""
+    (heads/artefacts/model_card.py), written atomically (atomic.staged_dir)."""
     with atomic.staged_dir(directory) as tmp:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / weights_name), metadata={"format": "pt"})

@@ -3,7 +3,7 @@
     export_heads(HEADS_DIR, "eagle3" | "medusa" | "vllm-medusa", OUT)
     import_heads(FOREIGN_DIR, OUT, target=None)
 
-Formats (key names and config fields in heads/export_medusa.py and heads/export_eagle3.py):
+Formats (key names and config fields in heads/artefacts/export_medusa.py and heads/artefacts/export_eagle3.py):
 
 | format      | heads kind | for                    | config.json marker                         | weights file(s)                  |
 |-------------|------------|------------------------|--------------------------------------------|----------------------------------|
@@ -13,7 +13,7 @@ Formats (key names and config fields in heads/export_medusa.py and heads/export_
 | llama.cpp   | eagle3     | llama.cpp draft-eagle3 | (GGUF: general.architecture "eagle3")      | heads.gguf (+ target.gguf)       |
 
 llama.cpp is the eagle3 layout passed through llama.cpp's own converter; it needs the target's HF
-directory and a llama.cpp source, so it has its own entry point, heads/export_llama_cpp.py.
+directory and a llama.cpp source, so it has its own entry point, heads/artefacts/export_llama_cpp.py.
 
 Every export also writes a "specheads" block (our full HeadsConfig) into config.json, which
 the engines ignore. Import reads it back, so specheads -> foreign -> specheads is exact
@@ -27,7 +27,7 @@ draft depth get num_heads = IMPORTED_EAGLE_DEPTH (serving's default tree depth).
 EAGLE-1/2 kind "eagle" (one tap, no fc) has no export format.
 
 All writes are atomic: the output directory is built under a temporary name beside OUT and
-renamed into place. Every output carries a model card (README.md, heads/model_card.py) for its
+renamed into place. Every output carries a model card (README.md, heads/artefacts/model_card.py) for its
 layout. HEADS_DIR and FOREIGN_DIR may be Hugging Face Hub repo ids (heads_dir.resolve_heads_dir).
 
 LoRA runs (training/lora.py) change the target, so their heads only fit the adapted target.
@@ -50,10 +50,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads import atomic, export_eagle3, export_medusa, model_card
-from specheads.heads.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
+from specheads.heads import atomic
+from specheads.heads.artefacts import export_eagle3, export_medusa, model_card
+from specheads.heads.artefacts.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
                                        build_heads, read_heads_config, resolve_heads_dir, write_weights_dir)
-from specheads.heads.target import DTYPES, TargetIdentity
+from specheads.heads.target.adapter import DTYPES, TargetIdentity
 
 FORMATS = {  # format -> (heads kind, weights file name)
     "eagle3": ("eagle3", WEIGHTS_NAME),
@@ -146,7 +147,7 @@ def resolve_target(target: TargetIdentity | str | os.PathLike) -> TargetIdentity
         return target
     from transformers import AutoConfig
 
-    from specheads.heads.target import check_target_exists
+    from specheads.heads.target.adapter import check_target_exists
 
     check_target_exists(str(target))
     return TargetIdentity.from_config(AutoConfig.from_pretrained(str(target)), str(target))

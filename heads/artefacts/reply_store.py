@@ -5,7 +5,7 @@ Format, search and validation live here, in heads/, because both the builder (da
 directory, written whole (heads/atomic.py `staged_dir`):
 
     store.json          manifest: format name and version, the target's identity (what a heads
-                        directory records: heads/target.py `TargetIdentity`), the tokenizer's
+                        directory records: heads/target/adapter.py `TargetIdentity`), the tokenizer's
                         fingerprint, num_sequences, num_tokens, the files' sizes and index_bytes
     tokens.bin          HEADER, then every reply's token ids followed by SEPARATOR, as big-endian
                         uint32: byte order is token order, so comparing two byte strings
@@ -56,7 +56,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from specheads.heads import atomic
-from specheads.heads.target import TargetIdentity
+from specheads.heads.target.adapter import TargetIdentity
 
 FORMAT_NAME = "specheads-reply-store"
 FORMAT_VERSION = 1

@@ -1,7 +1,7 @@
 """A learning curve: how the heads' acceptance grows with training data, so a user can judge
 how much data their own model needs.
 
-    python -m specheads.bench.learning_curve --point 100000=runs/lc-100k/heads:runs/lc-100k/bench.json \
+    python -m specheads.bench.tools.learning_curve --point 100000=runs/lc-100k/heads:runs/lc-100k/bench.json \
         --point 300000=runs/lc-300k/heads:runs/lc-300k/bench.json ... [--depths 3] [--out curve.png] \
         [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N] [--by-category]]
 
@@ -209,7 +209,7 @@ def bench_tau(report: dict, source: str) -> float:
 
 
 def load_point(num_tokens: int, heads_dir: str, bench_json: str | None, series: str = "") -> CurvePoint:
-    from specheads.heads.heads_dir import read_heads_config
+    from specheads.heads.artefacts.heads_dir import read_heads_config
 
     config = read_heads_config(heads_dir)
     accuracy = (config.calibration or {}).get("accuracy")
@@ -294,7 +294,7 @@ class _SeriesPoint(argparse.Action):
 
 def score_on_fixed_set(points: list[CurvePoint], args) -> list[CurvePoint]:
     """Every point's top-1 on the target's replies to --eval-prompts (generated once)."""
-    from specheads.heads.heads_dir import load_heads
+    from specheads.heads.artefacts.heads_dir import load_heads
     from specheads.runner import load_target_and_tokenizer
 
     target, tokenizer = load_target_and_tokenizer(args.target, heads=[p.label for p in points], dtype=args.dtype)

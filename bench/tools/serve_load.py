@@ -1,9 +1,9 @@
 """Load test for `specheads serve`: TTFT, inter-token latency and throughput at several client
 concurrencies, with speculation on and off (the per-request `speculate` switch, one server).
 
-    python -m specheads.bench.serve_load --target embedded:tiny --heads runs/demo/heads \\
+    python -m specheads.bench.tools.serve_load --target embedded:tiny --heads runs/demo/heads \\
         [--concurrency 1,4,16] [--requests 16] [--max-tokens 64] [--torch-threads 1] [--lookup N] [--json OUT.json]
-    python -m specheads.bench.serve_load --url http://127.0.0.1:8000 --model NAME ...   # a running server
+    python -m specheads.bench.tools.serve_load --url http://127.0.0.1:8000 --model NAME ...   # a running server
 
 Without --url the script starts `specheads serve` as a subprocess on a free port (so the
 server's engine does not share a GIL with the clients) and stops it at the end.
@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import time
 
 import httpx
 
+from specheads.bench.support import free_port
 from specheads.serving.decode.stats import alpha_tau
 
 
@@ -120,13 +120,6 @@ def add_acceptance(row: dict, before: dict[str, float], after: dict[str, float])
     drafts, drafted, accepted = (after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS)
     row["alpha"], row["tau"] = alpha_tau(int(accepted), int(drafted), int(drafts)) if drafted else (None, None)
     return row
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the servers the bench starts bind it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:

@@ -1,4 +1,4 @@
-"""The GPU suite's engine sections (bench/gpu_suite.py runs them, with its shapes in `ctx`):
+"""The GPU suite's engine sections (bench/gpu/suite.py runs them, with its shapes in `ctx`):
 greedy lossless against HF and end-to-end tokens/s, plus what every section builds: random
 targets (peaked ones whose greedy tokens bf16 cannot flip), prompts, stub heads (no checkpoint
 travels to a lent GPU) and a verify forward built as the engine's CUDA graphs build it.
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.bench.gpu_kernels import random_tree_mask, time_ms, wall_s
+from specheads.bench.gpu.kernels import random_tree_mask
+from specheads.bench.support import time_ms, wall_s
 from specheads.serving.decode.generate import generate
 
 # The Medusa tree of tests/serving/decode/test_decode_lossless.py: ranks 0 and 1, depth 4.
@@ -86,9 +87,9 @@ def random_llama(shape: dict, device: torch.device, dtype: torch.dtype, init_std
 
 def adapters(ctx, model) -> dict:
     """The two forwards the suite compares on one model: "hf" (the model's own) and "compiled"
-    (the GPU decoder in ctx.gpu_decoder's mode, heads/gpu_decoder.py; its weights are views of
+    (the GPU decoder in ctx.gpu_decoder's mode, heads/target/gpu_decoder.py; its weights are views of
     the model's, so both share one copy)."""
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     return {"hf": TargetAdapter(model, "random-llama"),
             "compiled": TargetAdapter(model, "random-llama", gpu_decoder=ctx.gpu_decoder)}
@@ -125,7 +126,7 @@ def decided_share(model, scorer, prompts: list[list[int]], num_new: int) -> dict
     in opposite directions: bench/divergence.py's rule, measured on this model); decided_share
     = positions whose fp32 gap is above it; argmax_agreement = positions where bf16 and fp32
     pick the same token on the same context."""
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     sequences = torch.tensor([p + c for p, c in zip(prompts, hf_greedy(model, prompts, num_new))], device=model.device)
     context = sequences[:, :-1]  # logits at the last num_new positions predict the continuation
@@ -149,7 +150,7 @@ def peaked_llama(ctx, shape: dict) -> PeakedTarget:
     logit), and every o_proj and down_proj is scaled down (PEAK_LAYER_SCALE, halved until
     PEAK_DECIDED of the positions are decided, in at most PEAK_TRIES tries) so that the layers
     perturb that state without flattening it. Every layer still runs at full cost."""
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     model = random_llama(shape, ctx.device, torch.bfloat16, init_std=None)
     generator = torch.Generator().manual_seed(3)
@@ -279,9 +280,9 @@ def step_ms(ctx, call) -> dict:
 def lossless_decoders(ctx, target, sequences: list[list[int]], prompt_lengths: list[int]) -> dict:
     """Engines to compare with HF greedy; the kernel ones run on a copy of the target (the
     tree-attention path switches its model's attention function), the compiled ones on
-    another copy through the GPU decoder (heads/gpu_decoder.py)."""
+    another copy through the GPU decoder (heads/target/gpu_decoder.py)."""
     from specheads.heads.eagle3 import Eagle3Head, default_tap_layers
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.trees import DraftTree
 
@@ -330,7 +331,7 @@ def section_lossless(ctx) -> dict:
     """fp32 greedy of every engine (everything on included) against HF greedy on a tiny random
     Llama, and the bf16 match rate of the same engines on its bf16 copy (tie-prone: the peaked
     targets' bf16 check is in end_to_end)."""
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.target.adapter import TargetAdapter
 
     model = random_llama(ctx.lossless_model, ctx.device, torch.float32)
     prompts = random_prompts(ctx.lossless_prompts, None, model.config.vocab_size, seed=1234)

@@ -6,7 +6,7 @@ be shared on the Hugging Face Hub (`hf upload ORG/NAME DIR`) and read by the peo
     serve_commands(config, directory, layout) -> {runtime: shell command}
 
 `layout` is what the directory holds: "specheads" (a heads directory), or an export format of
-heads/export.py ("eagle3", "medusa", "vllm-medusa", "llama.cpp"). The card is the Hub's YAML
+heads/artefacts/export.py ("eagle3", "medusa", "vllm-medusa", "llama.cpp"). The card is the Hub's YAML
 metadata header (library_name, base_model when the target is a Hub id, license, tags, datasets
 when the training data is a Hub dataset) and a body: the target, the head kind and its sizes
 and taps, the training data and tokens (HeadsConfig.training), held-out accuracy by draft depth
@@ -24,10 +24,10 @@ The runtimes' flags were checked against their own code:
     EAGLE3, --speculative-draft-model-path (a directory or a Hub id), --speculative-num-steps,
     --speculative-eagle-topk, --speculative-num-draft-tokens, which counts the root and is set
     to num-steps + 1 when topk is 1. SGLang loads one-layer EAGLE-3 drafts only.
-  - llama.cpp as vendored in llama-cpp-python 0.3.36 (the one heads/export_llama_cpp.py
+  - llama.cpp as vendored in llama-cpp-python 0.3.36 (the one heads/artefacts/export_llama_cpp.py
     converts with): common/arg.cpp -md, --spec-type draft-eagle3, --spec-draft-n-max,
     --spec-draft-p-min; the flags come from export_llama_cpp.draft_args.
-  - Medusa layouts: the loaders named in heads/export_medusa.py (TGI's get_model reads
+  - Medusa layouts: the loaders named in heads/artefacts/export_medusa.py (TGI's get_model reads
     medusa_num_heads and base_model_name_or_path; TensorRT-LLM's
     examples/medusa/convert_checkpoint.py takes --medusa_model_dir and --num_medusa_heads;
     Medusa's own runtime `python -m medusa.inference.cli --model DIR`; vLLM method "medusa").
@@ -45,7 +45,7 @@ import shlex
 from pathlib import Path
 
 from specheads.heads import atomic
-from specheads.heads.target import _looks_like_hub_id
+from specheads.heads.target.adapter import _looks_like_hub_id
 
 CARD_NAME = "README.md"
 LAYOUTS = ("specheads", "eagle3", "medusa", "vllm-medusa", "llama.cpp")
@@ -59,7 +59,7 @@ def write_card(directory: str | os.PathLike, config, layout: str = "specheads",
     """Write DIR/README.md for `config` (a HeadsConfig) in `layout`, atomically, after the
     directory's other files. `published`: the path the commands name when DIR is a staging
     directory (default DIR). A llama.cpp card serves DIR's target.gguf when DIR has one."""
-    from specheads.heads.export_llama_cpp import TARGET_NAME
+    from specheads.heads.artefacts.export_llama_cpp import TARGET_NAME
 
     path = Path(directory) / CARD_NAME
     target_gguf = (Path(directory) / TARGET_NAME).is_file()
@@ -291,7 +291,7 @@ def _sglang(config, model: str) -> str:
 
 
 def _llama_server(gguf_dir: str, with_target: bool = True) -> str:
-    from specheads.heads.export_llama_cpp import (DRAFT_NAME, SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, TARGET_NAME,
+    from specheads.heads.artefacts.export_llama_cpp import (DRAFT_NAME, SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, TARGET_NAME,
                                                   draft_args)
 
     target = f"{gguf_dir}/{TARGET_NAME}" if with_target else "TARGET.gguf"

@@ -1,6 +1,6 @@
 """EAGLE-3 heads to and from the EAGLE-3 checkpoint layout that vLLM and SGLang load.
 
-Pure functions on (config dict, state dict); `heads/export.py` does the file IO.
+Pure functions on (config dict, state dict); `heads/artefacts/export.py` does the file IO.
 
 Weights (model.safetensors) are the EAGLE-3 module's own names, unchanged:
     fc.weight [H, 3H], midlayer.input_layernorm.weight [H], midlayer.hidden_norm.weight [H],

@@ -1,6 +1,6 @@
 """Medusa heads to and from the two foreign Medusa layouts.
 
-Both are pure functions on (config dict, state dict); `heads/export.py` does the file IO.
+Both are pure functions on (config dict, state dict); `heads/artefacts/export.py` does the file IO.
 
 "medusa" -- the FasterDecoding/Medusa layout, which its own runtime, TGI and TensorRT-LLM load:
     config.json                  {"medusa_num_heads": K, "medusa_num_layers": L,

@@ -5,10 +5,10 @@ own converter (convert_hf_to_gguf.py), never a GGUF writer of ours.
     -> OUT/heads.gguf   the draft (arch "eagle3": fc, one layer, norm, lm_head, d2t)
        OUT/target.gguf  the target, same outtype (skip with with_target=False)
        OUT/llama_cpp_export.json  what was converted, how, and the llama-server command
-       OUT/README.md    the model card (heads/model_card.py)
+       OUT/README.md    the model card (heads/artefacts/model_card.py)
 
 Two steps, each a documented path of its own: `export_heads(HEADS_DIR, "eagle3", TMP)` (the
-vLLM/SGLang layout, heads/export_eagle3.py), then
+vLLM/SGLang layout, heads/artefacts/export_eagle3.py), then
     python convert_hf_to_gguf.py TMP --target-model-dir TARGET --outfile heads.gguf --outtype T
 The converter takes the draft's tokenizer from TARGET (so TARGET must be a local HF directory:
 config.json, a tokenizer, weights) and records the tap layers as `eagle3.target_layers`.
@@ -25,9 +25,9 @@ Tap convention, checked against that source (llama.cpp vendored in llama-cpp-pyt
     res->t_layer_inp[il] = inpL; ...` : id il is the residual stream *entering* layer il.
   - common/speculative.cpp (EAGLE-3 drafter): ids < n_layer read
     `llama_get_embeddings_layer_inp(ctx_tgt, id)`, id == n_layer reads the nextn embeddings.
-  So a llama.cpp id is the input of layer id, which is our tap (heads/target.py: tap i =
+  So a llama.cpp id is the input of layer id, which is our tap (heads/target/adapter.py: tap i =
   hidden_states[i], the input of decoder layer i) and vLLM's id; the top-level
-  `eagle_aux_hidden_state_layer_ids` our eagle3 export writes (heads/export_eagle3.py) is
+  `eagle_aux_hidden_state_layer_ids` our eagle3 export writes (heads/artefacts/export_eagle3.py) is
   therefore passed through as is, and `check_draft_gguf` reads it back from the GGUF. (SGLang's
   nested `eagle_config` ids are one lower; the converter does not read them.) A wrong id does
   not fail anywhere, it only lowers acceptance.
@@ -58,8 +58,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from specheads.heads import atomic, model_card
-from specheads.heads.heads_dir import read_heads_config, resolve_heads_dir
+from specheads.heads import atomic
+from specheads.heads.artefacts import model_card
+from specheads.heads.artefacts.heads_dir import read_heads_config, resolve_heads_dir
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp with EAGLE-3 support
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
@@ -102,7 +103,7 @@ def export_llama_cpp(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, *
                      converter: str | os.PathLike, outtype: str = "bf16", pre_tokenizer: str | None = None,
                      with_target: bool = True, log=None) -> Path:
     """Write OUT/heads.gguf (and OUT/target.gguf) from EAGLE-3 heads and their target's HF dir."""
-    from specheads.heads.export import export_heads, resolve_target
+    from specheads.heads.artefacts.export import export_heads, resolve_target
 
     if outtype not in OUTTYPES:
         raise LlamaCppError(f"outtype must be one of {list(OUTTYPES)}, got {outtype!r}")
@@ -241,7 +242,7 @@ def pinned_source(cache_dir: str | os.PathLike, progress: bool = True) -> Path:
 
 
 def _fetch_source_into(directory: Path, progress: bool) -> None:
-    from specheads.heads.gguf import _pip_reason, _say, _sha256
+    from specheads.heads.target.gguf import _pip_reason, _say, _sha256
 
     download = Path(tempfile.mkdtemp(prefix="specheads-sdist-"))
     try:

@@ -19,7 +19,7 @@ larger kernels, in pure torch ops:
   dynamic dimension (`maybe_mark_dynamic`; one token gets its own static graph), so the
   engine's tree-size buckets and batch sizes reuse two compiled graphs per function.
 
-What it keeps from transformers, as heads/cpu_decoder.py does, so that it computes what the
+What it keeps from transformers, as heads/target/cpu_decoder.py does, so that it computes what the
 model computes: the mask (`create_causal_mask`), the rotary embedding module, the cache's
 `update` (any `Cache`; the engine's static-shape TreeStaticCache included) and the attention
 function the config names (`ALL_ATTENTION_FUNCTIONS`: SDPA, or the tree attention with the
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.cpu_decoder import architecture_reason, layer_linears
+from specheads.heads.target.cpu_decoder import architecture_reason, layer_linears
 
 log = logging.getLogger("specheads.gpu_decoder")
 MODES = ("compile", "max-autotune", "eager")  # how GpuDecoder runs its pure functions (`GpuDecoder.mode`)

@@ -1,7 +1,7 @@
 """What one greedy EAGLE-3 decode step crosses: the specheads functions and files entered during
 one `BatchEngine.step`, so that the count issue 25 asks for is reproducible.
 
-    python -m specheads.bench.decode_trace [--warmup-steps 2] [--tree static|dynamic]
+    python -m specheads.bench.tools.decode_trace [--warmup-steps 2] [--tree static|dynamic]
 
 It builds a tiny random Llama target (4 layers, saved and loaded through `from_pretrained` in
 a temporary directory) and a random EAGLE-3 head over it, decodes one prompt as a batch of
@@ -95,8 +95,8 @@ def tiny_eagle3_decoder(directory: Path, dynamic: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specheads.heads.draft_vocab import build_draft_vocab
-    from specheads.heads.heads_dir import build_heads, eagle_heads_config
-    from specheads.heads.target import TargetAdapter
+    from specheads.heads.artefacts.heads_dir import build_heads, eagle_heads_config
+    from specheads.heads.target.adapter import TargetAdapter
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.trees import DynamicTreeConfig
 

@@ -1,9 +1,9 @@
-"""The GPU suite's kernel sections (bench/gpu_suite.py runs them): the Triton tree-attention
+"""The GPU suite's kernel sections (bench/gpu/suite.py runs them): the Triton tree-attention
 kernel against its PyTorch references and SDPA's error (parity, with a torch.compile check
 and a bf16 control for the lossless section), and against SDPA and other launch
 configurations (speed), plus the timing helpers every section uses. Imports torch and the
 project's kernel modules (and, to time a graph, serving/decode/graphs.py; for the bf16
-control, bench/gpu_engine.py's random targets).
+control, bench/gpu/engine.py's random targets).
 
 Shape legend: B batch, Hq / Hkv query / KV heads, T tree tokens, S prefix keys, D head dim.
 """
@@ -13,41 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import statistics
-import time
 
 import torch
 
+from specheads.bench.support import time_ms
+
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # relative L2, as in the tests
-
-
-def wall_s(fn, device: torch.device):
-    """(fn(), wall seconds with the device synchronised on both sides)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    begin = time.perf_counter()
-    result = fn()
-    sync()
-    return result, time.perf_counter() - begin
-
-
-def time_ms(fn, device: torch.device, warmup: int, repeats: int, inner: int = 1) -> float:
-    """Median milliseconds per fn() call over `repeats` runs of `inner` calls (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type != "cuda":
-            samples.append(wall_s(lambda: [fn() for _ in range(inner)], device)[1] * 1e3 / inner)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / inner)
-    return statistics.median(samples)
 
 
 def graph_ms(calls: list, device: torch.device, warmup: int, repeats: int) -> float:
@@ -163,7 +134,7 @@ def bf16_control(ctx) -> dict:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from specheads.bench.gpu_engine import hf_greedy, random_llama, random_prompts
+    from specheads.bench.gpu.engine import hf_greedy, random_llama, random_prompts
     from specheads.serving.kernels.tree_attention import pack_tree_mask, use_tree_attention
 
     from transformers import DynamicCache
@@ -360,7 +331,7 @@ def section_kernel_speed(ctx) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m specheads.bench.gpu_kernels --compile-report`: the kernels' static resources per
+    """`python -m specheads.bench.gpu.kernels --compile-report`: the kernels' static resources per
     SM, dtype and head dim, compiled natively with no GPU (serving/kernels/native.py)."""
     import argparse
 

@@ -1,0 +1,1 @@
+"""The GPU suite and the scripts that run it on a bare GPU machine."""

@@ -1,0 +1,47 @@
+"""Small helpers the bench's parts share (the bench itself, the GPU suite in bench/gpu/, the
+tools in bench/tools/): wall-clock and CUDA-event timers, and a free local port for the
+servers a bench starts."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+
+import torch
+
+
+def wall_s(fn, device: torch.device):
+    """(fn(), wall seconds with the device synchronised on both sides)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    begin = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - begin
+
+
+def time_ms(fn, device: torch.device, warmup: int, repeats: int, inner: int = 1) -> float:
+    """Median milliseconds per fn() call over `repeats` runs of `inner` calls (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type != "cuda":
+            samples.append(wall_s(lambda: [fn() for _ in range(inner)], device)[1] * 1e3 / inner)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
+    return statistics.median(samples)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the servers the bench starts bind it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

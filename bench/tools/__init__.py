@@ -1,0 +1,1 @@
+"""Measuring tools run with python -m: decode traces, server load, learning curves, store costs."""

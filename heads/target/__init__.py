@@ -1,0 +1,1 @@
+"""The frozen target: its adapter, GGUF files and the CPU and GPU fast paths."""
