@@ -35,7 +35,7 @@ CONTEXT_FRACTION = 0.25  # of the broad arm's prompts
 REQUIRED = {"torch": "torch", "transformers": "transformers", "deepspeed": "deepspeed", "pydantic": "pydantic",
             "datasets": "datasets", "gguf": "gguf", "safetensors": "safetensors", "yaml": "pyyaml"}
 PART_BYTES = 15 << 20  # OUT's files come back up to 16 MiB each
-MAX_PARTS = 5  # OUT's files come back up to 8 in all (and 64 MiB): the report, its JSON and the log besides
+MAX_PARTS = 4  # OUT's files come back up to 8 and 64 MiB in all: 4 parts, the report, its JSON and the log
 FINISHED = ("heads", "heads_top1", "tree_nodes", "expected_accepted", "final")  # what finishing a stopped run adds
 
 

