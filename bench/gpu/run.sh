@@ -14,34 +14,17 @@
 # .whl/compile_cache.bin, the next run starts from them instead of compiling.
 set -uo pipefail
 
-OUT=${OUT:?set OUT to the folder the report is written to}
 BUDGET_S=${BUDGET_S:-400}
 LIMIT_S=${LIMIT_S:-540}
 WORK=${WORK:-/tmp/specheads-gpu-run}  # the installed wheels and the package's links
-REPO=$(pwd)
-begin=$(date +%s)
-say() { echo "[gpu_run $(( $(date +%s) - begin ))s] $*"; }
+SAY_AS=gpu_run
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # wheels, the linked package, the environment
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-        .whl/*.whl || { say "installing the carried wheels failed"; exit 1; }
-    export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-# The repository's top-level folders are the package's parts (pyproject's package-dir).
-rm -rf "$WORK/pkg" && mkdir -p "$WORK/pkg/specheads"
-for path in specheads/*; do ln -s "$REPO/$path" "$WORK/pkg/specheads/"; done
-for part in heads training serving data recipes bench; do ln -s "$REPO/$part" "$WORK/pkg/specheads/$part"; done
-export PYTHONPATH=$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}
-
-unset TRITON_INTERPRET  # the kernels compile for the GPU
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ -f .whl/compile_cache.bin ]; then
     cp .whl/compile_cache.bin "$OUT/compile_cache.bin"
 fi
 
 cd "$WORK"  # the repository root's own specheads/ folder would shadow the linked package
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader || say "no nvidia-smi"
 python3 -c "import torch, transformers, triton, specheads.bench.gpu.suite as s; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, \
 'from', s.__file__)" || { say "the suite does not import"; exit 1; }

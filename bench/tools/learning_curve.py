@@ -3,7 +3,8 @@ how much data their own model needs.
 
     python -m specheads.bench.tools.learning_curve --point 100000=runs/lc-100k/heads:runs/lc-100k/bench.json \
         --point 300000=runs/lc-300k/heads:runs/lc-300k/bench.json ... [--depths 3] [--out curve.png] \
-        [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N] [--by-category]]
+        [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N] [--by-category]
+        [--device auto|cpu|cuda] [--batch-size N]]
 
 Each point is one training run: TOKENS (the reply tokens it trained on, the x axis), its heads
 directory and, optionally, a `specheads bench --output-json` report of those heads. From the heads
@@ -18,7 +19,8 @@ object API, written atomically).
 Each run's held-out split is its own (a share of its own data), so points trained on
 different data are scored on different texts. `--eval-prompts` scores every point on one
 fixed set as well: the target's own greedy replies to those prompts (Spec-Bench format, with
-the chat template; MT-bench's first turns measure what serving sees), generated once, and
+the chat template; MT-bench's first turns measure what serving sees), generated once
+(--batch-size of them decoding together; on a GPU, decoding one at a time costs minutes), and
 each heads directory's top-1 per depth on them, by the same rule as the held-out figure (the
 head's first candidate at position t and depth d against the target's argmax at t + d, given
 the target's own previous tokens), over every reply position from the one after the prompt.
@@ -43,6 +45,7 @@ from pathlib import Path
 import torch
 
 from specheads.bench.plot import OWN_TREE_SOURCES, require_matplotlib
+from specheads.runner import DEVICE_HELP
 
 
 SURE = 0.95  # category_top1: the target's top probability from which a position counts as one it is sure of
@@ -64,10 +67,19 @@ class CurvePoint:
 
 def greedy_reply(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
     """The target's own greedy continuation of a prompt: the engine's plain decoding."""
-    from specheads.serving.decode.config import SpeculativeDecoder
-    from specheads.serving.decode.generate import generate
+    return greedy_replies(target, [prompt_ids], max_new_tokens, eos_token_id)[0]
 
-    return list(generate(SpeculativeDecoder(target), prompt_ids, max_new_tokens, eos_token_id).tokens)
+
+def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None,
+                   batch_size: int = 1) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt, up to batch_size of them decoding
+    together (the engine's continuous batching: each is the reply that prompt gets alone)."""
+    from specheads.serving.decode.config import SpeculativeDecoder
+    from specheads.serving.decode.generate import generate_many
+
+    results = generate_many(SpeculativeDecoder(target), prompts, max_new_tokens, eos_token_id,
+                            max_batch_size=max(1, min(batch_size, len(prompts))))  # the cache holds this many rows
+    return [list(result.tokens) for result in results]
 
 
 def top1_hits(draft_JL: torch.Tensor, want_L: torch.Tensor, prompt_len: int) -> tuple[list[int], list[int]]:
@@ -176,13 +188,16 @@ def category_top1(heads, config, target, sequences: list[tuple[list[int], int, s
     return rows
 
 
-def eval_sequences(target, tokenizer, prompts_path: str, limit: int | None, max_new_tokens: int):
-    """(prompt + the target's greedy reply, prompt length, category) for each prompt of the file."""
+def eval_sequences(target, tokenizer, prompts_path: str, limit: int | None, max_new_tokens: int,
+                   batch_size: int = 1):
+    """(prompt + the target's greedy reply, prompt length, category) for each prompt of the file;
+    batch_size replies decode together."""
     from specheads.bench.prompts import encode_prompts, load_prompts
 
     encoded = encode_prompts(tokenizer, load_prompts(prompts_path, limit=limit))
-    return [(p.input_ids + greedy_reply(target, p.input_ids, max_new_tokens, tokenizer.eos_token_id),
-             len(p.input_ids), p.category) for p in encoded]
+    replies = greedy_replies(target, [p.input_ids for p in encoded], max_new_tokens, tokenizer.eos_token_id,
+                             batch_size)
+    return [(p.input_ids + reply, len(p.input_ids), p.category) for p, reply in zip(encoded, replies)]
 
 
 def parse_point(spec: str) -> tuple[int, str, str | None]:
@@ -295,10 +310,11 @@ class _SeriesPoint(argparse.Action):
 def score_on_fixed_set(points: list[CurvePoint], args) -> list[CurvePoint]:
     """Every point's top-1 on the target's replies to --eval-prompts (generated once)."""
     from specheads.heads.artefacts.heads_dir import load_heads
-    from specheads.runner import load_target_and_tokenizer
+    from specheads.runner import load_target_and_tokenizer, resolve_device
 
-    target, tokenizer = load_target_and_tokenizer(args.target, heads=[p.label for p in points], dtype=args.dtype)
-    sequences = eval_sequences(target, tokenizer, args.eval_prompts, args.limit, args.max_new_tokens)
+    target, tokenizer = load_target_and_tokenizer(args.target, heads=[p.label for p in points], dtype=args.dtype,
+                                                  device=resolve_device(args.device))
+    sequences = eval_sequences(target, tokenizer, args.eval_prompts, args.limit, args.max_new_tokens, args.batch_size)
     scored, target_outputs = [], {}
     for point in points:
         heads, config = load_heads(point.label, target.identity, device=target.device, dtype=target.dtype)
@@ -335,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96, help="with --eval-prompts: reply length (default 96)")
     p.add_argument("--dtype", default="auto", help="with --eval-prompts: the target's dtype, as `specheads bench` "
                                                    "takes it (default auto: the device's fast dtype)")
+    p.add_argument("--device", default="auto", help="with --eval-prompts: " + DEVICE_HELP + " (default auto)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="with --eval-prompts: replies decoded together (default 1; on a GPU, as many as the prompts)")
     p.add_argument("--by-category", action="store_true",
                    help="with --eval-prompts: also depth-1 top-1 per prompt category, overall and where the target "
                         "is sure of its token, and over slices by prompt length, reply position and copying (a second "
@@ -349,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--eval-prompts needs --target, the model whose replies the heads are scored on")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     try:
         points = sorted((load_point(*parse_point(spec), series=series) for series, spec in args.points
                          if spec is not None), key=lambda q: (q.series, q.num_tokens))

@@ -297,12 +297,12 @@ def test_the_device_run_script_runs_the_suite(tmp_path):
     for folder in (repo, out, bin_dir):
         folder.mkdir()
     for part in ("specheads", "heads", "training", "serving", "data", "recipes", "bench"):
-        (repo / part).symlink_to(gpu_suite.Path(gpu_suite.__file__).resolve().parents[1] / part)
+        (repo / part).symlink_to(gpu_suite.Path(gpu_suite.__file__).resolve().parents[2] / part)
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # a link would lose the venv
     (bin_dir / "python3").chmod(0o755)
     env = dict(os.environ, OUT=str(out), WORK=str(tmp_path / "work"), PATH=f"{bin_dir}:{os.environ['PATH']}",
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH="")
-    proc = subprocess.run(["bash", str(repo / "bench" / "gpu_run.sh"), "--device", "cpu", "--sections", "gemm"],
+    proc = subprocess.run(["bash", str(repo / "bench" / "gpu" / "run.sh"), "--device", "cpu", "--sections", "gemm"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"from {tmp_path / 'work' / 'pkg'}" in proc.stdout  # the linked package, not an installed one

@@ -144,6 +144,19 @@ def test_the_cli_scores_every_point_on_one_fixed_set_per_series(tmp_path, capsys
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_replies_decoded_together_are_each_the_reply_alone(tmp_path):
+    """--batch-size N: the replies decode N at a time, each the one its prompt gets alone."""
+    target = TargetAdapter.from_pretrained(make_tiny_model("llama", tmp_path / "target", num_layers=2))
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (5, 9, 3, 7)]
+    together = learning_curve.greedy_replies(target, prompts, 10, eos_token_id=None, batch_size=3)
+    assert together == [learning_curve.greedy_reply(target, p, 10, eos_token_id=None) for p in prompts]
+    assert all(len(reply) == 10 for reply in together)
+    with pytest.raises(SystemExit):
+        learning_curve.main(["--point", f"1000={tmp_path}", "--eval-prompts", "p.jsonl", "--target", "t",
+                             "--batch-size", "0"])
+
+
 def test_eval_prompts_need_a_target(tmp_path):
     with pytest.raises(SystemExit):
         learning_curve.main(["--point", f"1000={tmp_path}", "--eval-prompts", "p.jsonl"])
