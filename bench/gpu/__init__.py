@@ -1,1 +1,1 @@
-"""The GPU suite and the scripts that run it on a bare GPU machine."""
+"""The GPU suite and the broad-heads run, with the scripts that run them on a bare GPU machine."""

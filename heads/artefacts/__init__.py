@@ -1,1 +1,1 @@
-"""What is written to disk: heads directories, exports, model cards, reply stores, atomic writes."""
+"""What is written to disk: heads directories, model cards, exports, reply stores."""
