@@ -257,28 +257,35 @@ class RowLinear:
                           (ctypes.c_int64 * MAX_WEIGHTS)(*[w.shape[0] for w in self.weights]),
                           len(weights), cols, None if bias is None else bias.data_ptr(), EPILOGUES[epilogue])
         self._plan_ref = ctypes.byref(self.plan)
+        self._residual = epilogue == "residual"
+        library = _library()
+        if library is None:
+            raise RuntimeError("RowLinear needs the C kernel, which is not built on this machine (no C compiler or "
+                               "no AVX512-BF16): check cpu_gemv.available() first")
+        self._linear_rows = library.linear_rows
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != self.in_features or (
-                residual is None) != (self.epilogue != "residual"):
+        if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.in_features or (
+                residual is not None) != self._residual:
             raise ValueError(f"RowLinear({self.epilogue}) takes CPU bf16 [..., {self.in_features}]"
-                             f"{' and a residual' if self.epilogue == 'residual' else ''}, got {x.dtype} "
+                             f"{' and a residual' if self._residual else ''}, got {x.dtype} "
                              f"{tuple(x.shape)}{'' if residual is None else ' and a residual'}")
         x_NK = x.reshape(-1, self.in_features)
         if x_NK.stride(-1) != 1:
             x_NK = x_NK.contiguous()
-        out = x.new_empty(*x.shape[:-1], self.out_features)
-        res_args = (None, 0)
-        if residual is not None:
-            if residual.shape != out.shape or residual.dtype != torch.bfloat16 or residual.device.type != "cpu":
-                raise ValueError(f"RowLinear: residual {residual.dtype} {tuple(residual.shape)} does not match "
-                                 f"the output, CPU bf16 {tuple(out.shape)}")
-            res_NO = residual.reshape(-1, self.out_features)
-            if res_NO.stride(-1) != 1:
-                res_NO = res_NO.contiguous()
-            res_args = (res_NO.data_ptr(), res_NO.stride(0))
-        _library().linear_rows(self._plan_ref, x_NK.data_ptr(), x_NK.shape[0], x_NK.stride(0), out.data_ptr(),
-                               self.out_features, *res_args, torch.get_num_threads())
+        out = x.new_empty(x.shape[:-1] + (self.out_features,))
+        if residual is None:
+            self._linear_rows(self._plan_ref, x_NK.data_ptr(), x_NK.shape[0], x_NK.stride(0), out.data_ptr(),
+                              self.out_features, None, 0, torch.get_num_threads())
+            return out
+        if residual.shape != out.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
+            raise ValueError(f"RowLinear: residual {residual.dtype} {tuple(residual.shape)} does not match "
+                             f"the output, CPU bf16 {tuple(out.shape)}")
+        res_NO = residual.reshape(-1, self.out_features)
+        if res_NO.stride(-1) != 1:
+            res_NO = res_NO.contiguous()
+        self._linear_rows(self._plan_ref, x_NK.data_ptr(), x_NK.shape[0], x_NK.stride(0), out.data_ptr(),
+                          self.out_features, res_NO.data_ptr(), res_NO.stride(0), torch.get_num_threads())
         return out
 
 

@@ -107,3 +107,12 @@ def test_bad_input_is_refused_with_what_would_be_right():
     with pytest.raises(ValueError, match=r"takes CPU bf16 \[\.\.\., 32\]"):
         cpu_gemv.RowLinear([weight])(_random((2, 31), generator))
 
+
+
+def test_without_the_kernel_an_op_is_refused_at_build(monkeypatch):
+    """Where the kernel is not built the decoder keeps oneDNN (tests/heads/test_cpu_decoder.py);
+    building an op anyway says why it cannot run."""
+    monkeypatch.setattr(cpu_gemv, "_library", lambda: None)
+    assert not cpu_gemv.available()
+    with pytest.raises(RuntimeError, match="not built on this machine"):
+        cpu_gemv.RowLinear([torch.zeros(4, 32, dtype=torch.bfloat16)])
