@@ -220,9 +220,10 @@ class _RowProjections:
     @staticmethod
     def fit(model: nn.Module, layers: list[nn.Module]) -> bool:
         """Whether the kernel takes this model's linear layers: bf16 on a CPU where it is built,
-        row-major weights."""
-        weights = [model.lm_head.weight] + [m.weight for layer in layers for m in layer_linears(layer)]
-        return (all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() for w in weights)
+        row-major weights, bf16 biases (or none)."""
+        linears = [model.lm_head] + [m for layer in layers for m in layer_linears(layer)]
+        return (all(m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" and m.weight.is_contiguous()
+                    and (m.bias is None or m.bias.dtype == torch.bfloat16) for m in linears)
                 and cpu_gemv.available())
 
 
