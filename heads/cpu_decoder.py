@@ -11,6 +11,11 @@ this VM's timings move by 10-20% between runs):
 - q, k and v are one packed linear layer, and so are gate and up (their weights concatenated
   once, at build, into oneDNN's layout; the separate packed copies are dropped, so memory
   stays one packed copy of the weights);
+- for up to ROW_KERNEL_MAX_ROWS bf16 rows (a decode step, a small verify) on a CPU with
+  AVX512-BF16, the linear layers run through heads/cpu_gemv.py instead, on the model's own
+  row-major weights, with the residual sums and SiLU-and-multiply in their epilogues, the LM
+  head included (SmolLM2's bf16 step, 2 cores: 18.3 ms where oneDNN's packed GEMMs made it
+  26 ms; it streams the weights at the rate the cores read memory);
 - RMSNorm, RoPE and SiLU-and-multiply are each one C call (heads/cpu_kernels.py builds them,
   as it builds heads/cpu_attention.py's ragged attention); where no C compiler is found,
   torch ops with transformers' own formulas;
