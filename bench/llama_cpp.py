@@ -24,7 +24,7 @@ row after another (never two servers computing at once: llama.cpp's threads spin
 warm-up request; the server is stopped (SIGTERM, then SIGKILL) when its row ends or fails.
 
 `build_llama_cpp(cache)` (`specheads llama-cpp build`) builds llama-server, llama-bench and
-llama-cli from the pinned llama.cpp source (heads/export_llama_cpp.pinned_source) into
+llama-cli from the pinned llama.cpp source (heads/artefacts/export_llama_cpp.pinned_source) into
 <cache>/llama.cpp/build-..., statically linked (the build directory is renamed into place),
 once, about 5 minutes on 2 cores. Nothing else needs it.
 """

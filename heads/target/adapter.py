@@ -25,7 +25,7 @@ from torch import nn
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-AUTO = "auto"  # the device's fast dtype (heads/cpu_layout.auto_dtype)
+AUTO = "auto"  # the device's fast dtype (heads/target/cpu_layout.auto_dtype)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
@@ -159,7 +159,7 @@ class TargetAdapter:
         self.config = model.config
         self.text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.identity = TargetIdentity.from_config(model.config, name_or_path, type(model).__name__)
-        self.packed = None  # heads/cpu_layout.PackedWeights once packed
+        self.packed = None  # heads/target/cpu_layout.PackedWeights once packed
         if pack_weights not in (False, True, AUTO):
             raise ValueError(f"pack_weights must be True, False or {AUTO!r}, got {pack_weights!r}")
         if pack_weights:
@@ -167,12 +167,12 @@ class TargetAdapter:
 
             if pack_weights is True or packing_pays(self.dtype, self.device):
                 self.packed = pack_linears(model)
-        self.fused = None  # heads/cpu_decoder.FusedDecoder where the packed model has one
+        self.fused = None  # heads/target/cpu_decoder.FusedDecoder where the packed model has one
         if self.packed is not None:
             from specheads.heads.target.cpu_decoder import FusedDecoder
 
             self.fused = FusedDecoder.build(model, self.packed)
-        self.gpu = None  # heads/gpu_decoder.GpuDecoder where one is asked for and the model has one
+        self.gpu = None  # heads/target/gpu_decoder.GpuDecoder where one is asked for and the model has one
         mode = gpu_decoder_mode(gpu_decoder, pack_weights, self.device)
         if mode != "off":
             if self.packed is not None:

@@ -11,6 +11,11 @@ this VM's timings move by 10-20% between runs):
 - q, k and v are one packed linear layer, and so are gate and up (their weights concatenated
   once, at build, into oneDNN's layout; the separate packed copies are dropped, so memory
   stays one packed copy of the weights);
+- for up to ROW_KERNEL_MAX_ROWS bf16 rows (a decode step, a small verify) on a CPU with
+  AVX512-BF16, the linear layers run through heads/target/cpu_gemv.py instead, on the model's own
+  row-major weights, with the residual sums and SiLU-and-multiply in their epilogues, the LM
+  head included (SmolLM2's bf16 step, 2 cores: 18.3 ms where oneDNN's packed GEMMs made it
+  26 ms; it streams the weights at the rate the cores read memory);
 - RMSNorm, RoPE and SiLU-and-multiply are each one C call (heads/target/cpu_kernels.py builds them,
   as it builds heads/target/cpu_attention.py's ragged attention); where no C compiler is found,
   torch ops with transformers' own formulas;
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.target import cpu_kernels
+from specheads.heads.target import cpu_gemv, cpu_kernels
 from specheads.heads.target.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -59,23 +64,15 @@ DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Rows x columns from which an elementwise kernel spreads over the OpenMP threads (below, the
 # threads' start costs more than the work: one decode token is 576 or 1536 values).
 PARALLEL_ELEMENTS = 32768
+# Rows (batch x tokens) up to which a bf16 forward's linear layers run through heads/target/cpu_gemv.py
+# instead of oneDNN: SmolLM2's 121 linears on cold weights, 2 cores, C against oneDNN (ms):
+# 1 row 11.3 / 16.2, 4 rows 16.2 / 17.8, 8 rows 22.7 / 25.4, 16 rows 38.7 / 36.2.
+ROW_KERNEL_MAX_ROWS = 8
 
 # Each kernel rounds where transformers' torch ops round (an op's output in the dtype), so in
 # bf16 it gives transformers' values, not merely close ones (SiLU's exp is an approximation as
 # close as libm's, so a rare value may still round to the neighbouring bf16).
-SOURCE = cpu_kernels.BF16_HELPERS + r"""
-/* e^x as 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor (relative error about 1e-7, as libm's
-   expf), without branches so that the loops around it vectorise (libm's expf does not: it made
-   SiLU 40 us for 4 tokens of SmolLM2). Clamped to [-87, 88], where e^x stays a normal float. */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = x * 1.44269504088896341f, n = rintf(t), f = t - n;
-    const float p = 1.0f + f * (0.693147180f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f
-                    + f * (0.00133335581f + f * 0.000154035304f)))));
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale; memcpy(&scale, &bits, 4);
-    return p * scale;
-}
+SOURCE = cpu_kernels.BF16_HELPERS + cpu_kernels.EXP_HELPERS + r"""
 #define ELEMENTWISE(SUFFIX, T, LOAD, STORE, ROUND)                                                   \
 /* LlamaRMSNorm of one row: w * (x * rsqrt(mean(x^2) + eps)), the product rounded to T before the    \
    weight; o may be x (each output reads only its own input, after the sum). */                      \
@@ -160,11 +157,11 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-def _packed(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([w.detach() for w in weights], dim=0)
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else weight.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-    return pack_weight(weight), bias
+def _cat_bias(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The bias of the linear layer over the concatenated weights (zeros where one has none)."""
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
 
 
 @dataclass
@@ -185,19 +182,63 @@ class _Kernels:
         return cls(**{name: getattr(library, f"{name}_{DTYPES[dtype]}") for name in SIGNATURES})
 
 
+class _PackedProjections:
+    """One layer's linear layers through oneDNN's packed weights, for any number of rows: q, k
+    and v as one GEMM, gate and up as one (their weights concatenated once, at build), o and
+    down the model's own packed weights."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, silu_mul):
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        self.qkv_weight = pack_weight(torch.cat([m.weight.detach() for m in qkv]))  # [(Hq + 2 Hkv) D, H]
+        self.qkv_bias = _cat_bias([m.weight for m in qkv], [m.bias for m in qkv])
+        self.gate_up_weight = pack_weight(torch.cat([m.weight.detach() for m in gate_up]))  # [2 I, H]
+        self.gate_up_bias = _cat_bias([m.weight for m in gate_up], [m.bias for m in gate_up])
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj  # PackedLinear
+        self.silu_mul = silu_mul
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_matmul(x, self.qkv_weight, self.qkv_bias)
+
+    def attention_out(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return packed_matmul(x, self.o_proj.packed_weight, self.o_proj.bias).add_(residual)
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.silu_mul(packed_matmul(x, self.gate_up_weight, self.gate_up_bias))
+
+    def mlp_out(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return packed_matmul(x, self.down_proj.packed_weight, self.down_proj.bias).add_(residual)
+
+
+class _RowProjections:
+    """The same four ops for a few rows, through heads/target/cpu_gemv.py on the model's own bf16
+    weights: SiLU-and-multiply and the residual sums happen in the ops' epilogues."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module):
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        self.qkv = cpu_gemv.RowLinear([m.weight for m in qkv],
+                                      _cat_bias([m.weight for m in qkv], [m.bias for m in qkv]))
+        self.attention_out = cpu_gemv.RowLinear([attn.o_proj.weight], attn.o_proj.bias, "residual")
+        self.mlp_in = cpu_gemv.RowLinear([m.weight for m in gate_up],
+                                         _cat_bias([m.weight for m in gate_up], [m.bias for m in gate_up]), "glu")
+        self.mlp_out = cpu_gemv.RowLinear([mlp.down_proj.weight], mlp.down_proj.bias, "residual")
+
+    @staticmethod
+    def fit(model: nn.Module, layers: list[nn.Module]) -> bool:
+        """Whether the kernel takes this model's linear layers: bf16 on a CPU where it is built,
+        row-major weights, bf16 biases (or none)."""
+        linears = [model.lm_head] + [m for layer in layers for m in layer_linears(layer)]
+        return (all(m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" and m.weight.is_contiguous()
+                    and (m.bias is None or m.bias.dtype == torch.bfloat16) for m in linears)
+                and cpu_gemv.available())
+
+
 @dataclass
 class _Layer:
     attention: nn.Module  # the model's own attention module (the attention function's `module`)
     input_norm: torch.Tensor  # [H] RMSNorm weights
     post_norm: torch.Tensor
-    qkv: torch.Tensor  # packed [(Hq + 2 Hkv) * D, H]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # packed [H, Hq * D], the model's PackedLinear's
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # packed [2 I, H]
-    gate_up_bias: torch.Tensor | None
-    down_proj: torch.Tensor  # packed [H, I], the model's PackedLinear's
-    down_bias: torch.Tensor | None
+    packed: _PackedProjections
+    rows: _RowProjections | None  # None where the kernel does not take the model
     q_norm: torch.Tensor | None = None  # [D] Qwen3's per-head RMSNorm weights of q and k, applied before RoPE
     k_norm: torch.Tensor | None = None
 
@@ -255,21 +296,21 @@ class FusedDecoder:
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = attention.scaling
         self.intermediate_size = config.intermediate_size
+        weight = model.lm_head.weight
+        self.kernels = _Kernels.find(weight.dtype, weight.device)
+        decoder_layers = model.model.layers[: self.num_layers]
+        with_rows = _RowProjections.fit(model, decoder_layers)
         self.layers = []
         fused = set()
-        for layer in model.model.layers[: self.num_layers]:
+        for layer in decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            gate_up = [mlp.gate_proj, mlp.up_proj]
-            qkv_weight, qkv_bias = _packed([m.weight for m in qkv], [m.bias for m in qkv])
-            gate_up_weight, gate_up_bias = _packed([m.weight for m in gate_up], [m.bias for m in gate_up])
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(_Layer(attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                      qkv_weight, qkv_bias, attn.o_proj.packed_weight, attn.o_proj.bias,
-                                      gate_up_weight, gate_up_bias, mlp.down_proj.packed_weight, mlp.down_proj.bias,
+                                      _PackedProjections(attn, mlp, self._silu_mul),
+                                      _RowProjections(attn, mlp) if with_rows else None,
                                       q_norm.weight if q_norm is not None else None,
                                       k_norm.weight if k_norm is not None else None))
-            fused.update(id(m) for m in qkv + gate_up)
+            fused.update(id(m) for m in [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj])
         # The separate packed copies of the fused layers go: the model's own forward (the
         # adapter's fallback, and `plain()`) runs those layers unpacked.
         packed.unpack(lambda module: id(module) in fused)
@@ -278,8 +319,7 @@ class FusedDecoder:
         self.embed_tokens = model.model.embed_tokens
         self.rotary_emb = model.model.rotary_emb
         self.lm_head = model.lm_head
-        weight = model.lm_head.weight
-        self.kernels = _Kernels.find(weight.dtype, weight.device)
+        self.lm_head_rows = cpu_gemv.RowLinear([weight], model.lm_head.bias) if with_rows else None
 
     @classmethod
     def build(cls, model: nn.Module, packed: PackedWeights | None) -> "FusedDecoder | None":
@@ -374,9 +414,10 @@ class FusedDecoder:
         taps = {0: hidden} if 0 in wanted else {}
         q_size = self.num_q_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        linear = packed_matmul
+        few_rows = batch * num_new <= ROW_KERNEL_MAX_ROWS
         for index, layer in enumerate(self.layers):
-            qkv = linear(self._rms_norm(hidden, layer.input_norm), layer.qkv, layer.qkv_bias)
+            linears = layer.rows if few_rows and layer.rows is not None else layer.packed
+            qkv = linears.qkv(self._rms_norm(hidden, layer.input_norm))
             if layer.q_norm is not None:
                 self._head_norms(qkv, layer)
             v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -385,12 +426,13 @@ class FusedDecoder:
                 k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
             out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
                                  **attention_kwargs)
-            hidden = linear(out_BTHD.reshape(batch, num_new, q_size), layer.o_proj, layer.o_bias).add_(hidden)
-            gate_up = linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up, layer.gate_up_bias)
-            hidden = linear(self._silu_mul(gate_up), layer.down_proj, layer.down_bias).add_(hidden)
+            hidden = linears.attention_out(out_BTHD.reshape(batch, num_new, q_size), hidden)
+            hidden = linears.mlp_out(linears.mlp_in(self._rms_norm(hidden, layer.post_norm)), hidden)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 taps[index + 1] = hidden
         hidden = self._rms_norm(hidden, self.norm)
         taps[self.num_layers] = hidden
-        logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
+        kept = slice_logits_to_keep(hidden, logits_to_keep)
+        rows_head = self.lm_head_rows is not None and kept.shape[0] * kept.shape[1] <= ROW_KERNEL_MAX_ROWS
+        logits = self.lm_head_rows(kept) if rows_head else self.lm_head(kept)
         return logits, [taps[t] for t in tap_layers], cache

@@ -14,6 +14,8 @@ threads (two OpenMP runtimes would spin against each other on a small CPU).
 
 `BF16_HELPERS` is C for the sources: bf16 loads and stores (round to nearest even, as torch
 casts) and `*_round`, the rounding that torch applies to each op's output in a dtype.
+`EXP_HELPERS` is the e^x that SiLU uses wherever a kernel computes it (heads/target/cpu_decoder.py,
+heads/target/cpu_gemv.py), so that they round alike.
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
 static inline float f32_load(float f) { return f; }
 static inline float f32_store(float f) { return f; }
 static inline float f32_round(float f) { return f; }
+"""
+
+EXP_HELPERS = r"""
+/* e^x as 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor (relative error about 1e-7, as libm's
+   expf), without branches so that the loops around it vectorise (libm's expf does not: it made
+   SiLU 40 us for 4 tokens of SmolLM2). Clamped to [-87, 88], where e^x stays a normal float. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f, n = rintf(t), f = t - n;
+    const float p = 1.0f + f * (0.693147180f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f
+                    + f * (0.00133335581f + f * 0.000154035304f)))));
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return p * scale;
+}
 """
 
 

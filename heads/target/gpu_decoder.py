@@ -33,7 +33,7 @@ relative). In bf16 inductor is told to round where the eager ops round
 (`emulate_precision_casts`); the fused GEMMs may still sum in another order than three
 separate ones, so bf16 outputs differ from the model's by bf16 rounding.
 
-Which models: those heads/cpu_decoder.architecture_reason accepts (Llama, Mistral without a
+Which models: those heads/target/cpu_decoder.architecture_reason accepts (Llama, Mistral without a
 sliding window, Qwen2 with its qkv biases, Qwen3 with its q/k norms), every projection a plain
 `nn.Linear` with its weight on one device (not PEFT-wrapped, quantized or ZeRO-partitioned).
 Anything else gets None from `build` with the reason, and the adapter runs the model's own

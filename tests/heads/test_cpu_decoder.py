@@ -1,7 +1,7 @@
 """The fused CPU forward (heads/target/cpu_decoder.py) computes what the model's own forward computes:
 logits, taps and cache, with and without a cache, padding masks, tree masks and
-logits_to_keep, for Llama, Qwen2 (biases) and Qwen3 (q/k norms), with its C kernels and with their torch
-fallback; its kernels round as transformers' ops do; models it cannot run keep their own
+logits_to_keep, for Llama, Qwen2 (biases) and Qwen3 (q/k norms), with its C kernels and with their
+fallbacks (oneDNN for the linear layers, torch for the elementwise ops); its kernels round as transformers' ops do; models it cannot run keep their own
 forward."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from specheads.heads.target import cpu_decoder
+from specheads.heads.target import cpu_decoder, cpu_gemv
 from specheads.heads.target.cpu_decoder import FusedDecoder, unsupported_reason
 from specheads.heads.target.cpu_layout import pack_linears
 from specheads.heads.target.adapter import TargetAdapter
@@ -41,12 +41,16 @@ def tiny_qwen3_dir(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(params=["kernels", "torch"])
+@pytest.fixture(params=["kernels", "onednn", "torch"])
 def ops(request, monkeypatch):
-    """Both ways the fused forward computes its elementwise ops: the C kernels where they
-    build, and transformers' torch formulas."""
-    if request.param == "kernels" and cpu_decoder._library() is None:
+    """The ways the fused forward computes: its C kernels where they build (the elementwise ops,
+    and heads/target/cpu_gemv.py's linear layers for a few bf16 rows on a CPU with AVX512-BF16); the C
+    elementwise kernels with every linear layer through oneDNN (the fallback where the row
+    kernel is not built); transformers' torch formulas and oneDNN."""
+    if request.param != "torch" and cpu_decoder._library() is None:
         pytest.skip("no C compiler on this machine")
+    if request.param != "kernels":
+        monkeypatch.setattr(cpu_gemv, "available", lambda: False)
     if request.param == "torch":
         monkeypatch.setattr(cpu_decoder, "_library", lambda: None)
     return request.param
@@ -158,6 +162,26 @@ def test_kernels_round_as_transformers_ops_do(dtype, rows):
     torch.testing.assert_close(q.transpose(1, 2), want_q, **exact)
     torch.testing.assert_close(k.transpose(1, 2), want_k, **exact)
     assert torch.equal(qkv[..., (q_heads + k_heads) * dim:], before_v)  # v is left alone
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler, or this CPU has no AVX512-BF16")
+def test_few_bf16_rows_run_the_row_kernel_and_many_run_onednn(tiny_llama_dir, monkeypatch):
+    """A decode step and a small verify go through heads/target/cpu_gemv.py, a prefill through oneDNN."""
+    target = TargetAdapter.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16, pack_weights=True)
+    assert all(layer.rows is not None for layer in target.fused.layers) and target.fused.lm_head_rows is not None
+    calls = []
+    row_call = cpu_gemv.RowLinear.__call__
+    monkeypatch.setattr(cpu_gemv.RowLinear, "__call__", lambda op, x, *a: calls.append(x.shape) or row_call(op, x, *a))
+    few = cpu_decoder.ROW_KERNEL_MAX_ROWS
+    ids = torch.randint(3, 256, (1, few + 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        target(ids[:, :11], [], past_key_values=cache, use_cache=True)  # 11 rows: oneDNN
+        assert calls == []
+        target(ids[:, 11:11 + few], [], past_key_values=cache, use_cache=True)
+        target(ids[:, -1:], [], past_key_values=cache, use_cache=True)
+    per_forward = 4 * target.num_layers + 1  # qkv, o, gate/up, down per layer, and the LM head
+    assert [shape[0] * shape[1] for shape in calls] == [few] * per_forward + [1] * per_forward
 
 
 def test_fused_layers_hold_one_packed_copy_and_plain_weights_runs_the_model(tiny_llama_dir, monkeypatch):

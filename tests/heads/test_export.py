@@ -1,4 +1,4 @@
-"""heads/export*.py and `specheads export`: the Medusa layouts out and back, exactly, detection of
+"""heads/artefacts/export*.py and `specheads export`: the Medusa layouts out and back, exactly, detection of
 the layout, atomic writes and the CLI (EAGLE-3: test_export_eagle3.py); shared helpers for both."""
 
 import argparse
