@@ -363,3 +363,16 @@ def test_the_table_reader_reads_what_the_page_says(tmp_path):
     page.write_text("| folder | may import |\n|---|---|\n| `heads/` | torch |\n")
     with pytest.raises(AssertionError, match="no table"):
         read_may_import(page)
+
+
+def test_pyproject_packages_every_folder_of_the_parts():
+    """pyproject's `packages` is the list of every folder of a part that holds an __init__.py, so a
+    new or moved sub-package is installed (an editable install of the checkout would hide a
+    missing one; a wheel or a fresh clone would not)."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {module_name(init) for part in PARTS for init in (REPO / part).rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders
+    assert {name: REPO / folder for name, folder in setuptools["package-dir"].items()} == \
+        {FACE if part == FACE else f"{FACE}.{part}": REPO / part for part in PARTS}
