@@ -278,7 +278,7 @@ def check_combinations(recipe: Recipe) -> None:
                               "trains the target; remove data.feature_cache or the lora section")
         if recipe.train.offload_params != "none":
             raise RecipeError("train.offload_params: not supported with lora (needs ZeRO-3)")
-        from specheads.heads.target.adapter import resolve_dtype  # the one dtype table; lazily: this module has no torch
+        from specheads.heads.target.adapter import resolve_dtype  # the one dtype table; lazily: no torch here
 
         if resolve_dtype(recipe.target.dtype) != resolve_dtype(train.precision):
             wanted = str(resolve_dtype(train.precision)).removeprefix("torch.")

@@ -53,7 +53,7 @@ from safetensors.torch import load_file
 from specheads.heads import atomic
 from specheads.heads.artefacts import export_eagle3, export_medusa, model_card
 from specheads.heads.artefacts.heads_dir import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, WEIGHTS_NAME, HeadsConfig,
-                                       build_heads, read_heads_config, resolve_heads_dir, write_weights_dir)
+                                                 build_heads, read_heads_config, resolve_heads_dir, write_weights_dir)
 from specheads.heads.target.adapter import DTYPES, TargetIdentity
 
 FORMATS = {  # format -> (heads kind, weights file name)

@@ -292,7 +292,7 @@ def _sglang(config, model: str) -> str:
 
 def _llama_server(gguf_dir: str, with_target: bool = True) -> str:
     from specheads.heads.artefacts.export_llama_cpp import (DRAFT_NAME, SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, TARGET_NAME,
-                                                  draft_args)
+                                                            draft_args)
 
     target = f"{gguf_dir}/{TARGET_NAME}" if with_target else "TARGET.gguf"
     draft = " ".join(_q(arg) for arg in draft_args(f"{gguf_dir}/{DRAFT_NAME}", SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN))

@@ -4,8 +4,8 @@
 code is copied or patched). Every layer's keys and values [B, kv_heads, max_cache_len, D] are
 views of one buffer [L, 2, B, kv_heads, max_cache_len, D], allocated once on the first forward
 (dtype, device, head count and head size come from the model's own key states) and never
-reallocated, so that moving entries (a commit, a row swap) is one copy for the whole model. `max_cache_len` must cover the longest
-context plus the largest tree a verify step writes.
+reallocated, so that moving entries (a commit, a row swap) is one copy for the whole model.
+`max_cache_len` must cover the longest context plus the largest tree a verify step writes.
 
 Lengths. The cache keeps one committed length per sequence, `seq_lens` [B] (a device
 tensor, plus a host copy so that no step needs a device sync). A forward writes its T new

@@ -13,7 +13,7 @@ from specheads.bench.step_costs import StepCostTable
 from specheads.bench.tune import (ADAEDL_THRESHOLD, ADAEDL_TWINS, adaedl_twins, candidate_settings, dynamic_settings,
                                   format_tuning, static_settings, tune_heads_dir)
 from specheads.heads.artefacts.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_config, read_tuning, save_heads,
-                                       update_tree)
+                                                 update_tree)
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import TreeSpec

@@ -1,8 +1,8 @@
 """The fused CPU forward (heads/target/cpu_decoder.py) computes what the model's own forward computes:
 logits, taps and cache, with and without a cache, padding masks, tree masks and
 logits_to_keep, for Llama, Qwen2 (biases) and Qwen3 (q/k norms), with its C kernels and with their
-fallbacks (oneDNN for the linear layers, torch for the elementwise ops); its kernels round as transformers' ops do; models it cannot run keep their own
-forward."""
+fallbacks (oneDNN for the linear layers, torch for the elementwise ops); its kernels round as
+transformers' ops do; models it cannot run keep their own forward."""
 
 from __future__ import annotations
 

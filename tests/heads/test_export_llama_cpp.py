@@ -13,7 +13,7 @@ from conftest import make_byte_bpe_tokenizer, make_tiny_model
 from specheads import export_cli
 from specheads.heads.artefacts.export import export_heads
 from specheads.heads.artefacts.export_llama_cpp import (CONVERTER, EAGLE3_MARKER, LlamaCppError, check_target_dir,
-                                              export_llama_cpp, find_converter)
+                                                        export_llama_cpp, find_converter)
 from specheads.heads.artefacts.heads_dir import build_heads, eagle_heads_config, save_heads
 from specheads.heads.target.adapter import TargetAdapter
 

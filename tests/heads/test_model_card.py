@@ -17,8 +17,8 @@ import yaml
 from specheads.cli import build_parser
 from specheads.heads.artefacts import model_card
 from specheads.heads.artefacts.export import export_heads, import_heads
-from specheads.heads.artefacts.heads_dir import (HeadsConfig, build_heads, check_writable, read_heads_config, save_heads,
-                                       update_tree)
+from specheads.heads.artefacts.heads_dir import (HeadsConfig, build_heads, check_writable, read_heads_config,
+                                                 save_heads, update_tree)
 
 from test_export import TARGET, make_medusa_dir
 from test_export_eagle3 import DRAFT_VOCAB, EAGLE_HEADS, EAGLE_KV_HEADS, HIDDEN, INTERMEDIATE, VOCAB

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
-from specheads.heads.artefacts.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME, TOKENS_NAME,
-                                         ReplyStore, StoreError, suffix_array, tokenizer_fingerprint, write_store)
+from specheads.heads.artefacts.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME,
+                                                   TOKENS_NAME, ReplyStore, StoreError, suffix_array,
+                                                   tokenizer_fingerprint, write_store)
 from specheads.heads.target.adapter import TargetAdapter, TargetIdentity
 from specheads.serving.decode.config import SpeculativeDecoder, parse_tree_field
 from specheads.serving.decode.draft_batch import DraftBatch

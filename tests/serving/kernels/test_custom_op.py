@@ -14,11 +14,11 @@ import torch
 from test_tree_attention import make_inputs, relative_error
 
 from specheads.serving.kernels.tree_attention import (
-    pack_tree_mask,
-    tree_attention,
-    tree_attention_forward,
-    tree_attention_reference,
-)
+                                                      pack_tree_mask,
+                                                      tree_attention,
+                                                      tree_attention_forward,
+                                                      tree_attention_reference,
+                                                      )
 
 PREFIX = 40
 
