@@ -398,6 +398,27 @@ def stored_tree(report: dict) -> dict:
     return tree
 
 
+def best_speedup(report: dict) -> float | None:
+    """The fastest measured way to decode with these heads, against plain decoding on the same
+    prompts: the winner alone, or with the lookup or store branch it was measured with."""
+    winner = next(r for r in report["settings"] if r["name"] == report["winner"])
+    rows = [winner] + [branch["with"] for branch in (report.get("lookup"), report.get("store")) if branch]
+    speedups = [row["speedup_vs_plain"] for row in rows if row.get("speedup_vs_plain") is not None]
+    return max(speedups) if speedups else None
+
+
+def slower_than_plain(report: dict) -> str | None:
+    """A warning when no setting beat plain decoding here, or None. The tree is stored anyway (the
+    engine's fallback decodes plainly where speculation does not pay), but the user should know
+    that, on this machine, these heads are slower than no heads."""
+    best = best_speedup(report)
+    if best is None or best >= 1.0:
+        return None
+    return (f"speculation did not pay on this machine: the fastest setting ({report['winner']}) made {best:.2f}x "
+            f"plain decoding's {report['plain']['tokens_per_s']:.1f} tok/s. Serving falls back to plain decoding where "
+            "speculation does not pay; heads trained on more data, or a GPU, are what change this")
+
+
 def format_tuning(report: dict) -> str:
     """Markdown table of the sweep, fastest first."""
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
@@ -434,6 +455,9 @@ def format_tuning(report: dict) -> str:
                       f"{store['without']['tokens_per_s']:.1f} tok/s without: "
                       + ("stored (generate/serve use it; --store none turns it off)" if store["chosen"]
                          else "not used")]
+    warning = slower_than_plain(report)
+    if warning:
+        lines += ["", f"**{warning}.**"]
     return "\n".join(lines)
 
 

@@ -61,7 +61,7 @@ def run(args) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit)  # a bad file fails before any model loads
     apply_device_options(args)
 
-    from specheads.bench.tune import format_tuning, tune_heads_dir
+    from specheads.bench.tune import format_tuning, slower_than_plain, tune_heads_dir
     from specheads.heads.artefacts.heads_dir import read_heads_config
     from specheads.heads.artefacts.reply_store import ReplyStore
     from specheads.serving.decode.store import StoreDrafter, open_store
@@ -82,6 +82,9 @@ def run(args) -> int:
     print(format_tuning(report), file=human_output(args))
     print(f"\nstored tree {report['winner']!r} in {args.heads}/config.json (sweep: {args.heads}/tuning.json)",
           file=sys.stderr)
+    warning = slower_than_plain(report)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.output_json:
         write_json_report(args.output_json, report)
     return 0

@@ -246,3 +246,23 @@ def test_tune_tries_the_reply_store_and_stores_it_when_faster(setup, tmp_path):
     spec = TreeSpec.from_heads_config(HeadsConfig(**{**config.to_dict(), "target": config.target, "tree": chosen}))
     assert spec.store == StoreConfig(num_tokens=4) and spec.store_path == measured["path"]
     assert "store" not in stored_tree(dict(report, store=dict(measured, chosen=False)))
+
+
+def test_tune_says_when_no_setting_beat_plain_decoding():
+    from specheads.bench.tune import best_speedup, format_tuning, slower_than_plain
+
+    def row(name, speedup):
+        return {"name": name, "num_nodes": 4, "max_depth": 1, "tokens_per_s": 40.0 * speedup,
+                "speedup_vs_plain": speedup, "tau": 1.3, "alpha": 0.3, "step_ms": 30.0, "step_cost": 1.4,
+                "identical": True, "lossless": True}
+
+    report = {"winner": "tree-a", "num_prompts": 1, "max_new_tokens": 8, "device": "cpu", "torch_threads": 2,
+              "plain": {"tokens_per_s": 40.0, "step_ms": 25.0}, "skipped": [], "lookup": None, "store": None,
+              "settings": [row("tree-a", 0.96), row("chain-1", 0.9)]}
+    assert best_speedup(report) == 0.96
+    assert "0.96x plain decoding's 40.0 tok/s" in slower_than_plain(report)
+    assert "speculation did not pay" in format_tuning(report)
+    # lookup measured with the winner counts: a faster branch is a gain
+    report["lookup"] = {"num_tokens": 8, "chosen": True, "with": row("with", 1.1), "without": row("without", 0.96)}
+    assert best_speedup(report) == 1.1 and slower_than_plain(report) is None
+    assert "did not pay" not in format_tuning(report)
