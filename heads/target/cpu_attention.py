@@ -53,16 +53,7 @@ static inline float exp_nonpositive(float x) {
 #define FAST_BF16 1
 static const uint16_t ZERO_ROW[256] = {0};
 
-/* The sums of four vectors, as one 4-lane vector. */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
+""" + cpu_kernels.AVX512_SUM4 + r"""
 /* One (row, KV head) in bf16 with AVX512-BF16 dot products, dim a multiple of 32 up to 256:
    scores four keys at a time (one 4-way reduction instead of four), values two keys at a time
    (the pair (V[j][d], V[j+1][d]) times (p[j], p[j+1]) in one dpbf16; unpacking interleaves d

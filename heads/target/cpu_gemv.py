@@ -41,7 +41,7 @@ EPILOGUES = {"plain": 0, "residual": 1, "glu": 2}
 PARALLEL_ELEMENTS = 65536
 PREFETCH_BYTES = 4096
 
-SOURCE = cpu_kernels.BF16_HELPERS + cpu_kernels.EXP_HELPERS + r"""
+SOURCE = (cpu_kernels.BF16_HELPERS + cpu_kernels.EXP_HELPERS + r"""
 #include <omp.h>
 
 typedef struct {
@@ -64,16 +64,7 @@ int available(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 
-/* The sums of four vectors' lanes, as one 4-lane vector (one tree for four rows). */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
+""" + cpu_kernels.AVX512_SUM4 + r"""
 /* sums[n][r] = sum_k w[r][k] x[n][k] for R rows (stride cols) x N tokens (stride xs). The last
    step of a row whose length is no multiple of 32 loads under a mask (zeros beyond). With
    `prefetch`, each row asks for the line PREFETCH bytes ahead of the one it reads. */
@@ -195,7 +186,7 @@ void linear_rows(const plan_t* p, const uint16_t* x, int64_t tokens, int64_t xs,
 void linear_rows(const plan_t* p, const uint16_t* x, int64_t tokens, int64_t xs, uint16_t* out, int64_t os,
                  const uint16_t* res, int64_t rs, int threads) { abort(); }
 #endif
-""".replace("MAX_WEIGHTS]", f"{MAX_WEIGHTS}]").replace("PARALLEL)", f"{PARALLEL_ELEMENTS})").replace(
+""").replace("MAX_WEIGHTS]", f"{MAX_WEIGHTS}]").replace("PARALLEL)", f"{PARALLEL_ELEMENTS})").replace(
     "#include <omp.h>", f"#include <omp.h>\n#define PREFETCH {PREFETCH_BYTES}")
 
 

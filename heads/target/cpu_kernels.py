@@ -52,6 +52,20 @@ static inline float f32_store(float f) { return f; }
 static inline float f32_round(float f) { return f; }
 """
 
+# Inside an AVX512 block (after #include <immintrin.h>): the horizontal sums both the ragged
+# attention (heads/target/cpu_attention.py) and the row kernel (heads/target/cpu_gemv.py) reduce with.
+AVX512_SUM4 = r"""
+/* The sums of four vectors' lanes, as one 4-lane vector (one tree for four rows). */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+"""
+
 EXP_HELPERS = r"""
 /* e^x as 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor (relative error about 1e-7, as libm's
    expf), without branches so that the loops around it vectorise (libm's expf does not: it made

@@ -116,3 +116,17 @@ def test_without_the_kernel_an_op_is_refused_at_build(monkeypatch):
     assert not cpu_gemv.available()
     with pytest.raises(RuntimeError, match="not built on this machine"):
         cpu_gemv.RowLinear([torch.zeros(4, 32, dtype=torch.bfloat16)])
+
+
+def test_the_kernels_build_where_this_cpu_and_compiler_can_run_them():
+    """On a machine with a C compiler and AVX512-BF16, the row kernel and the ragged attention
+    kernel both build: a source that no longer compiles must fail here, not turn the kernels'
+    tests into skips and the engine into its fallback."""
+    import shutil
+
+    from specheads.heads.target import cpu_attention, cpu_kernels
+
+    if shutil.which("cc") is None or "avx512_bf16" not in cpu_kernels.cpu_flags().split():
+        pytest.skip("no C compiler, or this CPU has no AVX512-BF16")
+    assert cpu_gemv.available()
+    assert cpu_attention.available()
