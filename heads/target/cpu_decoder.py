@@ -281,6 +281,31 @@ def unsupported_reason(model: nn.Module, packed: PackedWeights | None) -> str | 
     return None
 
 
+def forward_inputs(config, rotary_emb: nn.Module, hidden_BTH: torch.Tensor, attention_mask, position_ids, cache,
+                   use_cache: bool):
+    """What a fused forward (this one, heads/target/gpu_decoder.py's) takes from transformers, as
+    the model's own forward does: -> (cache, mask, cos_1TD, sin_1TD, attention function). A new
+    DynamicCache when use_cache and none is given; positions after the cache's length when none
+    are given; the causal mask of the model's config; the rotary embedding; the attention
+    function the config names."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if use_cache and cache is None:
+        cache = DynamicCache(config=config)
+    if position_ids is None:
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = (torch.arange(hidden_BTH.shape[1], device=hidden_BTH.device) + past)[None]
+    mask = create_causal_mask(config=config, inputs_embeds=hidden_BTH, attention_mask=attention_mask, cache=cache,
+                              position_ids=position_ids)
+    cos, sin = rotary_emb(hidden_BTH, position_ids=position_ids)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+    if attend is None:
+        raise ValueError(f"attention implementation {config._attn_implementation!r} is not registered")
+    return cache, mask, cos, sin, attend
+
+
 class FusedDecoder:
     """See the module docstring. Build with `FusedDecoder.build(model, packed)`."""
 
@@ -391,25 +416,13 @@ class FusedDecoder:
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
                 logits_to_keep: int | torch.Tensor = 0, **attention_kwargs):
         """TargetAdapter.forward's contract -> (logits, taps, cache)."""
-        from transformers.cache_utils import DynamicCache
-        from transformers.masking_utils import create_causal_mask
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+        from transformers.modeling_utils import slice_logits_to_keep
 
         batch, num_new = input_ids.shape
         hidden = self.embed_tokens(input_ids)
-        cache = past_key_values
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(num_new, device=hidden.device) + past)[None]
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  cache=cache, position_ids=position_ids)
-        cos_BTD, sin_BTD = self.rotary_emb(hidden, position_ids=position_ids)
+        cache, mask, cos_BTD, sin_BTD, attend = forward_inputs(self.config, self.rotary_emb, hidden, attention_mask,
+                                                               position_ids, past_key_values, use_cache)
         cos_BTD, sin_BTD = cos_BTD.expand(batch, -1, -1), sin_BTD.expand(batch, -1, -1)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
-        if attend is None:
-            raise ValueError(f"attention implementation {self.config._attn_implementation!r} is not registered")
         wanted = set(tap_layers)
         taps = {0: hidden} if 0 in wanted else {}
         q_size = self.num_q_heads * self.head_dim

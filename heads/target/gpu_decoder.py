@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.target.cpu_decoder import architecture_reason, layer_linears
+from specheads.heads.target.cpu_decoder import architecture_reason, forward_inputs, layer_linears
 
 log = logging.getLogger("specheads.gpu_decoder")
 MODES = ("compile", "max-autotune", "eager")  # how GpuDecoder runs its pure functions (`GpuDecoder.mode`)
@@ -293,28 +293,17 @@ class GpuDecoder:
 
     def _forward(self, input_ids, tap_layers, attention_mask, position_ids, cache, use_cache, logits_to_keep,
                  attention_kwargs):
-        from transformers.cache_utils import DynamicCache
-        from transformers.masking_utils import create_causal_mask
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+        from transformers.modeling_utils import slice_logits_to_keep
 
         self.check_weights()
         batch, num_new = input_ids.shape
         num_tokens, (num_q_heads, num_kv_heads, head_dim, eps) = batch * num_new, self.dims
         hidden_BTH = self.embed_tokens(input_ids)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(num_new, device=hidden_BTH.device) + past)[None]
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden_BTH, attention_mask=attention_mask,
-                                  cache=cache, position_ids=position_ids)
-        cos_BTD, sin_BTD = self.rotary_emb(hidden_BTH, position_ids=position_ids)
+        cache, mask, cos_BTD, sin_BTD, attend = forward_inputs(self.config, self.rotary_emb, hidden_BTH,
+                                                               attention_mask, position_ids, cache, use_cache)
         # Contiguous: an expanded row (stride 0) would be another graph's input layout.
         cos_ND = cos_BTD.expand(batch, -1, -1).reshape(num_tokens, head_dim).contiguous()
         sin_ND = sin_BTD.expand(batch, -1, -1).reshape(num_tokens, head_dim).contiguous()
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
-        if attend is None:
-            raise ValueError(f"attention implementation {self.config._attn_implementation!r} is not registered")
         hidden_NH = hidden_BTH.reshape(num_tokens, -1)
         mark_dynamic = self.mode != "eager" and num_tokens > 1  # one graph for every token count > 1
         if mark_dynamic:  # (one token gets its own, static)
