@@ -8,6 +8,7 @@ decode/    the decode loop and its parts. A single request is a batch of one.
                   directory's `tree` field (TreeSpec)
     engine.py     BatchEngine: one step = draft -> verify -> accept -> commit -> record over
                   every sequence, one target forward; fault isolation per sequence
+    sequence.py   SequenceRequest and Sequence: a request and its state inside the engine
     generate.py   generate / stream: one request through the engine
     scheduler.py  Scheduler: admits, reports and retires requests around the engine (a server's worker)
     steps.py      prefill, verify, accept, emit: each step written once, batched

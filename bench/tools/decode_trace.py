@@ -127,7 +127,8 @@ def _peak(module: torch.nn.Module) -> None:
 
 def trace_one_step(decoder, warmup_steps: int = 2) -> dict:
     """Prefill one prompt, run warmup_steps steps, trace the next one -> StepTrace.report()."""
-    from specheads.serving.decode.engine import BatchEngine, SequenceRequest
+    from specheads.serving.decode.engine import BatchEngine
+    from specheads.serving.decode.sequence import SequenceRequest
 
     prompt = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     max_new_tokens = 8 * (warmup_steps + 2)

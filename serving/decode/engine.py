@@ -43,7 +43,7 @@ Shape legend: n decoding sequences, T tree nodes (padded), V vocab, nH drafter t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -52,82 +52,19 @@ from specheads.serving.decode.accept import accept as accept_batch
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.cache import TreeStaticCache
-from specheads.serving.decode.fallback import Fallback, SpeculationWindow
+from specheads.serving.decode.fallback import Fallback
 from specheads.serving.decode.graphs import VerifyGraphs, bucket
-from specheads.serving.decode.faults import describe, is_fatal, retry_out_of_memory
-from specheads.serving.decode.logprobs import (TokenLogprob, prompt_logprobs, score_tokens, step_logprob_rows,
-                                               unpack_step_logprobs)
-from specheads.serving.decode.sampling import SamplingParams, make_generator
-from specheads.serving.decode.stats import DecodeStats, GenerationResult
+from specheads.serving.decode.faults import is_fatal, retry_out_of_memory
+from specheads.serving.decode.logprobs import step_logprob_rows, unpack_step_logprobs
+from specheads.serving.decode.sampling import make_generator
+from specheads.serving.decode.stats import DecodeStats
+from specheads.serving.decode.sequence import Sequence, SequenceRequest, as_prompt
 from specheads.serving.decode.steps import DecodeState, Verified, emit, prefill, prefill_many, verify
 
 
 # At most this many padded prompt tokens go into one prefill forward of several new sequences
 # (BatchEngine.add_many): its attention mask and index tensors grow with rows x P^2.
 PREFILL_GROUP_TOKENS = 32768
-
-
-@dataclass
-class SequenceRequest:
-    input_ids: list[int] | torch.Tensor
-    max_new_tokens: int
-    eos_token_id: int | list[int] | None = None
-    sampling: SamplingParams | None = None  # None or temperature 0: greedy
-    stop_token_sequences: list[list[int]] | None = None  # the output ends right after the first one
-    speculate: bool = True  # False: plain decoding for this sequence (the heads are not used)
-    acceptance: str = "rejection"  # "typical": Medusa-2's lossy rule (sampling only), reported lossy
-    # K >= 0: each new token's logprob and the K most likely tokens' (serving/decode/logprobs.py);
-    # with prompt_logprobs, the prompt's tokens' too (its prefill keeps every position's logits)
-    logprobs: int | None = None
-    prompt_logprobs: bool = False
-
-
-@dataclass
-class Sequence:
-    """One request inside the engine."""
-
-    seq_id: int
-    prompt_1P: torch.Tensor
-    max_new_tokens: int
-    eos_ids: frozenset[int]
-    stop_sequences: list[list[int]]
-    sampling: SamplingParams | None  # None: greedy
-    acceptance: str
-    window: SpeculationWindow  # the fallback policy's state for this sequence (serving/decode/fallback.py's alone)
-    generator: torch.Generator | None
-    stats: DecodeStats
-    keep_head_rows: bool = False  # EAGLE heads draft for it: the rows of a step they sat out wait for their next run
-    chain_states: list = field(default_factory=list)  # one per decoder.chain_sources (speculating requests)
-    state: DecodeState | None = None
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    joined: bool = False  # takes part in decode steps (set at the latest by the first step after add)
-    error: Exception | None = None  # what ended this sequence alone (finish_reason "error")
-    num_top_logprobs: int | None = None  # SequenceRequest.logprobs
-    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens` (num_top_logprobs set)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (asked for), None first
-
-    def close(self) -> GenerationResult:
-        """Stop here: the result so far, finish_reason "stop" unless it had finished."""
-        if self.finish_reason is None:
-            self.finish_reason = "stop"
-        return self.result()
-
-    def result(self) -> GenerationResult:
-        self.stats.num_new_tokens = len(self.tokens)
-        return GenerationResult(tokens=self.tokens, finish_reason=self.finish_reason or "length",
-                                stats=self.stats, lossless=self.stats.lossless,
-                                error=None if self.error is None else describe(self.error),
-                                logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
-
-
-def _as_prompt(input_ids, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty list of ints or a [1, P] tensor, got shape {tuple(ids.shape)}")
-    return ids
 
 
 class BatchEngine:
@@ -181,7 +118,7 @@ class BatchEngine:
         if any(len(s) == 0 for s in stop_sequences):
             raise ValueError("stop_token_sequences must not contain an empty sequence")
         eos = request.eos_token_id
-        prompt_1P = _as_prompt(request.input_ids, self.target.device)
+        prompt_1P = as_prompt(request.input_ids, self.target.device)
         decoder = self.decoder
         needed = int(prompt_1P.shape[1]) + request.max_new_tokens + decoder.max_tree_nodes
         if needed > self.max_cache_len:
@@ -223,7 +160,7 @@ class BatchEngine:
             try:
                 seq.state = prefill(self.target, seq.prompt_1P[:, reuse:], self.decoder.tap_layers, self.cache,
                                     seq.sampling, seq.generator, all_logits=seq.prompt_logprobs is not None)
-                self._score_prefill(seq)  # logprobs: the first token's (and the prompt's)
+                seq.score_prefill()  # logprobs: the first token's (and the prompt's)
             except BaseException:
                 self.cache.truncate_row(row, reuse)
                 raise
@@ -275,7 +212,7 @@ class BatchEngine:
                                           [seq.generator for seq in group])
                     for seq, state in zip(group, states):
                         seq.state = state
-                        self._score_prefill(seq)  # logprobs: the first token's
+                        seq.score_prefill()  # logprobs: the first token's
                 except BaseException:
                     for row in range(first, first + len(group)):
                         self.cache.truncate_row(row, 0)
@@ -542,17 +479,6 @@ class BatchEngine:
                                    accepted.emitted.index_select(0, index), num_top)
         extra = scored.new_full((len(batch), scored.shape[1]), float("nan"))
         return extra.index_copy_(0, index, scored)
-
-    @staticmethod
-    def _score_prefill(seq: Sequence) -> None:
-        """The prefill's rows score its first token (the root: a sequence always takes it) and,
-        if asked, the prompt; then the state lets them go."""
-        logits_LV, seq.state.logits = seq.state.logits, None
-        if seq.logprobs is None:
-            return
-        if seq.prompt_logprobs is not None:
-            seq.prompt_logprobs = prompt_logprobs(logits_LV, seq.prompt_1P[0].tolist(), seq.num_top_logprobs)
-        seq.logprobs = score_tokens(logits_LV[-1:], seq.state.root.tolist(), seq.num_top_logprobs)
 
     # --- faults (module doc, "Faults") -----------------------------------------------------
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from specheads.serving.decode.config import SpeculativeDecoder
-from specheads.serving.decode.engine import BatchEngine, Sequence, SequenceRequest
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.sequence import Sequence, SequenceRequest
 from specheads.serving.decode.sampling import SamplingParams
 from specheads.serving.decode.stats import GenerationResult
 

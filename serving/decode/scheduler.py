@@ -24,7 +24,8 @@ import itertools
 from dataclasses import dataclass
 
 from specheads.serving.decode.config import SpeculativeDecoder
-from specheads.serving.decode.engine import BatchEngine, SequenceRequest
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.sequence import SequenceRequest
 from specheads.serving.decode.faults import SequenceFailed, describe, is_fatal
 from specheads.serving.decode.stats import GenerationResult
 

@@ -19,7 +19,8 @@ from specheads.heads.artefacts.export_eagle3 import LAYER_WEIGHT_NAMES
 from specheads.heads.artefacts.heads_dir import HeadsConfig, build_heads, load_heads, read_heads_config, save_heads
 from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
-from specheads.serving.decode.engine import BatchEngine, SequenceRequest
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.sequence import SequenceRequest
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.trees import TreePlan

@@ -18,7 +18,8 @@ from torch import nn
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
-from specheads.serving.decode.engine import BatchEngine, SequenceRequest
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.sequence import SequenceRequest
 from specheads.serving.decode.generate import generate, stream
 from specheads.serving.decode.sampling import SamplingParams
 from specheads.serving.decode.trees import DraftTree

@@ -25,7 +25,8 @@ from specheads.heads.artefacts.reply_store import ReplyStore, write_store
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
-from specheads.serving.decode.engine import BatchEngine, SequenceRequest
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.sequence import SequenceRequest
 from specheads.serving.decode.lookup import LookupConfig
 from specheads.serving.decode.sampling import SamplingParams
 from specheads.serving.decode.store import StoreConfig, StoreDrafter

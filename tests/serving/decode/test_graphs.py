@@ -13,7 +13,8 @@ import torch
 from specheads.heads.eagle3 import Eagle3Head
 from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
-from specheads.serving.decode.engine import BatchEngine, SequenceRequest
+from specheads.serving.decode.engine import BatchEngine
+from specheads.serving.decode.sequence import SequenceRequest
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.graphs import VerifyGraphs, bucket
 from specheads.serving.decode.lookup import LookupConfig

@@ -302,7 +302,7 @@ def test_greedy_decoding_with_the_store_in_a_batch_is_the_target_s_own(greedy_se
     assert decoder.max_tree_nodes == {"store": 1, "medusa+lookup+store": 11, "eagle3-dynamic+store": 7}[kind] + 6
     lengths = [NUM_NEW, 21, NUM_NEW, 17, NUM_NEW, 25]
     requests = [(prompt, length) for prompt, length in zip(prompts, lengths)]
-    from specheads.serving.decode.engine import SequenceRequest
+    from specheads.serving.decode.sequence import SequenceRequest
 
     tokens, results, batched_steps = run_session(decoder, [SequenceRequest(p, n) for p, n in requests])
     assert batched_steps > 3
@@ -331,7 +331,7 @@ def test_the_store_survives_a_faulty_row(greedy_setup, monkeypatch):
         return original(self, context, *args)
 
     monkeypatch.setattr(ReplyStore, "propose", faulty)
-    from specheads.serving.decode.engine import SequenceRequest
+    from specheads.serving.decode.sequence import SequenceRequest
 
     tokens, results, _ = run_session(decoder, [SequenceRequest(p, NUM_NEW) for p in prompts[:3]])
     assert results[1].finish_reason == "error" and "injected store fault" in results[1].error
