@@ -46,8 +46,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specheads.data.chat import THINKING_MODES, THINKING_SWITCH, split_reasoning
-from specheads.data.records import REASONING_KEY
+from specheads.data.chat import THINKING_MODES, THINKING_SWITCH
+from specheads.data.openai_wire import (CHAT_PATH, CONNECT_TIMEOUT_S, MODELS_PATH, error_text, reply_of, retry_after,
+                                         served_model, server_url, too_long, wire_message)
 from specheads.data.regenerate import (WRITE_EVERY, InOrderWriter, Progress, RecordJob, ReplyMeter,
                                        start_progress)
 from specheads.data.text import DataError, load_records
@@ -57,10 +58,8 @@ DEFAULT_MAX_RETRIES = 5
 BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 OUT_AFTER_FAILURES = 3  # failed requests in a row that take a server out
 PROBE_S, MAX_PROBE_S = 2.0, 60.0  # the pause before probing a server that is out, doubled per failed probe
-CONNECT_TIMEOUT_S = 10.0
 WINDOW_PER_WORKER = 4  # records started beyond the last one written, per worker (plus one write's worth)
 RETRYABLE_STATUS = {408, 429}  # and every 5xx
-CHAT_PATH, MODELS_PATH = "/v1/chat/completions", "/v1/models"
 
 
 @dataclass(frozen=True)
@@ -160,111 +159,6 @@ class _Server:
         self.out = False
 
 
-def server_url(url: str) -> str:
-    """A --server value -> its base URL (a trailing / or /v1, as OpenAI clients take it, dropped)."""
-    import httpx
-
-    base = url.strip().rstrip("/").removesuffix("/v1").rstrip("/")
-    try:
-        parsed = httpx.URL(base)
-    except httpx.InvalidURL as err:
-        raise DataError(f"--server {url!r} is not a URL ({err}); expected one like http://127.0.0.1:8000") from err
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise DataError(f"--server {url!r}: expected an http:// or https:// URL such as http://127.0.0.1:8000")
-    return base
-
-
-def served_model(urls: list[str], model: str | None, headers: dict) -> tuple[str, list[str]]:
-    """Ask each server's GET /v1/models -> (the model to request, the URLs that did not answer).
-    --target (model) must be served by every server that answers; without it, the one model
-    they serve. A refused API key, or no server answering at all, is an error naming the URLs."""
-    import httpx
-
-    served, down = {}, {}
-    with httpx.Client(timeout=CONNECT_TIMEOUT_S, headers=headers) as client:
-        for url in urls:
-            try:
-                response = client.get(url + MODELS_PATH)
-            except httpx.RequestError as err:
-                down[url] = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-                continue
-            if response.status_code in (401, 403):
-                raise DataError(f"server {url} refused the API key (HTTP {response.status_code} on GET {MODELS_PATH}); "
-                                "pass the server's key with --api-key (or OPENAI_API_KEY)")
-            if response.status_code != 200:
-                down[url] = f"HTTP {response.status_code} on GET {MODELS_PATH}"
-                continue
-            try:
-                served[url] = [str(entry["id"]) for entry in response.json()["data"]]
-            except (ValueError, KeyError, TypeError) as err:
-                raise DataError(f"server {url} is not an OpenAI-compatible server: GET {MODELS_PATH} answered "
-                                f"{response.text[:120]!r}") from err
-    if not served:
-        raise DataError("no --server answered: " + "; ".join(f"{url} ({why})" for url, why in down.items()))
-    if model is None:
-        first_url, names = next(iter(served.items()))
-        if len(names) != 1:
-            raise DataError(f"server {first_url} serves {len(names)} models ({', '.join(names) or 'none'}); "
-                            "pass --target with the one to use")
-        model = names[0]
-    for url, names in served.items():
-        if model not in names:
-            raise DataError(f"server {url} serves {', '.join(names) or 'no model'}, not {model!r}; pass --target "
-                            "with the served model name (the server's --served-model-name)")
-    return model, list(down)
-
-
-def wire_message(message: dict) -> dict:
-    """A conversation's message as sent: an earlier reply's reasoning under both of its names
-    (SGLang reads `reasoning_content`, vLLM `reasoning`)."""
-    out = {"role": message["role"], "content": message["content"]}
-    if message.get(REASONING_KEY):
-        out[REASONING_KEY] = out["reasoning"] = message[REASONING_KEY]
-    return out
-
-
-def reply_of(body: dict) -> tuple[dict, int]:
-    """A chat completion -> (the reply as an assistant message, its completion tokens); the
-    reasoning apart (module doc), both stripped, as data/chat.py's reply_message writes it."""
-    message = body["choices"][0]["message"]
-    content = message.get("content") or ""
-    reasoning = message.get(REASONING_KEY) or message.get("reasoning")
-    if not isinstance(content, str) or not isinstance(reasoning, (str, type(None))):
-        raise TypeError("content and reasoning must be strings")
-    if not reasoning:
-        reasoning, content = split_reasoning(content)
-    reply = {"role": "assistant", "content": content.strip()}
-    if reasoning and reasoning.strip():
-        reply[REASONING_KEY] = reasoning.strip()
-    usage = body.get("usage") or {}
-    return reply, int(usage.get("completion_tokens") or 0)
-
-
-def _error_text(response) -> str:
-    """The server's error message (OpenAI's {"error": {"message"}}, vLLM's older {"message"}),
-    else the start of the body."""
-    try:
-        body = response.json()
-        error = body.get("error", body)
-        return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
-    except (ValueError, AttributeError):
-        return response.text[:300]
-
-
-def _too_long(status: int, text: str) -> bool:
-    """A 400 that says the prompt and max_tokens do not fit the model's context."""
-    lowered = text.lower()
-    return status in (400, 413) and ("context length" in lowered or "context_length" in lowered
-                                     or "maximum context" in lowered)
-
-
-def _retry_after(response) -> float | None:
-    try:
-        return float(response.headers.get("retry-after", ""))
-    except ValueError:
-        return None
-
-
 class _ServerReplies:
     """One run: the workers of every server over one request queue, the records in flight,
     and the writer that puts finished records into the output in input order."""
@@ -344,12 +238,12 @@ class _ServerReplies:
             server.counts.num_ok += 1
             server.failures_in_a_row = 0
             return self._replied(request, message, num_tokens)
-        text = _error_text(response)
+        text = error_text(response)
         if status >= 500 or status in RETRYABLE_STATUS:
             return self._failed(server, request, f"HTTP {status}: {text}", server_fault=status != 429,
-                                retry_after=_retry_after(response))
+                                retry_after=retry_after(response))
         server.failures_in_a_row = 0  # it answered
-        if _too_long(status, text):
+        if too_long(status, text):
             return self._refused(request.record, "longer than the server's context")
         self.fatal = f"server {server.url} refused record {request.record}'s request (HTTP {status}): {text}"
         self.finished.set()

@@ -173,7 +173,7 @@ def build_target() -> str:
 
 
 def distill_data(target_path: str, workdir: DemoWorkdir, device: str) -> Path:
-    from specheads.data.regenerate import DISTILL_META_SUFFIX, distill_text
+    from specheads.data.distill_text import DISTILL_META_SUFFIX, distill_text
 
     output = workdir.output("distill.jsonl")
     workdir.output(output.name + DISTILL_META_SUFFIX)

@@ -243,7 +243,7 @@ def test_the_real_model_demo_trains_tunes_and_benches(tmp_path, monkeypatch, cap
 def test_distill_text_records_are_prompts_continued_by_target_greedy(embedded, embedded_target_dir, tmp_path):
     """The demo's self-distillation data: each record is a corpus window followed by the
     target's own greedy continuation; the same settings reuse the file."""
-    from specheads.data.regenerate import distill_text
+    from specheads.data.distill_text import distill_text
 
     target, tokenizer = embedded
     texts = [t for t in stdlib_texts("heldout") if len(t) > 2000][:3]

@@ -265,7 +265,7 @@ def test_regenerate_options_that_belong_to_the_other_path_are_refused(tmp_path, 
 
 
 def test_a_servers_reply_keeps_its_reasoning_under_either_name():
-    from specheads.data.remote_replies import reply_of, server_url, wire_message
+    from specheads.data.openai_wire import reply_of, server_url, wire_message
 
     def body(**message):
         return {"choices": [{"message": {"role": "assistant", **message}}], "usage": {"completion_tokens": 7}}
