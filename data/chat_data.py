@@ -27,7 +27,7 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     On a CUDA device the replies decode from CUDA graphs, 512 sequences per forward (default
     batch_size; 96 on a CPU): on an H200 that made SmolLM2's replies at about 12,500 tok/s.
     thinking: the chat template's thinking mode the replies are generated in (data/chat.py)."""
-    from specheads.data.regenerate import _target_fingerprint, regenerate
+    from specheads.data.regenerate import target_fingerprint, regenerate
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads import atomic
     from specheads.heads.target.adapter import resolve_dtype
@@ -36,7 +36,7 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     resolved = str(resolve_dtype(dtype, device)).removeprefix("torch.")
     on_gpu = device.startswith("cuda")
     batch_size = batch_size or (512 if on_gpu else 96)
-    settings = {"version": CHAT_DATA_VERSION, "target": _target_fingerprint(target_path), "num": num_prompts,
+    settings = {"version": CHAT_DATA_VERSION, "target": target_fingerprint(target_path), "num": num_prompts,
                 "max_new_tokens": max_new_tokens, "seed": seed, "dtype": resolved,
                 "self_instruct_fraction": self_instruct_fraction,
                 "self_instruct_temperature": self_instruct_temperature}

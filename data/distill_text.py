@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specheads.data.regenerate import ReplyMeter, _target_fingerprint, load_generation_target, target_continuations
+from specheads.data.regenerate import ReplyMeter, target_fingerprint, load_generation_target, target_continuations
 from specheads.data.text import DataError, load_tokenizer
 from specheads.heads import atomic
 
@@ -35,7 +35,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
         raise DataError(f"distill_text needs num_records, max_new_tokens, batch_size >= 1 and 1 <= min <= max "
                         f"prompt tokens, got {num_records}, {max_new_tokens}, {batch_size}, {prompt_tokens}")
     output = Path(output_path)
-    target_id = _target_fingerprint(target)
+    target_id = target_fingerprint(target)
     settings = {"target": target_id, "num_records": num_records, "prompt_tokens": [lo, hi],
                 "max_new_tokens": max_new_tokens, "seed": seed, "texts": "stdlib" if texts is None else len(texts),
                 "dtype": str(resolve_dtype(dtype, device)).removeprefix("torch.")}

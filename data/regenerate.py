@@ -456,7 +456,7 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     return progress
 
 
-def _target_fingerprint(target: str) -> str:
+def target_fingerprint(target: str) -> str:
     """Path plus the weights' size and mtime: a rebuilt target invalidates distilled data."""
     weights = Path(target) / "model.safetensors"
     if weights.exists():

@@ -39,10 +39,10 @@ AUTO = "auto"
 def auto_cache_dir(target_path: str, blocks: PackedBlocks, taps: list[int], dtype: torch.dtype) -> Path:
     """Where `data.feature_cache: auto` keeps the cache of these exact blocks: keyed by the
     target's fingerprint, the taps, the dtype and the blocks' token ids and loss masks."""
-    from specheads.data.regenerate import _target_fingerprint
+    from specheads.data.regenerate import target_fingerprint
     from specheads.data.tiny_target import default_cache_dir
 
-    digest = hashlib.sha256(f"{_target_fingerprint(target_path)}|{sorted(taps)}|{dtype}".encode())
+    digest = hashlib.sha256(f"{target_fingerprint(target_path)}|{sorted(taps)}|{dtype}".encode())
     digest.update(blocks.input_ids.numpy().tobytes())
     digest.update(blocks.loss_mask.numpy().tobytes())
     return default_cache_dir() / "features" / f"{Path(target_path).name}-{digest.hexdigest()[:12]}"
