@@ -180,18 +180,15 @@ def run(args) -> int:
     from specheads.bench.harness import format_report, heads_label, not_near_ties, run_bench
     from specheads.bench.step_costs import StepCostTable
     from specheads.heads.artefacts.heads_dir import load_heads, read_heads_config, read_tuning
-    from specheads.heads.artefacts.reply_store import ReplyStore
-    from specheads.serving.decode.store import StoreDrafter, open_store
     from specheads.heads.target.adapter import TargetAdapter
-    from specheads.runner import load_target_and_tokenizer, resolve_target_name
+    from specheads.runner import check_store, load_target_and_tokenizer, resolve_target_name, store_drafter
 
     for directory in heads_dirs:  # a missing or foreign heads dir fails before the target loads
         read_heads_config(directory)
-    if args.store is not None:  # so does a missing or corrupt store
-        ReplyStore(args.store)
+    check_store(args.store)  # so does a missing or corrupt store
     target, tokenizer = load_target_and_tokenizer(args.target, heads=heads_dirs, dtype=args.dtype, device=args.device,
                                                   trust_remote_code=args.trust_remote_code)
-    store = None if args.store is None else StoreDrafter(open_store(args.store, target.identity, tokenizer))
+    store = store_drafter(args.store, None, target, tokenizer)
     heads_list, tuning = [], {}
     for directory in heads_dirs:
         module, heads_config = load_heads(directory, target=target.identity, device=args.device, dtype=target.dtype)

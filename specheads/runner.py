@@ -122,14 +122,12 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
         raise ValueError(f"cuda_graphs needs a CUDA device (CUDA graphs record GPU work), got device {device!r}")
     from specheads.heads.artefacts.heads_dir import load_heads
     from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
-    from specheads.heads.artefacts.reply_store import ReplyStore
     from specheads.serving.decode.lookup import LookupConfig
 
     if lookup_num_tokens is not None and lookup_num_tokens < 0:
         raise ValueError(f"--lookup-num-tokens must be >= 0 (0: off), got {lookup_num_tokens}")
     lookup = LookupConfig(num_tokens=lookup_num_tokens) if lookup_num_tokens else None
-    if store is not None and store != STORE_OFF:
-        ReplyStore(store)  # a missing or corrupt store fails before the target loads
+    check_store(store)
     adapter, tokenizer = load_target_and_tokenizer(target, heads=[heads] if heads is not None else [], dtype=dtype,
                                                    device=device, trust_remote_code=trust_remote_code,
                                                    progress=progress)
@@ -146,6 +144,14 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
         decoder = SpeculativeDecoder(adapter, head_module, spec.tree, tap_layers=config.tap_layers,
                                      entropy_threshold=spec.entropy_threshold, lookup=lookup, store=drafter, **graphs)
     return decoder, tokenizer
+
+
+def check_store(store: str | None) -> None:
+    """A missing or corrupt reply store fails here, before any target loads (None, STORE_OFF: none)."""
+    from specheads.heads.artefacts.reply_store import ReplyStore
+
+    if store is not None and store != STORE_OFF:
+        ReplyStore(store)
 
 
 def store_drafter(store: str | None, spec, target, tokenizer, heads: str | None = None):

@@ -63,16 +63,13 @@ def run(args) -> int:
 
     from specheads.bench.tune import format_tuning, slower_than_plain, tune_heads_dir
     from specheads.heads.artefacts.heads_dir import read_heads_config
-    from specheads.heads.artefacts.reply_store import ReplyStore
-    from specheads.serving.decode.store import StoreDrafter, open_store
-    from specheads.runner import load_target_and_tokenizer
+    from specheads.runner import check_store, load_target_and_tokenizer, store_drafter
 
     read_heads_config(args.heads)  # a missing or foreign heads dir fails before the target loads
-    if args.store is not None:  # so does a missing or corrupt store
-        ReplyStore(args.store)
+    check_store(args.store)  # so does a missing or corrupt store
     target, tokenizer = load_target_and_tokenizer(args.target, heads=[args.heads], dtype=args.dtype,
                                                   device=args.device, trust_remote_code=args.trust_remote_code)
-    store = None if args.store is None else StoreDrafter(open_store(args.store, target.identity, tokenizer))
+    store = store_drafter(args.store, None, target, tokenizer)
     encoded = [p.input_ids for p in encode_prompts(tokenizer, prompts)]
     report = tune_heads_dir(target, args.heads, encoded, max_new_tokens=args.max_new_tokens, budget_s=args.budget_s,
                             eos_token_id=tokenizer.eos_token_id, max_settings=args.max_settings, depths=depths,

@@ -103,6 +103,31 @@ def test_the_command_line(setup, capsys):
     assert 0 <= stored["store_accepted"] <= stored["accepted_tokens"]
 
 
+def test_bench_and_tune_take_a_store_on_the_command_line(setup, tmp_path):
+    """`bench --store` benches the store alone and beside the heads; `tune --store` measures the
+    winner with and without it; both refuse a corrupt store before the target loads."""
+    import shutil
+
+    root, target_dir, heads_dir, records = setup
+    store, heads = tmp_path / "store", tmp_path / "heads"
+    build_store(str(records), str(target_dir), str(store))
+    shutil.copytree(heads_dir, heads)  # tune writes its winner into the directory
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "chat", "turns": ["the cat sat"]}) + "\n")
+    common = ["--target", str(target_dir), "--heads", str(heads), "--prompts", str(prompts), "--max-new-tokens",
+              "6", "--dtype", "float32", "--store", str(store)]
+    assert main(["bench", *common, "--lookup-num-tokens", "3", "--prompt-lookup-num-tokens", "0", "--no-warmup",
+                 "--output-json", str(tmp_path / "bench.json")]) == 0
+    kinds = {method["kind"] for method in json.loads((tmp_path / "bench.json").read_text())["methods"]}
+    assert {"engine-store", "engine-heads+store"} <= kinds
+    assert main(["tune", *common, "--budget-s", "5", "--depths", "1", "--node-budgets", "2", "--lookup-num-tokens",
+                 "0", "--quiet", "--output-json", str(tmp_path / "tune.json")]) == 0
+    assert json.loads((tmp_path / "tune.json").read_text())["store"]["path"] == str(store)
+    (store / "tokens.bin").write_bytes(b"")
+    for command in ("bench", "tune"):
+        assert main([command, *common]) == 2
+
+
 def test_a_recorded_store_is_used_by_default_and_none_turns_it_off(setup):
     from specheads.runner import load_decoder
 
