@@ -43,8 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specheads.bench.harness import PromptRun, summarise
-from specheads.heads.artefacts.export_llama_cpp import (EAGLE3_SPEC_TYPE, LLAMA_CPP_PYTHON, SERVE_DRAFT_MAX,
-                                                        SERVE_DRAFT_P_MIN, LlamaCppError, check_draft, draft_args)
+from specheads.heads.artefacts.export_llama_cpp import EAGLE3_SPEC_TYPE, LLAMA_CPP_PYTHON, LlamaCppError, draft_args
 
 SERVER = "llama-server"
 BUILD_TARGETS = ("llama-server", "llama-bench", "llama-cli")
