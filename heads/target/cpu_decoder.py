@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.target import cpu_gemv, cpu_kernels
+from specheads.heads.target import cpu_gemm, cpu_gemv, cpu_kernels
 from specheads.heads.target.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -68,6 +68,9 @@ PARALLEL_ELEMENTS = 32768
 # instead of oneDNN: SmolLM2's 121 linears on cold weights, 2 cores, C against oneDNN (ms):
 # 1 row 11.3 / 16.2, 4 rows 16.2 / 17.8, 8 rows 22.7 / 25.4, 16 rows 38.7 / 36.2.
 ROW_KERNEL_MAX_ROWS = 8
+# The bf16 kernels, the first available one wins: (module, the most rows it takes; None: any).
+# AVX2's takes every forward, prefills included: oneDNN's bf16 is emulated on such a CPU.
+ROW_KERNELS = {"avx512bf16": (cpu_gemv, "RowLinear", ROW_KERNEL_MAX_ROWS), "avx2": (cpu_gemm, "PackedBf16Linear", None)}
 
 # Each kernel rounds where transformers' torch ops round (an op's output in the dtype), so in
 # bf16 it gives transformers' values, not merely close ones (SiLU's exp is an approximation as
@@ -210,26 +213,27 @@ class _PackedProjections:
 
 
 class _RowProjections:
-    """The same four ops for a few rows, through heads/target/cpu_gemv.py on the model's own bf16
-    weights: SiLU-and-multiply and the residual sums happen in the ops' epilogues."""
+    """The same four ops through a C kernel on the model's bf16 weights, SiLU-and-multiply and the
+    residual sums in the ops' epilogues: heads/target/cpu_gemv.py's row kernel (AVX512-BF16, a
+    few rows) or heads/target/cpu_gemm.py's packed kernel (AVX2 and FMA, any number of rows)."""
 
-    def __init__(self, attn: nn.Module, mlp: nn.Module):
+    def __init__(self, attn: nn.Module, mlp: nn.Module, linear):
         qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-        self.qkv = cpu_gemv.RowLinear([m.weight for m in qkv],
-                                      _cat_bias([m.weight for m in qkv], [m.bias for m in qkv]))
-        self.attention_out = cpu_gemv.RowLinear([attn.o_proj.weight], attn.o_proj.bias, "residual")
-        self.mlp_in = cpu_gemv.RowLinear([m.weight for m in gate_up],
-                                         _cat_bias([m.weight for m in gate_up], [m.bias for m in gate_up]), "glu")
-        self.mlp_out = cpu_gemv.RowLinear([mlp.down_proj.weight], mlp.down_proj.bias, "residual")
+        self.qkv = linear([m.weight for m in qkv], _cat_bias([m.weight for m in qkv], [m.bias for m in qkv]))
+        self.attention_out = linear([attn.o_proj.weight], attn.o_proj.bias, "residual")
+        self.mlp_in = linear([m.weight for m in gate_up],
+                             _cat_bias([m.weight for m in gate_up], [m.bias for m in gate_up]), "glu")
+        self.mlp_out = linear([mlp.down_proj.weight], mlp.down_proj.bias, "residual")
 
     @staticmethod
-    def fit(model: nn.Module, layers: list[nn.Module]) -> bool:
-        """Whether the kernel takes this model's linear layers: bf16 on a CPU where it is built,
-        row-major weights, bf16 biases (or none)."""
+    def kernel(model: nn.Module, layers: list[nn.Module]) -> str | None:
+        """Which kernel takes this model's linear layers (ROW_KERNELS), or None: bf16 on a CPU
+        where one is built (AVX512-BF16 first), row-major weights, bf16 biases (or none)."""
         linears = [model.lm_head] + [m for layer in layers for m in layer_linears(layer)]
-        return (all(m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" and m.weight.is_contiguous()
-                    and (m.bias is None or m.bias.dtype == torch.bfloat16) for m in linears)
-                and cpu_gemv.available())
+        if not all(m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" and m.weight.is_contiguous()
+                   and (m.bias is None or m.bias.dtype == torch.bfloat16) for m in linears):
+            return None
+        return next((name for name, (module, _, _) in ROW_KERNELS.items() if module.available()), None)
 
 
 @dataclass
@@ -237,8 +241,8 @@ class _Layer:
     attention: nn.Module  # the model's own attention module (the attention function's `module`)
     input_norm: torch.Tensor  # [H] RMSNorm weights
     post_norm: torch.Tensor
-    packed: _PackedProjections
-    rows: _RowProjections | None  # None where the kernel does not take the model
+    packed: _PackedProjections | None  # None where the row kernel takes every forward
+    rows: _RowProjections | None  # None where no kernel takes the model
     q_norm: torch.Tensor | None = None  # [D] Qwen3's per-head RMSNorm weights of q and k, applied before RoPE
     k_norm: torch.Tensor | None = None
 
@@ -247,10 +251,15 @@ def architecture_reason(model: nn.Module) -> str | None:
     """Why a fused Llama-family forward (this module's, or heads/target/gpu_decoder.py's) cannot compute
     what `model` computes, or None when it can: the architecture, its MLP activation and its
     attention layers (every one full attention)."""
-    name = type(model).__name__
+    return config_reason(model.config, type(model).__name__)
+
+
+def config_reason(config, architecture: str | None = None) -> str | None:
+    """`architecture_reason` from a model's config alone (before its weights load); architecture:
+    the model class's name (default: the config's first `architectures` entry)."""
+    name = architecture or next(iter(getattr(config, "architectures", None) or []), type(config).__name__)
     if name not in SUPPORTED_ARCHITECTURES:
         return f"{name} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-    config = model.config
     if getattr(config, "hidden_act", None) != "silu":
         return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not 'silu'"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
@@ -275,9 +284,15 @@ def unsupported_reason(model: nn.Module, packed: PackedWeights | None) -> str | 
     reason = architecture_reason(model)
     if reason is not None:
         return reason
-    for index, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
-        if not all(isinstance(m, PackedLinear) for m in layer_linears(layer)):
-            return f"layer {index} has a linear layer that is not packed (PEFT-wrapped or quantized)"
+    layers = model.model.layers[: model.config.num_hidden_layers]
+    for index, layer in enumerate(layers):
+        if not all(isinstance(m, PackedLinear) or type(m) is nn.Linear for m in layer_linears(layer)):
+            return f"layer {index} has a linear layer that is PEFT-wrapped or quantized"
+    unpacked = any(type(m) is nn.Linear for layer in layers for m in layer_linears(layer))
+    kernel = _RowProjections.kernel(model, layers)
+    if unpacked and (kernel is None or ROW_KERNELS[kernel][2] is not None):
+        return (f"oneDNN cannot lay out its {str(model.lm_head.weight.dtype).removeprefix('torch.')} weights on this CPU "
+                "and no C kernel here takes every forward")
     return None
 
 
@@ -324,27 +339,37 @@ class FusedDecoder:
         weight = model.lm_head.weight
         self.kernels = _Kernels.find(weight.dtype, weight.device)
         decoder_layers = model.model.layers[: self.num_layers]
-        with_rows = _RowProjections.fit(model, decoder_layers)
+        # The C kernel that runs bf16 linear layers here (ROW_KERNELS), and up to how many rows
+        # (more go to oneDNN's packed GEMMs); None: oneDNN for every forward.
+        self.row_kernel = _RowProjections.kernel(model, decoder_layers)
+        module, class_name, max_rows = ROW_KERNELS[self.row_kernel] if self.row_kernel else (None, None, 0)
+        linear = getattr(module, class_name) if module is not None else None
+        self.max_kernel_rows = max_rows
         self.layers = []
         fused = set()
         for layer in decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(_Layer(attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                      _PackedProjections(attn, mlp, self._silu_mul),
-                                      _RowProjections(attn, mlp) if with_rows else None,
+                                      None if max_rows is None else _PackedProjections(attn, mlp, self._silu_mul),
+                                      _RowProjections(attn, mlp, linear) if linear is not None else None,
                                       q_norm.weight if q_norm is not None else None,
                                       k_norm.weight if k_norm is not None else None))
             fused.update(id(m) for m in [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj])
+            if max_rows is None:  # the kernel takes every forward: o and down need no oneDNN copy either
+                fused.update(id(m) for m in [attn.o_proj, mlp.down_proj])
+        self.lm_head = model.lm_head
+        self.lm_head_rows = linear([weight], model.lm_head.bias) if linear is not None else None
+        if max_rows is None:
+            fused.add(id(model.lm_head))
         # The separate packed copies of the fused layers go: the model's own forward (the
         # adapter's fallback, and `plain()`) runs those layers unpacked.
         packed.unpack(lambda module: id(module) in fused)
+        self.lm_head = model.lm_head  # the plain layer again, where it was packed
         self.num_fused = len(fused)  # linear layers held fused
         self.norm = model.model.norm.weight
         self.embed_tokens = model.model.embed_tokens
         self.rotary_emb = model.model.rotary_emb
-        self.lm_head = model.lm_head
-        self.lm_head_rows = cpu_gemv.RowLinear([weight], model.lm_head.bias) if with_rows else None
 
     @classmethod
     def build(cls, model: nn.Module, packed: PackedWeights | None) -> "FusedDecoder | None":
@@ -427,7 +452,8 @@ class FusedDecoder:
         taps = {0: hidden} if 0 in wanted else {}
         q_size = self.num_q_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        few_rows = batch * num_new <= ROW_KERNEL_MAX_ROWS
+        limit = self.max_kernel_rows
+        few_rows = limit is None or batch * num_new <= limit
         for index, layer in enumerate(self.layers):
             linears = layer.rows if few_rows and layer.rows is not None else layer.packed
             qkv = linears.qkv(self._rms_norm(hidden, layer.input_norm))
@@ -446,6 +472,6 @@ class FusedDecoder:
         hidden = self._rms_norm(hidden, self.norm)
         taps[self.num_layers] = hidden
         kept = slice_logits_to_keep(hidden, logits_to_keep)
-        rows_head = self.lm_head_rows is not None and kept.shape[0] * kept.shape[1] <= ROW_KERNEL_MAX_ROWS
+        rows_head = self.lm_head_rows is not None and (limit is None or kept.shape[0] * kept.shape[1] <= limit)
         logits = self.lm_head_rows(kept) if rows_head else self.lm_head(kept)
         return logits, [taps[t] for t in tap_layers], cache

@@ -4,9 +4,12 @@ attention over the KV heads.
 Three decisions, all made here and applied behind the target adapter (heads/target/adapter.py), never in
 the drafters or the accept rule:
 
-- dtype "auto": bf16 on a CPU with native bf16 arithmetic (AVX512-BF16 or AMX), fp32 on any
-  other CPU (bf16 would be emulated there and slower than fp32), bf16 on a CUDA GPU. fp32 stays
-  the exact mode: there, greedy speculation is token-identical to the target's own decoding.
+- dtype "auto": bf16 on a CPU with native bf16 arithmetic (AVX512-BF16 or AMX) and on a CUDA GPU.
+  On any other CPU, torch's bf16 is emulated and slower than fp32, so training and the model's
+  own forward take fp32; an inference load of a model the fused forward runs takes bf16 there
+  too, its linear layers in heads/target/cpu_gemm.py's AVX2 kernel (bf16 weights, fp32 sums).
+  fp32 stays the exact mode: there, greedy speculation is token-identical to the target's own
+  decoding.
 - packed linear weights: `nn.Linear` calls `F.linear`, whose fp32 path re-packs the weight
   matrix into the BLAS layout on every call with more than one row, and whose bf16 path does
   not use oneDNN's blocked layout. `PackedLinear` holds the weight reordered once, at load,
@@ -82,19 +85,45 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def auto_dtype(device: str | torch.device) -> torch.dtype:
-    """The fast dtype of `device` (module docstring): bf16 on CUDA and on CPUs with native bf16."""
+def auto_dtype(device: str | torch.device, config=None) -> torch.dtype:
+    """The fast dtype of `device` (module docstring): bf16 on CUDA and on CPUs with native bf16.
+    On another CPU, fp32, except for a model loaded for inference (config: its config) whose
+    linear layers heads/target/cpu_gemm.py's kernel runs (a C compiler, AVX2 and FMA, an
+    architecture heads/target/cpu_decoder.py fuses): bf16 weights, computed in fp32, half the
+    bytes a token reads."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu" and cpu_has_native_bf16():
+    if device.type != "cpu":
+        return torch.float32
+    if cpu_has_native_bf16():
         return torch.bfloat16
+    if config is not None and torch.backends.mkldnn.is_available():
+        from specheads.heads.target import cpu_decoder, cpu_gemm
+
+        if cpu_decoder.config_reason(config) is None and cpu_gemm.available():
+            return torch.bfloat16
     return torch.float32
 
 
 def packing_pays(dtype: torch.dtype, device: str | torch.device) -> bool:
     """Whether `pack_linears` applies: a CPU with oneDNN, fp32 or bf16 weights."""
     return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and dtype in PACKED_DTYPES
+
+
+@functools.cache
+def onednn_reorders_bf16() -> bool:
+    """Whether oneDNN can lay bf16 weights out on this CPU: its bf16 reorder needs AVX512BW, VL
+    and DQ, or AVX-NE-CONVERT (on an AVX2-only CPU it raises)."""
+    from specheads.heads.target.cpu_kernels import cpu_flags
+
+    flags = set(cpu_flags().split())
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
+def reorders(dtype: torch.dtype) -> bool:
+    """Whether `pack_weight` takes weights of `dtype` here."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_reorders_bf16())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -299,30 +328,39 @@ class PackedWeights:
 
 def packed_for_inference(module: nn.Module) -> nn.Module:
     """A copy of `module` (draft heads) whose fp32/bf16 CPU `nn.Linear`s run packed, for drafting
-    under no_grad. Its parameters and buffers are the original's (shared, not copied), so it
-    costs only the packed weights; the original keeps its `nn.Linear`s and trains as before.
-    Weights changed after the copy are not seen by its packed layers: build it from final
-    weights. SmolLM2's EAGLE-3 head, bf16: a depth-1 draft 1.0 -> 0.9 ms, depth 3 2.6 -> 2.1 ms
-    (`bench/step_costs.py`); end to end (3-node tree, 6 MT-bench prompts x 96 tokens, three
-    interleaved runs each) 117.7 against 115.8 tok/s, within this VM's noise."""
+    under no_grad: oneDNN's layout (`PackedLinear`) where it takes the dtype here, else bf16 through
+    heads/target/cpu_gemm.py's AVX2 kernel (`PackedBf16Module`) where that is built. Its parameters
+    and buffers are the original's (shared, not copied), so it costs only the packed weights; the
+    original keeps its `nn.Linear`s and trains as before. Weights changed after the copy are not
+    seen by its packed layers: build it from final weights. SmolLM2's EAGLE-3 head, bf16: a
+    depth-1 draft 1.0 -> 0.9 ms, depth 3 2.6 -> 2.1 ms (`bench/step_costs.py`)."""
+    from specheads.heads.target import cpu_gemm
+
     shared = {id(tensor): tensor for tensor in itertools.chain(module.parameters(), module.buffers())}
     packed = copy.deepcopy(module, memo=shared)
     for parent in list(packed.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in PACKED_DTYPES:
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                continue
+            dtype = child.weight.dtype
+            if dtype in PACKED_DTYPES and reorders(dtype):
                 setattr(parent, name, PackedLinear(child))
+            elif dtype == torch.bfloat16 and cpu_gemm.available():
+                setattr(parent, name, cpu_gemm.PackedBf16Module(child))
     return packed
 
 
 def pack_linears(model: nn.Module) -> PackedWeights:
-    """Replace every `nn.Linear` of a frozen model by a `PackedLinear`, and its "sdpa"
-    attention by the grouped one (in place)."""
+    """Replace every `nn.Linear` of a frozen model by a `PackedLinear` (where oneDNN can lay out
+    its dtype here: `reorders`; elsewhere the layers stay, for heads/target/cpu_decoder.py's own
+    kernels), and its "sdpa" attention by the grouped one (in place)."""
     if any(param.requires_grad for param in model.parameters()):
         raise ValueError("pack_linears is for frozen inference models: the packed op has no autograd")
     swaps = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:  # subclasses (PEFT's, quantized ones) keep their own forward
+            # subclasses (PEFT's, quantized ones) keep their own forward
+            if type(child) is nn.Linear and reorders(child.weight.dtype):
                 swaps.append(_Swap(parent, name, child, PackedLinear(child)))
                 setattr(parent, name, swaps[-1].packed)
     plain_attention = getattr(model.config, "_attn_implementation", None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from specheads.heads.target import cpu_layout
+from specheads.heads.target import cpu_gemm, cpu_layout
 from specheads.heads.target.cpu_layout import PackedLinear, auto_dtype, pack_linears
 from specheads.heads.target.adapter import TargetAdapter, resolve_dtype
 
@@ -195,8 +195,10 @@ def test_heads_packed_for_inference_share_weights_and_give_the_same_drafts(tiny_
     head, _ = random_head(target, seed=4)
     head = head.to(dtype)
     packed = packed_for_inference(head)
-    assert any(isinstance(m, PackedLinear) for m in packed.modules())
-    assert not any(isinstance(m, PackedLinear) for m in head.modules())  # the original still trains
+    kinds = (PackedLinear, cpu_gemm.PackedBf16Module)
+    packs = cpu_layout.reorders(dtype) or cpu_gemm.available()  # oneDNN's layout, else the AVX2 kernel's
+    assert any(isinstance(m, kinds) for m in packed.modules()) == packs
+    assert not any(isinstance(m, kinds) for m in head.modules())  # the original still trains
     originals = dict(head.named_parameters())
     for name, param in packed.named_parameters():
         assert param is originals[name]  # shared, not copied
