@@ -30,10 +30,10 @@ def self_distilled_chat(target_path: str, num_prompts: int, max_new_tokens: int,
     from specheads.data.regenerate import target_fingerprint, regenerate
     from specheads.data.tiny_target import default_cache_dir
     from specheads.heads import atomic
-    from specheads.heads.target.adapter import resolve_dtype
+    from specheads.heads.target.adapter import inference_dtype
     from filelock import FileLock
 
-    resolved = str(resolve_dtype(dtype, device)).removeprefix("torch.")
+    resolved = str(inference_dtype(target_path, dtype, device)).removeprefix("torch.")  # as the replies run
     on_gpu = device.startswith("cuda")
     batch_size = batch_size or (512 if on_gpu else 96)
     settings = {"version": CHAT_DATA_VERSION, "target": target_fingerprint(target_path), "num": num_prompts,

@@ -28,7 +28,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
     """
     import random
 
-    from specheads.heads.target.adapter import resolve_dtype
+    from specheads.heads.target.adapter import inference_dtype
 
     lo, hi = prompt_tokens
     if num_records < 1 or max_new_tokens < 1 or batch_size < 1 or not 1 <= lo <= hi:
@@ -38,7 +38,7 @@ def distill_text(target: str, output_path: str, *, texts: list[str] | None = Non
     target_id = target_fingerprint(target)
     settings = {"target": target_id, "num_records": num_records, "prompt_tokens": [lo, hi],
                 "max_new_tokens": max_new_tokens, "seed": seed, "texts": "stdlib" if texts is None else len(texts),
-                "dtype": str(resolve_dtype(dtype, device)).removeprefix("torch.")}
+                "dtype": str(inference_dtype(target, dtype, device)).removeprefix("torch.")}
     meta = output.with_name(output.name + DISTILL_META_SUFFIX)
     if output.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
         log(f"distill: reusing {output} ({num_records} records)")

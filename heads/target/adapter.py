@@ -28,17 +28,32 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 AUTO = "auto"  # the device's fast dtype (heads/target/cpu_layout.auto_dtype)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """A dtype name (DTYPES, or "auto": the fast dtype of `device`) -> torch.dtype."""
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", config=None) -> torch.dtype:
+    """A dtype name (DTYPES, or "auto": the fast dtype of `device`) -> torch.dtype. config: the
+    model's config when it loads for inference (heads/target/cpu_layout.auto_dtype; see
+    `inference_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == AUTO:
         from specheads.heads.target.cpu_layout import auto_dtype
 
-        return auto_dtype(device)
+        return auto_dtype(device, config)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be {AUTO!r} or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def inference_dtype(name_or_path: str | os.PathLike, dtype: str | torch.dtype = AUTO,
+                    device: str | torch.device = "cpu", trust_remote_code: bool = False) -> torch.dtype:
+    """The dtype a target loaded for inference (`TargetAdapter.from_pretrained` with
+    pack_weights) runs in: `resolve_dtype` with its config, read without its weights. Every
+    cache of the target's outputs keys on this."""
+    config = None
+    if dtype == AUTO and torch.device(device).type == "cpu":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
+    return resolve_dtype(dtype, device, config)
 
 
 @dataclass(frozen=True)
@@ -100,13 +115,16 @@ def check_target_exists(name_or_path: str) -> None:
 
 def load_target(name_or_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False,
-                attn_implementation: str | None = "sdpa") -> nn.Module:
-    """Load a causal LM, frozen and in eval mode (dtype "auto": the device's fast dtype)."""
+                attn_implementation: str | None = "sdpa", inference: bool = False) -> nn.Module:
+    """Load a causal LM, frozen and in eval mode (dtype "auto": the device's fast dtype, for
+    inference when `inference`: `inference_dtype`)."""
     from transformers import AutoModelForCausalLM
 
     name_or_path = str(name_or_path)
     check_target_exists(name_or_path)
-    kwargs = {"dtype": resolve_dtype(dtype, device), "trust_remote_code": trust_remote_code}
+    resolved = inference_dtype(name_or_path, dtype, device, trust_remote_code) if inference \
+        else resolve_dtype(dtype, device)
+    kwargs = {"dtype": resolved, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
@@ -184,8 +202,8 @@ class TargetAdapter:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, pack_weights: bool | str = False,
                         gpu_decoder: str | None = None, **kwargs) -> "TargetAdapter":
-        return cls(load_target(name_or_path, **kwargs), str(name_or_path), pack_weights=pack_weights,
-                   gpu_decoder=gpu_decoder)
+        return cls(load_target(name_or_path, inference=bool(pack_weights), **kwargs), str(name_or_path),
+                   pack_weights=pack_weights, gpu_decoder=gpu_decoder)
 
     @property
     def layout(self) -> str:
