@@ -108,8 +108,9 @@ class Section(BaseModel):
 class TargetConfig(Section):
     name_or_path: NonEmptyStr = Field(description="a local model directory, a hub id, a .gguf file (or a directory "
                                                   "holding one), embedded:tiny or embedded:smollm2")
-    # "auto": the device's fast dtype (bf16 on a GPU or a CPU with native bf16). Training keeps
-    # fp32 as its default: the frozen teacher's outputs are the heads' targets.
+    # "auto": the device's fast dtype for training (bf16 on a GPU or a CPU with native bf16, else
+    # fp32; resolved when training starts: training/trainer.py resolve_auto). Training keeps fp32 as
+    # its default: the frozen teacher's outputs are the heads' targets.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
 
@@ -185,7 +186,8 @@ class TrainConfig(Section):
     warmup_steps: NonNegativeInt = 0
     scheduler: Literal["cosine", "constant"] = "cosine"
     grad_clip: NonNegativeNumber = Field(1.0, description="0 disables clipping")
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # "auto": bf16 on a GPU or a CPU with native bf16, fp32 elsewhere (resolved when training starts)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
     zero_stage: ZeroStage = 0
     seed: Seed = 0
     save_every: PositiveInt = Field(100, description="steps between checkpoints (one is always written at the end)")

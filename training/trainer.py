@@ -93,6 +93,7 @@ def run(recipe: Recipe) -> Path:
     target_path = _resolve_target(recipe.target.name_or_path)
     check_target_exists(target_path)  # fail before starting DeepSpeed
     recipe = _materialize_chat_source(recipe, target_path)
+    recipe = resolve_auto(recipe, train_device())
     dist = init_distributed()
     train_cfg, output_dir = recipe.train, Path(recipe.train.output_dir)
     random.seed(train_cfg.seed)
@@ -212,6 +213,21 @@ def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
     data = recipe.data.replace(**{name: replies for name in ("source", "eval_source")
                                   if getattr(recipe.data, name) == EMBEDDED_CHAT})
     return recipe.replace(data=data)
+
+
+def resolve_auto(recipe: Recipe, device: str) -> Recipe:
+    """target.dtype and train.precision "auto" -> the training device's fast dtype (bf16 on a GPU
+    or a CPU with native bf16; fp32 on any other CPU, where torch's bf16 is emulated and slower),
+    so that every later step, the checkpoints and the resume check see one concrete value."""
+    from specheads.heads.target.adapter import AUTO, resolve_dtype
+
+    fast = resolve_dtype(AUTO, device)
+    target, train = recipe.target, recipe.train
+    if target.dtype == AUTO:
+        target = target.replace(dtype=str(fast).removeprefix("torch."))
+    if train.precision == AUTO:
+        train = train.replace(precision={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(fast, "fp32"))
+    return recipe.replace(target=target).replace(train=train)
 
 
 def _recorded_name(name_or_path: str) -> str:
