@@ -72,71 +72,11 @@ ROW_KERNEL_MAX_ROWS = 8
 # AVX2's takes every forward, prefills included: oneDNN's bf16 is emulated on such a CPU.
 ROW_KERNELS = {"avx512bf16": (cpu_gemv, "RowLinear", ROW_KERNEL_MAX_ROWS), "avx2": (cpu_gemm, "PackedBf16Linear", None)}
 
-# Each kernel rounds where transformers' torch ops round (an op's output in the dtype), so in
-# bf16 it gives transformers' values, not merely close ones (SiLU's exp is an approximation as
-# close as libm's, so a rare value may still round to the neighbouring bf16).
-SOURCE = cpu_kernels.BF16_HELPERS + cpu_kernels.EXP_HELPERS + r"""
-#define ELEMENTWISE(SUFFIX, T, LOAD, STORE, ROUND)                                                   \
-/* LlamaRMSNorm of one row: w * (x * rsqrt(mean(x^2) + eps)), the product rounded to T before the    \
-   weight; o may be x (each output reads only its own input, after the sum). */                      \
-static inline void rms_row_##SUFFIX(const T* x, const T* w, int n, float eps, T* o) {                \
-    float sum = 0.0f;                                                                                \
-    for (int i = 0; i < n; i++) { const float v = LOAD(x[i]); sum += v * v; }                        \
-    const float inv = 1.0f / sqrtf(sum / n + eps);                                                   \
-    for (int i = 0; i < n; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(x[i]) * inv));                  \
-}                                                                                                    \
-void rms_norm_##SUFFIX(const T* x, const T* w, int64_t rows, int n, float eps, T* out) {             \
-    _Pragma("omp parallel for if (rows * n >= PARALLEL)")                                            \
-    for (int64_t r = 0; r < rows; r++) rms_row_##SUFFIX(x + r * n, w, n, eps, out + r * n);          \
-}                                                                                                    \
-/* Qwen3's q_norm / k_norm: the same RMSNorm over each head's `n` values, in place, on `heads`       \
-   vectors per token with `token_stride` elements between tokens (the q or k part of qkv). */        \
-void head_rms_norm_##SUFFIX(T* x, const T* w, int64_t tokens, int64_t token_stride, int heads, int n, \
-                            float eps) {                                                             \
-    _Pragma("omp parallel for if (tokens * heads * n >= PARALLEL)")                                  \
-    for (int64_t r = 0; r < tokens * heads; r++) {                                                   \
-        T* xr = x + (r / heads) * token_stride + (r % heads) * n;                                    \
-        rms_row_##SUFFIX(xr, w, n, eps, xr);                                                         \
-    }                                                                                                \
-}                                                                                                    \
-/* In place on `heads` vectors of `dim` per token: x * cos + rotate_half(x) * sin. */                 \
-static void rope_heads_##SUFFIX(T* x, int heads, int dim, const T* c, const T* s) {                  \
-    const int half = dim / 2;                                                                        \
-    for (int h = 0; h < heads; h++) {                                                                \
-        T* xh = x + (int64_t)h * dim;                                                                \
-        for (int i = 0; i < half; i++) {                                                             \
-            const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                   \
-            xh[i] = STORE(ROUND(x1 * LOAD(c[i])) + ROUND(-x2 * LOAD(s[i])));                         \
-            xh[i + half] = STORE(ROUND(x2 * LOAD(c[i + half])) + ROUND(x1 * LOAD(s[i + half])));     \
-        }                                                                                            \
-    }                                                                                                \
-}                                                                                                    \
-void rope_##SUFFIX(T* q, T* k, int64_t qk_batch, int64_t qk_token, int q_heads, int k_heads,          \
-                   const T* cos, const T* sin, int64_t cs_batch, int64_t cs_token, int batch,        \
-                   int tokens, int dim) {                                                            \
-    _Pragma("omp parallel for if ((int64_t)batch * tokens * (q_heads + k_heads) * dim >= PARALLEL)") \
-    for (int64_t bt = 0; bt < (int64_t)batch * tokens; bt++) {                                       \
-        const int64_t b = bt / tokens, t = bt % tokens;                                              \
-        const T* c = cos + b * cs_batch + t * cs_token; const T* s = sin + b * cs_batch + t * cs_token; \
-        rope_heads_##SUFFIX(q + b * qk_batch + t * qk_token, q_heads, dim, c, s);                    \
-        rope_heads_##SUFFIX(k + b * qk_batch + t * qk_token, k_heads, dim, c, s);                    \
-    }                                                                                                \
-}                                                                                                    \
-/* silu(gate) * up over rows of [gate | up], silu's output rounded to T as torch rounds it. */      \
-void silu_mul_##SUFFIX(const T* gate_up, int64_t rows, int n, T* out) {                              \
-    _Pragma("omp parallel for if (rows * n >= PARALLEL)")                                            \
-    for (int64_t r = 0; r < rows; r++) {                                                             \
-        const T* g = gate_up + r * 2 * n; const T* u = g + n; T* o = out + r * n;                    \
-        for (int i = 0; i < n; i++) {                                                                \
-            const float x = LOAD(g[i]);                                                              \
-            o[i] = STORE(ROUND(x / (1.0f + exp_approx(-x))) * LOAD(u[i]));                           \
-        }                                                                                            \
-    }                                                                                                \
-}
-
+# The elementwise kernels (heads/target/cpu_kernels.py ELEMENTWISE), built for both dtypes.
+SOURCE = (cpu_kernels.BF16_HELPERS + cpu_kernels.EXP_HELPERS + cpu_kernels.ELEMENTWISE + r"""
 ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_store, bf16_round)
 ELEMENTWISE(f32, float, f32_load, f32_store, f32_round)
-""".replace("PARALLEL)", f"{PARALLEL_ELEMENTS})")
+""").replace("PARALLEL)", f"{PARALLEL_ELEMENTS})")
 
 
 _POINTER, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -245,6 +185,8 @@ class _Layer:
     rows: _RowProjections | None  # None where no kernel takes the model
     q_norm: torch.Tensor | None = None  # [D] Qwen3's per-head RMSNorm weights of q and k, applied before RoPE
     k_norm: torch.Tensor | None = None
+    # the layer around its attention in two C calls (heads/target/cpu_gemm.py), where its kernel runs
+    halves: cpu_gemm.PackedBf16Layer | None = None
 
 
 def architecture_reason(model: nn.Module) -> str | None:
@@ -324,6 +266,8 @@ def forward_inputs(config, rotary_emb: nn.Module, hidden_BTH: torch.Tensor, atte
 class FusedDecoder:
     """See the module docstring. Build with `FusedDecoder.build(model, packed)`."""
 
+    layer_halves = True  # with cpu_gemm's kernel, each layer in two C calls (False: op by op; tests)
+
     def __init__(self, model: nn.Module, packed: PackedWeights):
         config = model.config
         self.model = model
@@ -358,6 +302,12 @@ class FusedDecoder:
             fused.update(id(m) for m in [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj])
             if max_rows is None:  # the kernel takes every forward: o and down need no oneDNN copy either
                 fused.update(id(m) for m in [attn.o_proj, mlp.down_proj])
+        if self.layer_halves and self.row_kernel == "avx2" and self.kernels is not None:  # one C call each
+            for layer in self.layers:
+                rows = layer.rows
+                layer.halves = cpu_gemm.PackedBf16Layer(rows.qkv, rows.attention_out, rows.mlp_in, rows.mlp_out,
+                                                        layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                                                        self.num_q_heads, self.num_kv_heads, self.head_dim, self.eps)
         self.lm_head = model.lm_head
         self.lm_head_rows = linear([weight], model.lm_head.bias) if linear is not None else None
         if max_rows is None:
@@ -454,19 +404,32 @@ class FusedDecoder:
         kv_size = self.num_kv_heads * self.head_dim
         limit = self.max_kernel_rows
         few_rows = limit is None or batch * num_new <= limit
+        halves = self.layers[0].halves is not None and cos_BTD.dtype == torch.bfloat16 \
+            and cos_BTD.stride(-1) == 1 and sin_BTD.stride() == cos_BTD.stride()
+        scratch = self.layers[0].halves.scratch(batch * num_new) if halves else None
         for index, layer in enumerate(self.layers):
             linears = layer.rows if few_rows and layer.rows is not None else layer.packed
-            qkv = linears.qkv(self._rms_norm(hidden, layer.input_norm))
-            if layer.q_norm is not None:
-                self._head_norms(qkv, layer)
+            if halves:
+                qkv = layer.halves.attention_in(hidden.contiguous(), cos_BTD, sin_BTD, scratch)
+                q_BHTD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim).transpose(1, 2)
+                k_BHTD = qkv[..., q_size:q_size + kv_size].view(batch, num_new, self.num_kv_heads,
+                                                                self.head_dim).transpose(1, 2)
+            else:
+                qkv = linears.qkv(self._rms_norm(hidden, layer.input_norm))
+                if layer.q_norm is not None:
+                    self._head_norms(qkv, layer)
+                q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
             v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
             if cache is not None:
                 k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
             out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
                                  **attention_kwargs)
-            hidden = linears.attention_out(out_BTHD.reshape(batch, num_new, q_size), hidden)
-            hidden = linears.mlp_out(linears.mlp_in(self._rms_norm(hidden, layer.post_norm)), hidden)
+            if halves:
+                hidden = layer.halves.attention_out(out_BTHD.reshape(batch, num_new, q_size).contiguous(), hidden,
+                                                    scratch)
+            else:
+                hidden = linears.attention_out(out_BTHD.reshape(batch, num_new, q_size), hidden)
+                hidden = linears.mlp_out(linears.mlp_in(self._rms_norm(hidden, layer.post_norm)), hidden)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 taps[index + 1] = hidden
         hidden = self._rms_norm(hidden, self.norm)

@@ -67,8 +67,9 @@ def _micro_kernel(num_tokens: int) -> str:
     return "\n".join(lines + ["}"])
 
 
-SOURCE = (cpu_kernels.BF16_HELPERS + r"""
+SOURCE = (cpu_kernels.BF16_HELPERS + cpu_kernels.EXP_HELPERS + cpu_kernels.ELEMENTWISE + r"""
 #include <omp.h>
+ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_store, bf16_round)
 
 typedef struct {
     const uint16_t* weights[2];  /* packed (pack_bf16); glu: gate, up */
@@ -167,29 +168,39 @@ static void finish(const plan_t* p, int64_t r0, int valid, int64_t t, int nt, fl
         }
 }
 
-/* x [tokens][xs] bf16 -> fp32 token tiles (tile i: tokens from bounds[i]), each k-major
-   [cols + 1][TILE], zero past cols and past the tile's tokens. */
-static void widen(const uint16_t* x, int64_t tokens, int64_t xs, int64_t cols, int64_t tiles, const int64_t* bounds,
-                  float* wide) {
-    const int64_t colsp = (cols + 1) & ~(int64_t)1;
-    memset(wide, 0, sizeof(float) * (size_t)(tiles * colsp * TILE));
-    for (int64_t i = 0; i < tiles; i++)
-        for (int64_t t = bounds[i]; t < bounds[i + 1]; t++) {
-            float* o = wide + i * colsp * TILE + (t - bounds[i]);
+/* Token tile i of `tiles` over `tokens`: [tokens * i / tiles, tokens * (i + 1) / tiles), balanced
+   (8 -> 4 + 4, 16 -> 6 + 5 + 5). A thread's share of `count` items: [count * ith / nth, ...). */
+static inline int64_t bound(int64_t tokens, int64_t tiles, int64_t i) { return tokens * i / tiles; }
+static inline int64_t part(int64_t count, int ith, int nth) { return count * ith / nth; }
+static inline int64_t num_tiles(int64_t tokens) { return (tokens + TILE - 1) / TILE; }
+
+/* Tiles [t0, t1) of x [tokens][xs] bf16 -> fp32, each tile k-major [cols + 1][TILE] at
+   wide + i * colsp * TILE, zero past cols and past the tile's tokens. */
+static void widen(const uint16_t* x, int64_t tokens, int64_t xs, int64_t cols, int64_t t0, int64_t t1, float* wide) {
+    const int64_t colsp = (cols + 1) & ~(int64_t)1, tiles = num_tiles(tokens);
+    for (int64_t i = t0; i < t1; i++) {
+        float* tile = wide + i * colsp * TILE;
+        memset(tile, 0, sizeof(float) * (size_t)(colsp * TILE));
+        for (int64_t t = bound(tokens, tiles, i); t < bound(tokens, tiles, i + 1); t++) {
+            float* o = tile + (t - bound(tokens, tiles, i));
             const uint16_t* row = x + t * xs;
             for (int64_t k = 0; k < cols; k++) o[k * TILE] = bf16_load(row[k]);
         }
+    }
 }
 
-static void units(const plan_t* p, int64_t first, int64_t last, const float* wide, int64_t tiles,
-                  const int64_t* bounds, uint16_t* out, int64_t os, const uint16_t* res, int64_t rs) {
-    const int64_t pairs = (p->cols + 1) / 2, unit_elems = 2 * pairs * 16;
+/* Units [first, last) of 16 rows for every token. A group of units whose weights fit L2 is swept
+   by every token tile before the next group. */
+static void units(const plan_t* p, int64_t first, int64_t last, const float* wide, int64_t tokens,
+                  uint16_t* out, int64_t os, const uint16_t* res, int64_t rs) {
+    const int64_t pairs = (p->cols + 1) / 2, unit_elems = 2 * pairs * 16, tiles = num_tiles(tokens);
     const int64_t per_group = GROUP / (unit_elems * 2 * (p->epilogue == 2 ? 2 : 1)) + 1;
     float sums[TILE][16], ups[TILE][16];
     for (int64_t g = first; g < last; g += per_group) {
         const int64_t g_end = g + per_group < last ? g + per_group : last;
         for (int64_t i = 0; i < tiles; i++) {
-            const int nt = (int)(bounds[i + 1] - bounds[i]);
+            const int64_t t0 = bound(tokens, tiles, i);
+            const int nt = (int)(bound(tokens, tiles, i + 1) - t0);
             const float* xt = wide + i * 2 * pairs * TILE;
             for (int64_t u = g; u < g_end; u++) {
                 const int64_t r0 = 16 * u;
@@ -200,30 +211,102 @@ static void units(const plan_t* p, int64_t first, int64_t last, const float* wid
                     const uint16_t* up = p->weights[1] + u * unit_elems;
                     MICRO[nt - 1](up, up + unit_elems / 2, pairs, xt, ups);
                 }
-                finish(p, r0, valid, bounds[i], nt, sums, ups, out, os, res, rs);
+                finish(p, r0, valid, t0, nt, sums, ups, out, os, res, rs);
             }
         }
     }
 }
 
+/* This thread's share of one linear op inside a parallel region: widen its share of the token
+   tiles, wait for every thread's, then compute its share of the units. */
+static void linear_share(const plan_t* p, const uint16_t* x, int64_t tokens, int64_t xs, uint16_t* out, int64_t os,
+                         const uint16_t* res, int64_t rs, float* wide, int ith, int nth) {
+    const int64_t tiles = num_tiles(tokens), num_units = (p->rows + 15) / 16;
+    widen(x, tokens, xs, p->cols, part(tiles, ith, nth), part(tiles, ith + 1, nth), wide);
+    #pragma omp barrier
+    units(p, part(num_units, ith, nth), part(num_units, ith + 1, nth), wide, tokens, out, os, res, rs);
+}
+
+/* Whether an op of this many weights and tokens spreads over the threads (below, their start costs
+   more than the work). */
+static inline int parallel(const plan_t* p, int64_t tokens) {
+    return p->rows * p->cols * (p->epilogue == 2 ? 2 : 1) * (tokens < 4 ? tokens : 4) >= PARALLEL;
+}
+
 void linear(const plan_t* p, const uint16_t* x, int64_t tokens, int64_t xs, uint16_t* out, int64_t os,
             const uint16_t* res, int64_t rs, float* wide, int threads) {
-    const int64_t tiles = (tokens + TILE - 1) / TILE;
-    int64_t* bounds = malloc(sizeof(int64_t) * (size_t)(tiles + 1));
-    for (int64_t i = 0; i <= tiles; i++) bounds[i] = tokens * i / tiles;  /* balanced: 8 -> 4 + 4 */
-    widen(x, tokens, xs, p->cols, tiles, bounds, wide);
-    const int64_t num_units = (p->rows + 15) / 16;
-    const int64_t work = p->rows * p->cols * (p->epilogue == 2 ? 2 : 1) * (tokens < 4 ? tokens : 4);
-    #pragma omp parallel num_threads(threads) if (work >= PARALLEL)
+    #pragma omp parallel num_threads(threads) if (parallel(p, tokens))
+    linear_share(p, x, tokens, xs, out, os, res, rs, wide, omp_get_thread_num(), omp_get_num_threads());
+}
+
+/* One decoder layer of a Llama-family model (heads/target/cpu_decoder.py): its four fused linear
+   ops, its norms' weights, its shape. */
+typedef struct {
+    plan_t qkv, o, gate_up, down;
+    const uint16_t* input_norm;  /* [hidden] */
+    const uint16_t* post_norm;   /* [hidden] */
+    const uint16_t* q_norm;      /* [head_dim] (Qwen3) or NULL */
+    const uint16_t* k_norm;
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate;
+    float eps;
+} layer_t;
+
+/* The layer up to attention, in one parallel region: RMSNorm -> q, k, v (+ bias) -> Qwen3's
+   q/k norms -> RoPE on q and k, in place. hidden [tokens][hidden], tokens = batch x per_row in
+   order; cos/sin rows of token (b, t) at b * cs_batch + t * cs_token; qkv [tokens][(Hq + 2 Hkv) D].
+   normed: [tokens][hidden] scratch; wide: the token tiles' scratch (`widen`). */
+void attention_in(const layer_t* L, const uint16_t* hidden, int64_t tokens, int64_t per_row, const uint16_t* cos,
+                  const uint16_t* sin, int64_t cs_batch, int64_t cs_token, uint16_t* normed, float* wide,
+                  uint16_t* qkv, int threads) {
+    const int64_t H = L->hidden, D = L->head_dim, width = L->qkv.rows, q_size = L->q_heads * D;
+    #pragma omp parallel num_threads(threads) if (parallel(&L->qkv, tokens))
     {
-        const int64_t ith = omp_get_thread_num(), nth = omp_get_num_threads();
-        units(p, num_units * ith / nth, num_units * (ith + 1) / nth, wide, tiles, bounds, out, os, res, rs);
+        const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
+        for (int64_t r = part(tokens, ith, nth); r < part(tokens, ith + 1, nth); r++)
+            rms_row_bf16(hidden + r * H, L->input_norm, (int)H, L->eps, normed + r * H);
+        #pragma omp barrier
+        linear_share(&L->qkv, normed, tokens, H, qkv, width, NULL, 0, wide, ith, nth);
+        #pragma omp barrier
+        for (int64_t r = part(tokens, ith, nth); r < part(tokens, ith + 1, nth); r++) {
+            uint16_t* row = qkv + r * width;
+            if (L->q_norm)
+                for (int64_t h = 0; h < L->q_heads + L->kv_heads; h++)
+                    rms_row_bf16(row + h * D, h < L->q_heads ? L->q_norm : L->k_norm, (int)D, L->eps, row + h * D);
+            const int64_t b = r / per_row, t = r % per_row, at = b * cs_batch + t * cs_token;
+            rope_heads_bf16(row, (int)L->q_heads, (int)D, cos + at, sin + at);
+            rope_heads_bf16(row + q_size, (int)L->kv_heads, (int)D, cos + at, sin + at);
+        }
     }
-    free(bounds);
+}
+
+/* The layer after attention, in one parallel region: o (+ bias) + the residual -> RMSNorm ->
+   SiLU(gate) * up -> down (+ bias) + the residual. attn [tokens][Hq D]; hidden [tokens][hidden], the
+   layer's input (the first residual); out [tokens][hidden], the layer's output. mid, normed
+   [tokens][hidden] and act [tokens][intermediate] are scratch. */
+void attention_out(const layer_t* L, const uint16_t* attn, const uint16_t* hidden, int64_t tokens, uint16_t* mid,
+                   uint16_t* normed, uint16_t* act, float* wide, uint16_t* out, int threads) {
+    const int64_t H = L->hidden, I = L->intermediate;
+    #pragma omp parallel num_threads(threads) if (parallel(&L->gate_up, tokens))
+    {
+        const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
+        linear_share(&L->o, attn, tokens, L->o.cols, mid, H, hidden, H, wide, ith, nth);
+        #pragma omp barrier
+        for (int64_t r = part(tokens, ith, nth); r < part(tokens, ith + 1, nth); r++)
+            rms_row_bf16(mid + r * H, L->post_norm, (int)H, L->eps, normed + r * H);
+        #pragma omp barrier
+        linear_share(&L->gate_up, normed, tokens, H, act, I, NULL, 0, wide, ith, nth);
+        #pragma omp barrier
+        linear_share(&L->down, act, tokens, I, out, H, mid, H, wide, ith, nth);
+    }
 }
 #else
 void linear(const plan_t* p, const uint16_t* x, int64_t tokens, int64_t xs, uint16_t* out, int64_t os,
             const uint16_t* res, int64_t rs, float* wide, int threads) { abort(); }
+void attention_in(const void* L, const uint16_t* hidden, int64_t tokens, int64_t per_row, const uint16_t* cos,
+                  const uint16_t* sin, int64_t cs_batch, int64_t cs_token, uint16_t* normed, float* wide,
+                  uint16_t* qkv, int threads) { abort(); }
+void attention_out(const void* L, const uint16_t* attn, const uint16_t* hidden, int64_t tokens, uint16_t* mid,
+                   uint16_t* normed, uint16_t* act, float* wide, uint16_t* out, int threads) { abort(); }
 #endif
 """).replace("MICRO_KERNELS", "\n".join(_micro_kernel(n) for n in range(1, TOKEN_TILE + 1))).replace(
     "MICRO_TABLE", ", ".join(f"mk16_{n}" for n in range(1, TOKEN_TILE + 1))).replace(
@@ -234,6 +317,13 @@ void linear(const plan_t* p, const uint16_t* x, int64_t tokens, int64_t xs, uint
 class _Plan(ctypes.Structure):
     _fields_ = [("weights", ctypes.c_void_p * 2), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
                 ("bias", ctypes.c_void_p), ("epilogue", ctypes.c_int64)]
+
+
+class _LayerPlan(ctypes.Structure):
+    _fields_ = [("qkv", _Plan), ("o", _Plan), ("gate_up", _Plan), ("down", _Plan), ("input_norm", ctypes.c_void_p),
+                ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("hidden", ctypes.c_int64), ("q_heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float)]
 
 
 @functools.cache
@@ -248,6 +338,12 @@ def _library() -> ctypes.CDLL | None:
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.pack_bf16.restype = None
     library.pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.attention_in.restype = library.attention_out.restype = None
+    library.attention_in.argtypes = [ctypes.POINTER(_LayerPlan), pointer, i64, i64, pointer, pointer, i64, i64,
+                                     pointer, pointer, pointer, ctypes.c_int]
+    library.attention_out.argtypes = [ctypes.POINTER(_LayerPlan), pointer, pointer, i64, pointer, pointer, pointer,
+                                      pointer, pointer, ctypes.c_int]
     return library
 
 
@@ -359,3 +455,67 @@ class PackedBf16Module(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=cpu_gemm"
+
+
+class LayerScratch:
+    """One forward's scratch for every `PackedBf16Layer` call of it (tokens = batch x new tokens):
+    the normed input, the attention block's output, the MLP's activation and the fp32 token tiles."""
+
+    def __init__(self, tokens: int, hidden: int, intermediate: int, widest: int):
+        self.tokens = tokens
+        self.normed = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+        self.mid = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+        self.act = torch.empty(tokens, intermediate, dtype=torch.bfloat16)
+        self.wide = torch.empty(-(-tokens // TOKEN_TILE) * (widest + 1) * TOKEN_TILE, dtype=torch.float32)
+
+
+class PackedBf16Layer:
+    """A Llama-family decoder layer in two C calls around its attention, each one parallel region
+    (heads/target/cpu_decoder.py calls them; the cache update and attention stay between them):
+    `attention_in` (RMSNorm, q/k/v, Qwen3's q/k norms, RoPE) and `attention_out` (o + residual,
+    RMSNorm, SiLU(gate) * up, down + residual). The same kernels and roundings as the four
+    `PackedBf16Linear` ops and heads/target/cpu_kernels.py's elementwise ops run one by one, so
+    the outputs are those ops', bit for bit; what goes is the Python and the thread start-ups
+    between them (about 8 calls a layer)."""
+
+    def __init__(self, qkv: PackedBf16Linear, o: PackedBf16Linear, gate_up: PackedBf16Linear,
+                 down: PackedBf16Linear, input_norm: torch.Tensor, post_norm: torch.Tensor,
+                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float):
+        norms = [n if n is None else n.detach().contiguous() for n in (input_norm, post_norm, q_norm, k_norm)]
+        if any(n is not None and n.dtype != torch.bfloat16 for n in norms):
+            raise ValueError("PackedBf16Layer's norm weights must be bf16, got "
+                             f"{[None if n is None else n.dtype for n in norms]}")
+        self.ops, self.norms = (qkv, o, gate_up, down), norms  # held: the plan points into them
+        self.hidden, self.intermediate = o.out_features, gate_up.out_features
+        self.qkv_width = qkv.out_features
+        self.widest = max(op.in_features for op in self.ops)
+        self.plan = _LayerPlan(qkv.plan, o.plan, gate_up.plan, down.plan,
+                               *[None if n is None else n.data_ptr() for n in norms],
+                               self.hidden, num_q_heads, num_kv_heads, head_dim, self.intermediate, eps)
+        self._plan_ref = ctypes.byref(self.plan)
+        library = _library()
+        self._in, self._out = library.attention_in, library.attention_out
+
+    def scratch(self, tokens: int) -> LayerScratch:
+        return LayerScratch(tokens, self.hidden, self.intermediate, self.widest)
+
+    def attention_in(self, hidden_BTH: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor,
+                     scratch: LayerScratch) -> torch.Tensor:
+        """hidden [B, T, H] contiguous bf16, cos/sin [B, T, D] bf16 (unit stride in D; any batch
+        stride) -> qkv [B, T, (Hq + 2 Hkv) D], q and k rotated."""
+        batch, num_new, _ = hidden_BTH.shape
+        qkv = hidden_BTH.new_empty(batch, num_new, self.qkv_width)
+        self._in(self._plan_ref, hidden_BTH.data_ptr(), batch * num_new, num_new, cos_BTD.data_ptr(),
+                 sin_BTD.data_ptr(), cos_BTD.stride(0), cos_BTD.stride(1), scratch.normed.data_ptr(),
+                 scratch.wide.data_ptr(), qkv.data_ptr(), torch.get_num_threads())
+        return qkv
+
+    def attention_out(self, attn_BTX: torch.Tensor, hidden_BTH: torch.Tensor, scratch: LayerScratch) -> torch.Tensor:
+        """attn [B, T, Hq D] contiguous bf16 (the attention's output), hidden [B, T, H] (the layer's
+        input) -> the layer's output [B, T, H]."""
+        out = hidden_BTH.new_empty(hidden_BTH.shape)
+        self._out(self._plan_ref, attn_BTX.data_ptr(), hidden_BTH.data_ptr(), scratch.tokens, scratch.mid.data_ptr(),
+                  scratch.normed.data_ptr(), scratch.act.data_ptr(), scratch.wide.data_ptr(), out.data_ptr(),
+                  torch.get_num_threads())
+        return out

@@ -81,6 +81,76 @@ static inline float exp_approx(float x) {
 }
 """
 
+# The elementwise ops of a Llama-family layer, per dtype (ELEMENTWISE(suffix, type, load, store,
+# round)): row functions (`rms_row_*`, `rope_heads_*`) that the fused layer of
+# heads/target/cpu_gemm.py calls inside its own parallel region, and whole-tensor entry points
+# (`rms_norm_*`, `head_rms_norm_*`, `rope_*`, `silu_mul_*`) for heads/target/cpu_decoder.py. Each
+# rounds where transformers' torch ops round (an op's output in the dtype), so in bf16 it gives
+# transformers' values, not merely close ones (SiLU's exp is an approximation as close as libm's,
+# so a rare value may still round to the neighbouring bf16). An includer defines PARALLEL (the
+# elements from which an entry point spreads over the OpenMP threads). Needs BF16_HELPERS and
+# EXP_HELPERS before it.
+ELEMENTWISE = r"""
+#define ELEMENTWISE(SUFFIX, T, LOAD, STORE, ROUND)                                                   \
+/* LlamaRMSNorm of one row: w * (x * rsqrt(mean(x^2) + eps)), the product rounded to T before the    \
+   weight; o may be x (each output reads only its own input, after the sum). */                      \
+static inline void rms_row_##SUFFIX(const T* x, const T* w, int n, float eps, T* o) {                \
+    float sum = 0.0f;                                                                                \
+    for (int i = 0; i < n; i++) { const float v = LOAD(x[i]); sum += v * v; }                        \
+    const float inv = 1.0f / sqrtf(sum / n + eps);                                                   \
+    for (int i = 0; i < n; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(x[i]) * inv));                  \
+}                                                                                                    \
+void rms_norm_##SUFFIX(const T* x, const T* w, int64_t rows, int n, float eps, T* out) {             \
+    _Pragma("omp parallel for if (rows * n >= PARALLEL)")                                            \
+    for (int64_t r = 0; r < rows; r++) rms_row_##SUFFIX(x + r * n, w, n, eps, out + r * n);          \
+}                                                                                                    \
+/* Qwen3's q_norm / k_norm: the same RMSNorm over each head's `n` values, in place, on `heads`       \
+   vectors per token with `token_stride` elements between tokens (the q or k part of qkv). */        \
+void head_rms_norm_##SUFFIX(T* x, const T* w, int64_t tokens, int64_t token_stride, int heads, int n, \
+                            float eps) {                                                             \
+    _Pragma("omp parallel for if (tokens * heads * n >= PARALLEL)")                                  \
+    for (int64_t r = 0; r < tokens * heads; r++) {                                                   \
+        T* xr = x + (r / heads) * token_stride + (r % heads) * n;                                    \
+        rms_row_##SUFFIX(xr, w, n, eps, xr);                                                         \
+    }                                                                                                \
+}                                                                                                    \
+/* In place on `heads` vectors of `dim` per token: x * cos + rotate_half(x) * sin. */                 \
+static void rope_heads_##SUFFIX(T* x, int heads, int dim, const T* c, const T* s) {                  \
+    const int half = dim / 2;                                                                        \
+    for (int h = 0; h < heads; h++) {                                                                \
+        T* xh = x + (int64_t)h * dim;                                                                \
+        for (int i = 0; i < half; i++) {                                                             \
+            const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                   \
+            xh[i] = STORE(ROUND(x1 * LOAD(c[i])) + ROUND(-x2 * LOAD(s[i])));                         \
+            xh[i + half] = STORE(ROUND(x2 * LOAD(c[i + half])) + ROUND(x1 * LOAD(s[i + half])));     \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+void rope_##SUFFIX(T* q, T* k, int64_t qk_batch, int64_t qk_token, int q_heads, int k_heads,          \
+                   const T* cos, const T* sin, int64_t cs_batch, int64_t cs_token, int batch,        \
+                   int tokens, int dim) {                                                            \
+    _Pragma("omp parallel for if ((int64_t)batch * tokens * (q_heads + k_heads) * dim >= PARALLEL)") \
+    for (int64_t bt = 0; bt < (int64_t)batch * tokens; bt++) {                                       \
+        const int64_t b = bt / tokens, t = bt % tokens;                                              \
+        const T* c = cos + b * cs_batch + t * cs_token; const T* s = sin + b * cs_batch + t * cs_token; \
+        rope_heads_##SUFFIX(q + b * qk_batch + t * qk_token, q_heads, dim, c, s);                    \
+        rope_heads_##SUFFIX(k + b * qk_batch + t * qk_token, k_heads, dim, c, s);                    \
+    }                                                                                                \
+}                                                                                                    \
+/* silu(gate) * up over rows of [gate | up], silu's output rounded to T as torch rounds it. */      \
+void silu_mul_##SUFFIX(const T* gate_up, int64_t rows, int n, T* out) {                              \
+    _Pragma("omp parallel for if (rows * n >= PARALLEL)")                                            \
+    for (int64_t r = 0; r < rows; r++) {                                                             \
+        const T* g = gate_up + r * 2 * n; const T* u = g + n; T* o = out + r * n;                    \
+        for (int i = 0; i < n; i++) {                                                                \
+            const float x = LOAD(g[i]);                                                              \
+            o[i] = STORE(ROUND(x / (1.0f + exp_approx(-x))) * LOAD(u[i]));                           \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+"""
+
 
 @functools.cache
 def compile_library(name: str, source: str) -> ctypes.CDLL | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from specheads.heads.target import cpu_decoder, cpu_gemv
+from specheads.heads.target import cpu_decoder, cpu_gemm, cpu_gemv, cpu_layout
 from specheads.heads.target.cpu_decoder import FusedDecoder, unsupported_reason
 from specheads.heads.target.cpu_layout import pack_linears
 from specheads.heads.target.adapter import TargetAdapter
@@ -41,16 +41,21 @@ def tiny_qwen3_dir(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(params=["kernels", "onednn", "torch"])
+@pytest.fixture(params=["kernels", "kernel-ops", "onednn", "torch"])
 def ops(request, monkeypatch):
     """The ways the fused forward computes: its C kernels where they build (the elementwise ops,
-    and heads/target/cpu_gemv.py's linear layers for a few bf16 rows on a CPU with AVX512-BF16); the C
-    elementwise kernels with every linear layer through oneDNN (the fallback where the row
-    kernel is not built); transformers' torch formulas and oneDNN."""
+    and a C kernel's linear layers in bf16: heads/target/cpu_gemv.py's for a few rows on a CPU with
+    AVX512-BF16, else heads/target/cpu_gemm.py's for every forward, each layer in two C calls
+    around its attention); the same with cpu_gemm's ops one by one; the C elementwise kernels with
+    every linear layer through oneDNN (where no row kernel is built; not in bf16 on a CPU where
+    oneDNN cannot lay bf16 out); transformers' torch formulas and oneDNN."""
     if request.param != "torch" and cpu_decoder._library() is None:
         pytest.skip("no C compiler on this machine")
-    if request.param != "kernels":
+    if request.param == "kernel-ops":
+        monkeypatch.setattr(cpu_decoder.FusedDecoder, "layer_halves", False)
+    if request.param in ("onednn", "torch"):
         monkeypatch.setattr(cpu_gemv, "available", lambda: False)
+        monkeypatch.setattr(cpu_gemm, "available", lambda: False)
     if request.param == "torch":
         monkeypatch.setattr(cpu_decoder, "_library", lambda: None)
     return request.param
@@ -62,6 +67,8 @@ def _compare(model_dir, dtype, case) -> None:
     reference = case(TargetAdapter.from_pretrained(model_dir, dtype=torch.float32))
     own = case(TargetAdapter.from_pretrained(model_dir, dtype=dtype))
     fused_target = TargetAdapter.from_pretrained(model_dir, dtype=dtype, pack_weights=True)
+    if fused_target.fused is None and dtype == torch.bfloat16 and not cpu_layout.reorders(dtype):
+        pytest.skip("oneDNN cannot lay bf16 weights out on this CPU and no row kernel is built")
     assert fused_target.fused is not None
     assert_within_rounding(reference, own, case(fused_target), dtype)
 
@@ -187,6 +194,36 @@ def test_few_bf16_rows_run_the_row_kernel_and_many_run_onednn(tiny_llama_dir, mo
         target(ids[:, -1:], [], past_key_values=cache, use_cache=True)
     per_forward = 4 * target.num_layers + 1  # qkv, o, gate/up, down per layer, and the LM head
     assert [shape[0] * shape[1] for shape in calls] == [few] * per_forward + [1] * per_forward
+
+
+@pytest.mark.skipif(not cpu_gemm.available() or cpu_gemv.available() or cpu_decoder._library() is None,
+                    reason="needs heads/target/cpu_gemm.py's kernel as this CPU's bf16 kernel")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layer_halves_compute_the_ops_one_by_one_bit_for_bit(arch, request, monkeypatch):
+    """Each layer's two C calls (cpu_gemm.PackedBf16Layer) give exactly what its ops give one by
+    one: a prefill of two rows, then a tree verify in the static cache (logits and every tap)."""
+    target = TargetAdapter.from_pretrained(request.getfixturevalue(f"tiny_{arch}_dir"), dtype=torch.bfloat16,
+                                           pack_weights=True)
+    assert all(layer.halves is not None for layer in target.fused.layers)
+    prompt = torch.randint(3, 256, (2, 13), generator=torch.Generator().manual_seed(5))
+    tree_ids = torch.randint(3, 256, (2, 4), generator=torch.Generator().manual_seed(6))
+    tree_mask_TT = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+    def run():
+        with torch.inference_mode():
+            cache = TreeStaticCache(target.config, max_cache_len=32, batch_size=2)
+            first = target(prompt, [0, 1, target.num_layers], past_key_values=cache, use_cache=True)
+            cache.commit()
+            tree = target(tree_ids, [1, 2], attention_mask=cache.attention_mask(tree_mask_TT.expand(2, 4, 4)),
+                          position_ids=cache.position_ids(torch.tensor([[0, 1, 1, 2]] * 2)), past_key_values=cache,
+                          use_cache=True)
+        return [first.logits, *first.taps, tree.logits, *tree.taps]
+
+    halves = run()
+    for layer in target.fused.layers:
+        monkeypatch.setattr(layer, "halves", None)
+    for got, want in zip(halves, run(), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_fused_layers_hold_one_packed_copy_and_plain_weights_runs_the_model(tiny_llama_dir, monkeypatch):
