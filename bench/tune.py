@@ -198,34 +198,36 @@ def candidate_settings(heads_config, *, max_settings: int = 16, depths: list[int
     return sorted(static, key=lambda s: (s.max_depth, s.num_nodes)) + dynamic + adaedl_twins(static + dynamic, eagle)
 
 
-def _decoder(target, heads, heads_config, setting: Setting, lookup=None, store=None):
+def _decoder(target, heads, heads_config, setting: Setting, lookup=None, store=None, cuda_graphs: str | None = None):
+    from specheads.bench.harness import engine_kwargs
     from specheads.serving.decode.config import SpeculativeDecoder
 
     tap_layers = heads_config.tap_layers if heads_config.kind != "medusa" else None
-    # Fallback off: the tree itself is measured, not the engine's switch to plain decoding.
-    return SpeculativeDecoder(target, heads, setting.tree, tap_layers=tap_layers, fallback=None, lookup=lookup,
-                              store=store, entropy_threshold=setting.entropy_threshold)
+    # Fallback off: the tree itself is measured, not the engine's switch to plain decoding. The
+    # engine runs as serve runs it (cuda_graphs: "capture" on a GPU, as `specheads serve` does).
+    return SpeculativeDecoder(target, heads, setting.tree, tap_layers=tap_layers, lookup=lookup, store=store,
+                              entropy_threshold=setting.entropy_threshold, **engine_kwargs(False, cuda_graphs))
 
 
 def measure_lookup(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
-                   num_tokens: int, max_new_tokens: int, eos_token_id) -> dict:
+                   num_tokens: int, max_new_tokens: int, eos_token_id, cuda_graphs: str | None = None) -> dict:
     """The winning setting without and with n-gram lookup drafts, interleaved on `prompts`
     (those plain decoding was measured on) -> {"num_tokens", "chosen", "without", "with"}."""
     from specheads.serving.decode.lookup import LookupConfig
 
     return {"num_tokens": num_tokens, **measure_branch(target, heads, heads_config, setting, prompts, plain,
-                                                       max_new_tokens, eos_token_id, {},
+                                                       max_new_tokens, eos_token_id, {"cuda_graphs": cuda_graphs},
                                                        {"lookup": LookupConfig(num_tokens=num_tokens)})}
 
 
 def measure_store(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
-                  store, lookup, max_new_tokens: int, eos_token_id) -> dict:
+                  store, lookup, max_new_tokens: int, eos_token_id, cuda_graphs: str | None = None) -> dict:
     """The winning setting (with `lookup`, a LookupConfig or None) without and with the reply
     store's chains (`store`: a serving/decode/store.py StoreDrafter), interleaved on `prompts`
     -> {"path", "config", "chosen", "without", "with"}."""
     return {"path": str(store.store.directory.resolve()), "config": dataclasses.asdict(store.config),
             **measure_branch(target, heads, heads_config, setting, prompts, plain, max_new_tokens, eos_token_id,
-                             {"lookup": lookup}, {"store": store})}
+                             {"lookup": lookup, "cuda_graphs": cuda_graphs}, {"store": store})}
 
 
 def measure_branch(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
@@ -234,7 +236,7 @@ def measure_branch(target, heads, heads_config, setting: Setting, prompts: list[
     `extra` too, interleaved on `prompts` -> {"chosen": with is lossless and faster, "without",
     "with"}."""
     decoders = {"without": _decoder(target, heads, heads_config, setting, **base),
-                "with": _decoder(target, heads, heads_config, setting, **base, **extra)}
+                "with": _decoder(target, heads, heads_config, setting, **base, **extra)}  # base carries cuda_graphs
     measured = {name: Measured() for name in decoders}
     for decoder in decoders.values():
         generate(decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
@@ -297,16 +299,19 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
          budget_s: float = 120.0, eos_token_id: int | None = None, max_settings: int = 16,
          depths: list[int] | None = None, node_budgets: tuple[int, ...] = NODE_BUDGETS,
          settings: list[Setting] | None = None, progress: bool = True,
-         log: Callable[[str], None] | None = None, lookup_num_tokens: int = 10, costs=None, store=None) -> dict:
+         log: Callable[[str], None] | None = None, lookup_num_tokens: int = 10, costs=None, store=None,
+         cuda_graphs: str | None = None) -> dict:
     """Measure every setting on `prompts` within `budget_s`; -> the tuning report (winner first).
     costs: this machine's StepCostTable, which ranks the candidates (None: the prior). store: a
-    serving/decode/store.py StoreDrafter to try on the winner (module doc).
+    serving/decode/store.py StoreDrafter to try on the winner (module doc). cuda_graphs: the
+    engine's graphs, as serve runs it ("capture" on a GPU; bench/harness.py engine_kwargs).
 
     Settings the decoder refuses (ValueError, e.g. a tree the heads cannot draft) are
     recorded with their error and skipped, never silently dropped.
     """
     from tqdm.auto import tqdm
 
+    from specheads.bench.harness import engine_kwargs
     from specheads.serving.decode.config import SpeculativeDecoder
 
     if not prompts:
@@ -318,10 +323,10 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     settings = settings if settings is not None else candidate_settings(
         heads_config, max_settings=max_settings, depths=depths, node_budgets=node_budgets, costs=costs)
     decoders, skipped = {}, []
-    plain_decoder = SpeculativeDecoder(target)
+    plain_decoder = SpeculativeDecoder(target, **engine_kwargs(True, cuda_graphs))
     for setting in settings:
         try:
-            decoders[setting.name] = _decoder(target, heads, heads_config, setting)
+            decoders[setting.name] = _decoder(target, heads, heads_config, setting, cuda_graphs=cuda_graphs)
             generate(decoders[setting.name], prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens),
                                             eos_token_id=eos_token_id)  # warm-up, and fail early
         except (ValueError, NotImplementedError) as err:
@@ -363,16 +368,17 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     setting = next(s for s in active if s.name == winner["name"])
     if lookup_num_tokens > 0:
         lookup = measure_lookup(target, heads, heads_config, setting, prompts[:num_prompts], plain,
-                                lookup_num_tokens, max_new_tokens, eos_token_id)
+                                lookup_num_tokens, max_new_tokens, eos_token_id, cuda_graphs)
     if store is not None:
         from specheads.serving.decode.lookup import LookupConfig
 
         kept = LookupConfig(num_tokens=lookup["num_tokens"]) if lookup and lookup["chosen"] else None
         store_report = measure_store(target, heads, heads_config, setting, prompts[:num_prompts], plain, store, kept,
-                                     max_new_tokens, eos_token_id)
+                                     max_new_tokens, eos_token_id, cuda_graphs)
     plain_row = summary(plain, plain, plain.outputs)
     device = str(getattr(target, "device", "cpu"))
     return {"schema": SCHEMA, "winner": winner["name"], "device": device, "torch_threads": torch.get_num_threads(),
+            "conditions": conditions(target, costs, cuda_graphs),
             "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "budget_s": budget_s,
             "seconds": time.perf_counter() - start, "plain": plain_row, "settings": rows, "skipped": skipped,
             "lookup": lookup, "store": store_report, "step_costs": costs.to_json() if costs is not None else None}
@@ -386,7 +392,8 @@ def stored_tree(report: dict) -> dict:
         tree["num_nodes"] = winner["num_nodes"]
     tree["tuned"] = {"setting": winner["name"], "device": report["device"], "torch_threads": report["torch_threads"],
                      "tokens_per_s": winner["tokens_per_s"], "speedup_vs_plain": winner["speedup_vs_plain"],
-                     "tau": winner["tau"], "step_cost": winner["step_cost"], "sweep": "tuning.json"}
+                     "tau": winner["tau"], "step_cost": winner["step_cost"], "sweep": "tuning.json",
+                     "conditions": report.get("conditions")}
     lookup = report.get("lookup")
     if lookup and lookup["chosen"]:
         tree["lookup"] = {"num_tokens": lookup["num_tokens"]}
@@ -395,7 +402,51 @@ def stored_tree(report: dict) -> dict:
     if store and store["chosen"]:
         tree["store"] = {"path": store["path"], **store["config"]}
         tree["tuned"]["tokens_per_s_with_store"] = store["with"]["tokens_per_s"]
+    if slower_than_plain(report):  # generate and serve decode plainly here (serving/decode/config.py TreeSpec)
+        tree["plain"] = True
     return tree
+
+
+def conditions(target, costs=None, cuda_graphs: str | None = None) -> dict:
+    """What a tuning's measurements depend on here: the device (a GPU's name; a CPU's bf16 class),
+    the dtype, the weight layout and row kernel, threads, CUDA graphs, and (with `costs`) the
+    measured decode step. A tree tuned under other conditions is tuned again (`retune_reason`)."""
+    device = torch.device(getattr(target, "device", "cpu"))
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        from specheads.heads.target.cpu_layout import cpu_has_native_bf16
+        from specheads.heads.target.cpu_kernels import cpu_flags
+
+        flags = set(cpu_flags().split())
+        name = "cpu-" + ("avx512bf16" if cpu_has_native_bf16() else "avx512" if "avx512f" in flags
+                         else "avx2" if "avx2" in flags else "other")
+    fused = getattr(target, "fused", None)
+    return {"device": name, "dtype": str(target.dtype).removeprefix("torch."), "layout": target.layout,
+            "row_kernel": getattr(fused, "row_kernel", None), "threads": torch.get_num_threads(),
+            "cuda_graphs": cuda_graphs, "decode_ms": None if costs is None else round(costs.verify_ms[1], 3)}
+
+
+# A tuned tree is tuned again when this machine's decode step costs this much more or less.
+RETUNE_STEP_CHANGE = 0.25
+
+
+def retune_reason(tuned: dict | None, now: dict) -> str | None:
+    """Why a stored tuning (config.json's tree["tuned"]) no longer fits this machine's `conditions`,
+    or None when it still does: never tuned, tuned under other conditions, or a decode step that
+    moved by more than RETUNE_STEP_CHANGE (a new kernel, another machine)."""
+    if not tuned:
+        return "never tuned"
+    before = tuned.get("conditions")
+    if not before:
+        return "tuned before tunings recorded their conditions"
+    for key in ("device", "dtype", "layout", "row_kernel", "threads", "cuda_graphs"):
+        if before.get(key) != now.get(key):
+            return f"tuned with {key} {before.get(key)!r}, now {now.get(key)!r}"
+    old, new = before.get("decode_ms"), now.get("decode_ms")
+    if old and new and abs(new - old) > RETUNE_STEP_CHANGE * old:
+        return f"the decode step cost {old:.1f} ms when tuned and {new:.1f} ms now"
+    return None
 
 
 def best_speedup(report: dict) -> float | None:
@@ -408,15 +459,15 @@ def best_speedup(report: dict) -> float | None:
 
 
 def slower_than_plain(report: dict) -> str | None:
-    """A warning when no setting beat plain decoding here, or None. The tree is stored anyway (the
-    engine's fallback decodes plainly where speculation does not pay), but the user should know
-    that, on this machine, these heads are slower than no heads."""
+    """A warning when no setting beat plain decoding here, or None. Then the heads directory records
+    it (stored_tree's "plain"): generate and serve decode plainly with these heads, and the user
+    should know that, on this machine, they are slower than no heads."""
     best = best_speedup(report)
     if best is None or best >= 1.0:
         return None
     return (f"speculation did not pay on this machine: the fastest setting ({report['winner']}) made {best:.2f}x "
-            f"plain decoding's {report['plain']['tokens_per_s']:.1f} tok/s. Serving falls back to plain decoding where "
-            "speculation does not pay; heads trained on more data, or a GPU, are what change this")
+            f"plain decoding's {report['plain']['tokens_per_s']:.1f} tok/s, so generate and serve decode plainly with "
+            "these heads here (the tree is kept for bench). Heads trained on more data, or a GPU, are what change this")
 
 
 def format_tuning(report: dict) -> str:
@@ -461,16 +512,27 @@ def format_tuning(report: dict) -> str:
     return "\n".join(lines)
 
 
-def tune_heads_dir(target, heads_dir: str, prompts: list[list[int]], **kwargs) -> dict:
+def tune_heads_dir(target, heads_dir: str, prompts: list[list[int]], *, reuse: bool = False,
+                   log: Callable[[str], None] | None = None, **kwargs) -> dict:
     """Load the heads in `heads_dir`, measure this machine's step costs with them, tune, store
-    the winner and the sweep; -> the report."""
+    the winner and the sweep; -> the report. reuse: keep the stored tuning (and return its
+    report) unless `retune_reason` says it no longer fits this machine."""
     from specheads.bench.step_costs import measure_step_costs
-    from specheads.heads.artefacts.heads_dir import check_writable, load_heads, update_tree
+    from specheads.heads.artefacts.heads_dir import check_writable, load_heads, read_heads_config, read_tuning, \
+        update_tree
 
     check_writable(heads_dir)  # the winner is stored there: a Hub id fails now, not after the sweep
     heads, heads_config = load_heads(heads_dir, target=target.identity, device=target.device, dtype=target.dtype)
     if kwargs.get("costs") is None:
         kwargs["costs"] = measure_step_costs(target, heads, heads_config)
+    if reuse:
+        reason = retune_reason((read_heads_config(heads_dir).tree or {}).get("tuned"),
+                               conditions(target, kwargs["costs"], kwargs.get("cuda_graphs")))
+        if reason is None and read_tuning(heads_dir) is not None:
+            return read_tuning(heads_dir)
+        if log:
+            log(f"tune: tuning {heads_dir} again ({reason})")
+    kwargs["log"] = log
     report = tune(target, heads, heads_config, prompts, **kwargs)
     report["heads"] = str(heads_dir)
     update_tree(heads_dir, stored_tree(report), report)

@@ -210,16 +210,14 @@ def run_recipe(args, run_dir: Path, recipe_args: list[str], overrides: list[str]
 
 
 def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: bool, prompts: list[list[int]],
-               budget_s: float = TUNE_BUDGET_S) -> dict | None:
+               budget_s: float = TUNE_BUDGET_S, cuda_graphs: bool = False) -> dict:
+    """Tune the heads' tree here, or keep the stored tuning when it was measured under this
+    machine's conditions (bench/tune.py retune_reason) and --retrain was not asked."""
     from specheads.bench.tune import format_tuning, tune_heads_dir
-    from specheads.heads.artefacts.heads_dir import read_heads_config, read_tuning
 
-    if not retune and (read_heads_config(heads_dir).tree or {}).get("tuned"):
-        report = read_tuning(heads_dir)
-        print(f"reusing the tuned tree of {heads_dir} (pass --retrain to tune again)")
-        return report
-    report = tune_heads_dir(target, str(heads_dir), prompts, max_new_tokens=max_new_tokens,
-                            budget_s=budget_s, eos_token_id=tokenizer.eos_token_id)
+    report = tune_heads_dir(target, str(heads_dir), prompts, reuse=not retune, max_new_tokens=max_new_tokens,
+                            budget_s=budget_s, eos_token_id=tokenizer.eos_token_id,
+                            cuda_graphs="capture" if cuda_graphs else None, log=print)
     print(format_tuning(report))
     return report
 
@@ -345,7 +343,7 @@ def _tiny_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]])
     _step(f"5/6 tune both: tree sizes measured on this machine ({TUNE_BUDGET_S:.0f} s each)")
     for directory in heads_dirs.values():  # every other prompt: the bench decodes all of them
         tune_heads(target, tokenizer, directory, args.max_new_tokens, args.retrain,
-                   [p.input_ids for p in prompts][1::2][:TUNE_PROMPTS])
+                   [p.input_ids for p in prompts][1::2][:TUNE_PROMPTS], cuda_graphs=args.cuda_graphs)
     _step(f"6/6 bench: shipped prompt set x {args.max_new_tokens} new tokens, greedy, all methods interleaved "
           "(engine fallback to plain decoding off: every step speculates)")
     return heads_dirs, bench(target, tokenizer, "embedded:tiny", heads_dirs, prompts, args.max_new_tokens, workdir,
@@ -367,7 +365,7 @@ def _real_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]])
     turns = encode_prompts(tokenizer, load_prompts(mt_bench_path()))
     _step(f"3/4 tune its tree on this machine ({REAL_TUNE_BUDGET_S:.0f} s)")
     tune_heads(target, tokenizer, heads_dirs[kind], args.max_new_tokens, args.retrain,
-               [p.input_ids for p in turns[-4:]], budget_s=REAL_TUNE_BUDGET_S)
+               [p.input_ids for p in turns[-4:]], budget_s=REAL_TUNE_BUDGET_S, cuda_graphs=args.cuda_graphs)
     _step(f"4/4 bench: {REAL_BENCH_PROMPTS} MT-bench first turns (chat template) x {args.max_new_tokens} new "
           "tokens, greedy, all methods interleaved (fallback off)")
     return heads_dirs, bench(target, tokenizer, REAL_TARGET, heads_dirs, turns[:REAL_BENCH_PROMPTS],

@@ -23,8 +23,10 @@ from specheads.errors import UserError
 TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
 # What every command's --dtype accepts: the long names of heads/target/adapter.py's DTYPES, which also
 # takes fp32, bf16, fp16 (not imported here: `specheads --help` must not import torch).
-DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a GPU and on a CPU with native "
-              "bf16, else float32; float32 is the exact mode, token-identical to the target's own greedy decoding)")
+DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a GPU, on a CPU with native bf16, "
+              "and for inference on an AVX2 CPU where the fused CPU forward runs the model (bf16 weights, fp32 sums); "
+              "else float32. float32 is the exact mode, token-identical to the target's own greedy decoding; bfloat16 "
+              "may part from it after a near-tie of the target's logits)")
 
 
 def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
@@ -141,8 +143,18 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
         if lookup_num_tokens is None:
             lookup = spec.lookup
         drafter = store_drafter(store, spec, adapter, tokenizer, heads)
-        decoder = SpeculativeDecoder(adapter, head_module, spec.tree, tap_layers=config.tap_layers,
-                                     entropy_threshold=spec.entropy_threshold, lookup=lookup, store=drafter, **graphs)
+        if spec.plain:
+            import sys
+
+            tuned = (config.tree or {}).get("tuned") or {}
+            print(f"specheads: decoding plainly: `specheads tune` found no tree of these heads faster than plain "
+                  f"decoding on {tuned.get('device', 'its machine')} (tune them again on this machine to re-measure)",
+                  file=sys.stderr)
+            decoder = SpeculativeDecoder(adapter, lookup=lookup, store=drafter, **graphs)
+        else:
+            decoder = SpeculativeDecoder(adapter, head_module, spec.tree, tap_layers=config.tap_layers,
+                                         entropy_threshold=spec.entropy_threshold, lookup=lookup, store=drafter,
+                                         **graphs)
     return decoder, tokenizer
 
 

@@ -2,7 +2,7 @@
 
     specheads tune --target T --heads H [--prompts FILE.jsonl] [--max-new-tokens N] [--budget-s S]
                    [--max-settings N] [--depths 1,2,3] [--node-budgets 4,8,16] [--lookup-num-tokens N] [--store DIR]
-                   [--output-json PATH|-] [--device auto|cpu|cuda[:N]]
+                   [--output-json PATH|-] [--device auto|cpu|cuda[:N]] [--enforce-eager]
 
 Prompts are Spec-Bench `question.jsonl` records (default: the shipped bench set). The
 winner goes into HEADS/config.json's `tree` (used by generate, serve and bench by
@@ -10,8 +10,10 @@ default) and the whole sweep into HEADS/tuning.json. The winner is then measured
 without n-gram lookup drafts (--lookup-num-tokens, 0: skip); lookup is stored when faster. With --store DIR (a store of
 the target's replies, `specheads data store`) it is then measured with and without the store; the store's path is
 stored when faster. How settings are chosen and
-measured: bench/tune.py. Trees are measured eagerly (no CUDA graphs), on --device (default
-auto: CUDA when torch sees a GPU, else the CPU).
+measured: bench/tune.py. Trees are measured as `specheads serve` runs them, on --device (default
+auto: CUDA when torch sees a GPU, else the CPU), with CUDA graphs on a GPU unless --enforce-eager.
+When no tree beats plain decoding here, the heads directory records that too, and generate and
+serve then decode plainly with these heads until they are tuned again.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def add_parser(subparsers) -> None:
     add_store_option(p, STORE_HELP + ": also measure the winner with it and store its path when it is faster")
     add_output_json_option(p, old_json="path")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    add_device_options(p, graphs=False)
+    add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -74,7 +76,7 @@ def run(args) -> int:
     report = tune_heads_dir(target, args.heads, encoded, max_new_tokens=args.max_new_tokens, budget_s=args.budget_s,
                             eos_token_id=tokenizer.eos_token_id, max_settings=args.max_settings, depths=depths,
                             node_budgets=budgets, progress=not args.quiet, lookup_num_tokens=args.lookup_num_tokens,
-                            store=store,
+                            store=store, cuda_graphs="capture" if args.cuda_graphs else None,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_tuning(report), file=human_output(args))
     print(f"\nstored tree {report['winner']!r} in {args.heads}/config.json (sweep: {args.heads}/tuning.json)",

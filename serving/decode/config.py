@@ -168,13 +168,15 @@ def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:
 class TreeSpec:
     """What a heads directory's `tree` field asks for: a static tree or an EAGLE-2 dynamic
     one, Medusa's AdaEDL depth-cut threshold, and the n-gram lookup and reply store tuned with
-    it (store_path: the store's directory, as recorded)."""
+    it (store_path: the store's directory, as recorded). plain: `specheads tune` found that no
+    tree beat plain decoding on its machine, so generate and serve decode plainly."""
 
     tree: DraftTree | DynamicTreeConfig
     entropy_threshold: float | None = None
     lookup: LookupConfig | None = None
     store: StoreConfig | None = None
     store_path: str | None = None
+    plain: bool = False
 
     @classmethod
     def from_heads_config(cls, config) -> "TreeSpec":
@@ -202,15 +204,18 @@ def parse_tree_field(tree: dict | None, num_heads: int = 1, calibration: dict | 
             raise ValueError(f"the heads tree's 'lookup' must be an object with keys from {allowed}, got {lookup_spec!r}")
         lookup = LookupConfig(**lookup_spec)
     store, store_path = _store_spec(field.get("store"))
+    plain = field.get("plain", False)
+    if not isinstance(plain, bool):
+        raise ValueError(f"the heads tree's 'plain' must be true or false, got {plain!r}")
     if "dynamic" in field:
-        return TreeSpec(DynamicTreeConfig.from_dict(field), None, lookup, store, store_path)
+        return TreeSpec(DynamicTreeConfig.from_dict(field), None, lookup, store, store_path, plain)
     if field.get("paths"):
         static = DraftTree.from_paths(field["paths"])
     else:
         accuracy = (calibration or {}).get("accuracy")
         static = DraftTree.from_calibration(accuracy[:num_heads], DEFAULT_NUM_DRAFT_NODES) if accuracy \
             else DraftTree.default(num_heads)
-    return TreeSpec(static, field.get("entropy_threshold"), lookup, store, store_path)
+    return TreeSpec(static, field.get("entropy_threshold"), lookup, store, store_path, plain)
 
 
 def _store_spec(spec: dict | None) -> tuple[StoreConfig | None, str | None]:

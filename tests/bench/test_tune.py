@@ -266,3 +266,67 @@ def test_tune_says_when_no_setting_beat_plain_decoding():
     report["lookup"] = {"num_tokens": 8, "chosen": True, "with": row("with", 1.1), "without": row("without", 0.96)}
     assert best_speedup(report) == 1.1 and slower_than_plain(report) is None
     assert "did not pay" not in format_tuning(report)
+
+
+def test_a_tuning_that_did_not_pay_makes_generate_and_serve_decode_plainly(setup, capsys):
+    """stored_tree records "plain" when no setting beat plain decoding, and load_decoder (generate,
+    serve) then builds a decoder without heads, saying why in one line."""
+    from specheads.bench.tune import stored_tree
+    from specheads.runner import load_decoder
+
+    def row(name, speedup):
+        return {"name": name, "num_nodes": 1, "max_depth": 1, "tokens_per_s": 40.0 * speedup,
+                "speedup_vs_plain": speedup, "tau": 1.1, "alpha": 0.1, "step_ms": 30.0, "step_cost": 1.4,
+                "tree": {"paths": [[0]]}, "identical": True, "lossless": True}
+
+    report = {"winner": "chain-1", "device": "cpu", "torch_threads": 2, "plain": {"tokens_per_s": 40.0},
+              "settings": [row("chain-1", 0.8)], "lookup": None, "store": None, "conditions": {"device": "cpu-avx2"}}
+    assert stored_tree(report)["plain"] is True
+    assert "plain" not in stored_tree(dict(report, settings=[row("chain-1", 1.2)]))
+    heads_dir = fresh_heads_dir(setup, "plain")
+    update_tree(heads_dir, stored_tree(report), report)
+    assert TreeSpec.from_heads_config(read_heads_config(heads_dir)).plain
+    decoder, _ = load_decoder(str(setup[1]), str(heads_dir), dtype="float32")
+    assert decoder.drafter is None and not decoder.speculates
+    assert "decoding plainly" in capsys.readouterr().err
+
+
+def test_a_tuning_is_kept_only_under_the_conditions_it_was_measured_in(setup):
+    """retune_reason: never tuned, another device class, dtype, kernel or thread count, CUDA graphs,
+    or a decode step that moved by more than RETUNE_STEP_CHANGE -> tune again; else keep it."""
+    from specheads.bench.tune import RETUNE_STEP_CHANGE, conditions, retune_reason
+
+    costs = StepCostTable(dtype="float32", layout="plain", threads=2, prefix=8, verify_ms={1: 10.0, 4: 12.0},
+                          draft_ms={})
+    now = conditions(setup[2], costs)
+    assert now["decode_ms"] == 10.0 and now["dtype"] == "float32" and now["device"].startswith("cpu-")
+    assert retune_reason(None, now) == "never tuned"
+    assert "recorded their conditions" in retune_reason({"setting": "chain-1"}, now)
+    assert retune_reason({"conditions": now}, now) is None
+    assert retune_reason({"conditions": dict(now, decode_ms=10.0 * (1 + RETUNE_STEP_CHANGE / 2))}, now) is None
+    assert "decode step cost 20.0 ms when tuned" in retune_reason({"conditions": dict(now, decode_ms=20.0)}, now)
+    for key, other in (("device", "cpu-avx512bf16"), ("dtype", "bfloat16"), ("row_kernel", "avx2"), ("threads", 8),
+                       ("cuda_graphs", "capture")):
+        assert key in retune_reason({"conditions": dict(now, **{key: other})}, now)
+
+
+def test_tune_measures_the_engine_as_serve_runs_it(setup, monkeypatch):
+    """cuda_graphs reaches every decoder of the sweep (here the static-shape path a CPU can run,
+    "eager"; "capture" on a GPU), the plain reference included, and the report records it."""
+    from specheads.bench import tune as tune_module
+    from specheads.serving.decode.config import SpeculativeDecoder
+
+    built = []
+    real_init = SpeculativeDecoder.__init__
+
+    def recording_init(self, *args, **kwargs):
+        built.append(kwargs.get("cuda_graphs"))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "__init__", recording_init)
+    _, _, target, heads, config = setup
+    settings = static_settings(ACCURACY, eagle=False, node_budgets=(4,))[:2]
+    report = tune_module.tune(target, heads, config, [[5, 6, 7, 8]], max_new_tokens=4, settings=settings,
+                              progress=False, lookup_num_tokens=0, cuda_graphs="eager")
+    assert built and set(built) == {"eager"}
+    assert report["conditions"]["cuda_graphs"] == "eager"
