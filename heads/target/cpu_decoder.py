@@ -286,6 +286,9 @@ class FusedDecoder:
         # The C kernel that runs bf16 linear layers here (ROW_KERNELS), and up to how many rows
         # (more go to oneDNN's packed GEMMs); None: oneDNN for every forward.
         self.row_kernel = _RowProjections.kernel(model, decoder_layers)
+        if self.row_kernel is None and weight.dtype == torch.bfloat16:
+            cpu_kernels.say_once("specheads: no bf16 kernel runs on this CPU (it needs AVX512-BF16, or AVX2 and FMA, "
+                                 "and a C compiler): bf16 linear layers run through oneDNN")
         module, class_name, max_rows = ROW_KERNELS[self.row_kernel] if self.row_kernel else (None, None, 0)
         linear = getattr(module, class_name) if module is not None else None
         self.max_kernel_rows = max_rows

@@ -23,9 +23,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from specheads.heads import atomic
@@ -152,14 +154,33 @@ void silu_mul_##SUFFIX(const T* gate_up, int64_t rows, int n, T* out) {         
 """
 
 
+# What runs instead when a library is not built (said once, in `compile_library`'s one line).
+FALLBACKS = {"cpu_attention": "attention runs through torch's batched matmuls",
+             "cpu_decoder": "RMSNorm, RoPE and SiLU run as torch ops",
+             "cpu_gemv": "bf16 linear layers run through oneDNN",
+             "cpu_gemm": "bf16 linear layers run through oneDNN where it takes bf16; elsewhere --dtype auto is float32"}
+log = logging.getLogger("specheads.cpu_kernels")
+
+
+@functools.cache
+def say_once(message: str) -> None:
+    """A fallback's one line, once per process."""
+    log.warning(message)
+
+
 @functools.cache
 def compile_library(name: str, source: str) -> ctypes.CDLL | None:
-    """`source` built and loaded (module docstring), or None without a working C compiler."""
+    """`source` built and loaded (module docstring), or None without a working C compiler. A
+    library that cannot be built says so once, in one line naming what runs instead (FALLBACKS);
+    a cache directory it cannot write to is replaced by a temporary one for this process."""
     compiler = shutil.which("cc")
     if compiler is None:
+        log.warning("specheads: no C compiler (cc) on PATH, so the %s kernel is not built: %s (slower)",
+                    name, FALLBACKS.get(name, "torch ops run instead"))
         return None
     key = hashlib.sha256("\n".join([source, " ".join(FLAGS), os.path.realpath(compiler), cpu_flags()]).encode())
     library = f"{name}.so"
+    entry = f"{name}-{key.hexdigest()[:16]}"
 
     def build(staging: Path) -> None:
         (staging / f"{name}.c").write_text(source)
@@ -167,8 +188,18 @@ def compile_library(name: str, source: str) -> ctypes.CDLL | None:
                        check=True, capture_output=True, text=True)
 
     try:
-        built = atomic.build_once(atomic.default_cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}", build)
-    except subprocess.CalledProcessError:
+        try:
+            built = atomic.build_once(atomic.default_cache_dir() / "kernels" / entry, build)
+        except OSError as err:  # a read-only or full cache directory: build for this process alone
+            log.warning("specheads: cannot write the kernel cache (%s); building %s in a temporary directory", err,
+                        name)
+            built = Path(tempfile.mkdtemp(prefix="specheads-kernels-")) / entry
+            built.mkdir()
+            build(built)
+    except subprocess.CalledProcessError as err:
+        first = next((line for line in (err.stderr or "").splitlines() if "error" in line), "the compiler failed")
+        log.warning("specheads: the %s kernel did not build (%s): %s (slower)", name, first.strip(),
+                    FALLBACKS.get(name, "torch ops run instead"))
         return None
     return ctypes.CDLL(str(built / library))
 

@@ -146,3 +146,34 @@ def test_the_kernel_builds_where_this_cpu_and_compiler_can_run_it():
     if shutil.which("cc") is None or not {"avx2", "fma"} <= set(flags):
         pytest.skip("no C compiler, or this CPU has no AVX2 and FMA")
     assert cpu_gemm.available()
+
+
+def test_a_kernel_that_cannot_be_built_says_so_once_and_a_read_only_cache_is_worked_around(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """No compiler, or a source that does not compile: one line naming the kernel and what runs
+    instead, and None (the callers' fallback). A cache directory that cannot be written: the
+    kernel is built in a temporary directory for this process."""
+    import logging
+    import shutil
+
+    from specheads.heads.target import cpu_kernels
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    caplog.set_level(logging.WARNING, logger="specheads.cpu_kernels")
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECHEADS_CACHE", str(blocker / "cache"))  # mkdir under a file fails, even as root
+    built = cpu_kernels.compile_library("cpu_gemm", "int answer(void) { return 42; }  /* read-only cache */\n")
+    assert built is not None and built.answer() == 42
+    assert "cannot write the kernel cache" in caplog.text
+    monkeypatch.delenv("SPECHEADS_CACHE")
+    caplog.clear()
+    assert cpu_kernels.compile_library("cpu_gemm", "int broken(void) { return }\n") is None
+    [line] = caplog.messages
+    assert "the cpu_gemm kernel did not build" in line and "error" in line and "oneDNN" in line
+    caplog.clear()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert cpu_kernels.compile_library("cpu_attention", "int unused(void) { return 0; }\n") is None
+    [line] = caplog.messages
+    assert "no C compiler" in line and "batched matmuls" in line
