@@ -7,8 +7,9 @@
    smollm2-135m-eagle3.yaml recipe's cpu profile, shortened to fit the demo's budget;
 3. tune its tree on this machine (bench/tune.py);
 4. bench HF greedy, the engine without heads, the head (alone and with the engine's n-gram
-   lookup), that lookup alone and HF prompt lookup on MT-bench first turns with the chat
-   template, check outputs are identical, print the table and how to serve it.
+   lookup) and that lookup alone on MT-bench first turns with the chat template, check outputs
+   are identical, print the table, whether the head pays over plain decoding here and why, and
+   how to serve it.
 
 `--target embedded:tiny`: the quick path on the 4M-parameter target trained here on the
 stdlib sources: self-distilled corpus continuations, Medusa and EAGLE-3 heads, tune, bench
@@ -59,10 +60,12 @@ REAL_RECIPE = "smollm2-135m-eagle3"
 REAL_RUN_DIR = "smollm2-eagle3"  # the shipped recipe's run directory in --workdir
 # 512-token blocks: the demo's 120 short conversations fit them, and its 120 steps keep their measured cost
 # (the cpu profile's 1024-token blocks are for 3-turn conversations at 1M tokens).
-REAL_OVERRIDES = ["data.chat_prompts=120", "data.chat_max_new_tokens=192", "data.seq_len=512", "train.steps=120",
-                  "train.save_every=120", "train.eval_every=120", "train.warmup_steps=10", "calibrate.eval_batches=4"]
+DEMO_CHAT_PROMPTS, DEMO_REPLY_TOKENS, DEMO_TRAIN_STEPS = 120, 192, 120
+REAL_OVERRIDES = [f"data.chat_prompts={DEMO_CHAT_PROMPTS}", f"data.chat_max_new_tokens={DEMO_REPLY_TOKENS}",
+                  "data.seq_len=512", f"train.steps={DEMO_TRAIN_STEPS}", f"train.save_every={DEMO_TRAIN_STEPS}",
+                  f"train.eval_every={DEMO_TRAIN_STEPS}", "train.warmup_steps=10", "calibrate.eval_batches=4"]
 REAL_BENCH_PROMPTS = 8  # MT-bench first turns 1-8 (tuning uses others)
-REAL_TUNE_BUDGET_S = 60.0
+REAL_TUNE_BUDGET_S = 40.0
 
 
 MARKER = ".specheads-demo.json"  # in --workdir: what the demo wrote there
@@ -223,7 +226,7 @@ def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: 
 
 
 def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prompts, max_new_tokens: int,
-          workdir: DemoWorkdir, cuda_graphs: bool = False) -> dict:
+          workdir: DemoWorkdir, cuda_graphs: bool = False, prompt_lookup_num_tokens: int = 10) -> dict:
     """Bench all methods, print the table, and keep the report (bench.json) and its charts
     (bench.png, when matplotlib, the `plot` extra that `make demo` installs, is there)."""
     from specheads.bench.harness import format_report, run_bench
@@ -238,6 +241,7 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
     report = run_bench(target, prompts, max_new_tokens, config={"target": target_name,
                                                                 "heads": [str(d) for d in heads_dirs.values()]},
                        heads_list=heads_list, eos_token_id=tokenizer.eos_token_id, fallback=False,
+                       prompt_lookup_num_tokens=prompt_lookup_num_tokens,
                        cuda_graphs="capture" if cuda_graphs else None, log=lambda msg: print(msg, flush=True))
     print(format_report(report).split("\n### by category")[0])
     report_path = workdir.output("bench.json")
@@ -251,30 +255,31 @@ def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prom
     return report
 
 
-def check_targets(report: dict) -> list[str]:
-    """The demo's goals, each as a line 'ok' or 'MISSED'; heads alone and heads + n-gram lookup
-    (serving/decode/lookup.py) are reported apart."""
+def check_targets(report: dict, real: bool = False) -> list[str]:
+    """The demo's verdict, one line each: whether the heads pay over the engine's own plain
+    decoding here (and, on the real model, why: the demo's training budget, beside what heads
+    trained at scale reach), then whether every output is lossless. Heads alone and heads + n-gram
+    lookup (serving/decode/lookup.py) are reported apart."""
     from specheads.bench.harness import HEADS_KINDS, not_near_ties
 
     methods = {m["name"]: m["overall"] for m in report["methods"]}
-    speculative = [m for m in report["methods"] if m["kind"] in HEADS_KINDS]
-    lookup = next((s for name, s in methods.items() if name.startswith("hf-prompt-lookup")), None)
-    best = max(speculative, key=lambda m: m["overall"]["speedup"] or 0.0, default=None)
+    plain = next((m["overall"] for m in report["methods"] if m["kind"] == "engine-plain"), None)
     lines = []
-    if best is not None:
-        speedup = best["overall"]["speedup"] or 0.0
-        lines.append(f"{'ok' if speedup >= 2.0 else 'MISSED'}: best speculative speedup over HF greedy "
-                     f"{speedup:.2f}x, {best['name']} (goal >= 2x)")
-    for m in speculative:
-        if m["tree"]["head_kind"] != "eagle3":
+    for m in (m for m in report["methods"] if m["kind"] in HEADS_KINDS):
+        overall = m["overall"]
+        if plain is None or not plain["tokens_per_s"]:
             continue
-        eagle = m["overall"]
-        if m["kind"] == "engine-heads":
-            lines.append(f"{'ok' if (eagle['tau'] or 0) >= 3 else 'MISSED'}: EAGLE-3 tau {eagle['tau']:.2f} (goal >= 3)")
-        if lookup:
-            beats = eagle["tokens_per_s"] > lookup["tokens_per_s"]
-            lines.append(f"{'ok' if beats else 'MISSED'}: {m['name']} {eagle['tokens_per_s']:.0f} tok/s vs HF prompt "
-                         f"lookup {lookup['tokens_per_s']:.0f} tok/s")
+        ratio = overall["tokens_per_s"] / plain["tokens_per_s"]
+        tau = overall["tau"] or 0.0
+        lines.append(f"{'pays' if ratio > 1.0 else 'does not pay'}: {m['name']} {overall['tokens_per_s']:.1f} tok/s = "
+                     f"{ratio:.2f}x the engine's plain decoding here ({plain['tokens_per_s']:.1f} tok/s), tau {tau:.2f}")
+    if real:
+        lines.append(f"why: the demo's head trains {DEMO_TRAIN_STEPS} steps on the target's replies to "
+                     f"{DEMO_CHAT_PROMPTS} prompts (about {DEMO_CHAT_PROMPTS * DEMO_REPLY_TOKENS // 1000}k reply "
+                     "tokens at most), to show the pipeline in minutes; a step pays only when it emits more tokens "
+                     "than its verify and draft cost in decode steps (the step-cost table above). The recipe's cpu "
+                     "profile trains 800 steps on about 1M reply tokens; SmolLM2 heads trained on a GPU on 1.8M reply "
+                     "tokens reached tau 1.9-2.1 on MT-bench, 2.3 with n-gram lookup (README, Results)")
     num_identical = sum(s["num_identical"] for s in methods.values())
     num_runs = sum(s["num_prompts"] for s in methods.values())
     lines.append(f"{'MISSED' if not_near_ties(report) else 'ok'}: every output identical to HF greedy, or different "
@@ -313,7 +318,7 @@ def run_demo(args) -> int:
     else:
         heads_dirs, report = _real_demo(args, workdir, recipes)
     print()
-    print("\n".join(check_targets(report)))
+    print("\n".join(check_targets(report, real=args.target == REAL_TARGET)))
     print(f"demo wall time: {time.perf_counter() - start:.0f} s")
     _print_next_steps(args.target, heads_dirs, report)
     from specheads.bench.harness import not_near_ties
@@ -368,8 +373,10 @@ def _real_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]])
                [p.input_ids for p in turns[-4:]], budget_s=REAL_TUNE_BUDGET_S, cuda_graphs=args.cuda_graphs)
     _step(f"4/4 bench: {REAL_BENCH_PROMPTS} MT-bench first turns (chat template) x {args.max_new_tokens} new "
           "tokens, greedy, all methods interleaved (fallback off)")
+    # HF prompt lookup is left out here: on a CPU without native bf16, transformers' bf16 runs
+    # emulated, and that row alone took 70 of the demo's seconds (`specheads bench` has it)
     return heads_dirs, bench(target, tokenizer, REAL_TARGET, heads_dirs, turns[:REAL_BENCH_PROMPTS],
-                             args.max_new_tokens, workdir, args.cuda_graphs)
+                             args.max_new_tokens, workdir, args.cuda_graphs, prompt_lookup_num_tokens=0)
 
 
 def _print_next_steps(target_name: str, heads_dirs: dict, report: dict) -> None:

@@ -235,7 +235,7 @@ def test_the_real_model_demo_trains_tunes_and_benches(tmp_path, monkeypatch, cap
                               max_new_tokens=12, retrain=False, overrides=[], device="auto", cuda_graphs=None)
     assert demo.run_demo(args) == 0
     out = capsys.readouterr().out
-    assert "engine-eagle3[tuned," in out and "hf-prompt-lookup" in out
+    assert "engine-eagle3[tuned," in out and "the engine's plain decoding here" in out
     assert "specheads serve --target embedded:smollm2 --heads" in out
     assert "every output identical to HF greedy" in out
 

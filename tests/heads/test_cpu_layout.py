@@ -211,3 +211,39 @@ def test_heads_packed_for_inference_share_weights_and_give_the_same_drafts(tiny_
         want = head.logits(head.step(embeds, head.fuse(taps), positions)[0]).float()
         got = packed.logits(packed.step(embeds, packed.fuse(taps), positions)[0]).float()
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype] * want.abs().max(), rtol=0)
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+@pytest.mark.parametrize("avx2_kernel", [False, True])
+def test_each_command_resolves_auto_to_this_cpus_fast_dtype(tiny_llama_dir, monkeypatch, native_bf16, avx2_kernel):
+    """--dtype auto / target.dtype auto / train.precision auto on a CPU with and without native bf16
+    (mocked) and with and without heads/target/cpu_gemm.py's AVX2 kernel: inference (generate,
+    serve, bench, tune, data regenerate, and the caches of the target's replies) in bf16 wherever
+    a bf16 kernel runs the model, training math in bf16 only with native bf16, and the frozen
+    teacher in the dtype it serves in."""
+    from specheads.data.regenerate import load_generation_target
+    from specheads.heads.target import cpu_gemm
+    from specheads.heads.target.adapter import inference_dtype
+    from specheads.runner import load_inference_target
+    from specheads.train import resolve_recipe as recipe_path
+    from specheads.training.config import load_recipe
+    from specheads.training.trainer import resolve_auto
+
+    if avx2_kernel and not cpu_gemm.available():
+        pytest.skip("heads/target/cpu_gemm.py's kernel is not built here")
+    monkeypatch.setattr(cpu_layout, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(cpu_gemm, "available", lambda: avx2_kernel)
+    inference = torch.bfloat16 if native_bf16 or avx2_kernel else torch.float32
+    training = torch.bfloat16 if native_bf16 else torch.float32
+    if inference is torch.bfloat16 and not native_bf16 or native_bf16 and cpu_gemm.available():
+        assert load_inference_target(str(tiny_llama_dir), dtype="auto").dtype is inference  # generate, serve, ...
+        assert load_generation_target(str(tiny_llama_dir)).dtype is inference  # data regenerate
+    assert inference_dtype(tiny_llama_dir) is inference  # what the replies' caches key on
+    assert resolve_dtype("auto", "cpu") is training  # training math, and a model loaded for training
+    recipe = load_recipe(recipe_path("tiny-eagle3"), [f"target.name_or_path={tiny_llama_dir}", "target.dtype=auto",
+                                                     "train.precision=auto"])
+    resolved = resolve_auto(recipe, str(tiny_llama_dir), "cpu")
+    assert resolved.train.precision == ("bf16" if native_bf16 else "fp32")
+    assert resolved.target.dtype == str(inference).removeprefix("torch.")  # the teacher runs as it serves
+    lora = load_recipe(recipe_path("tiny-medusa-lora"), ["target.dtype=auto", "train.precision=auto"])
+    assert resolve_auto(lora, str(tiny_llama_dir), "cpu").target.dtype == str(training).removeprefix("torch.")
