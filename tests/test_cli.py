@@ -58,7 +58,7 @@ DEVICE_COMMANDS = [
     ["data", "cache", "--target", "{tmp}/t", "--input", "{tmp}/d.jsonl", "--taps", "2", "--output", "{tmp}/c"],
     ["data", "prompts", "--output", "{tmp}/p.jsonl", "--self-instruct", "--target", "{tmp}/t"],
 ]
-GRAPH_COMMANDS = {"generate", "serve", "bench", "demo", "regenerate"}
+GRAPH_COMMANDS = {"generate", "serve", "bench", "tune", "demo", "regenerate"}
 
 # (command line, the old spelling in it, the new option's dest, the value it gets, the new spelling)
 DEPRECATED = [

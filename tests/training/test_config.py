@@ -63,7 +63,7 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
     (MINIMAL + "train:\n  steps: 0\n", "train.steps: expected a positive int, got 0"),
     (MINIMAL + "train:\n  steps: 2.5\n", "train.steps: expected a positive int, got 2.5"),
     (MINIMAL + "train:\n  steps: true\n", "train.steps: expected a positive int, got True"),
-    (MINIMAL + "train:\n  precision: fp8\n", "train.precision: expected one of ['fp32', 'bf16', 'fp16'], got 'fp8'"),
+    (MINIMAL + "train:\n  precision: fp8\n", "train.precision: expected one of ['auto', 'fp32', 'bf16', 'fp16'], got 'fp8'"),
     (MINIMAL + "train:\n  zero_stage: 4\n", "train.zero_stage: expected one of [0, 1, 2, 3], got 4"),
     (MINIMAL + "train:\n  lr: -1\n", "train.lr: expected a number > 0, got -1.0"),
     (MINIMAL + "tracking: tensorboard\n", "tracking: expected one of ['wandb', 'none'], got 'tensorboard'"),
