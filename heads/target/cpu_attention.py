@@ -8,31 +8,401 @@ reads each row's keys and values once, where the cache holds them, and never pas
 own length: per (row, KV head) it scores the row's G = group x T query vectors against its
 keys, takes the softmax, and sums the values, all in fp32 (bf16 or fp32 inputs).
 
-On a CPU with AVX512-BF16 a bf16 row takes dot-product instructions on the bf16 values
-themselves (four keys' scores per reduction, two keys' values per instruction); elsewhere,
-and in fp32, plain C loops that the compiler vectorises. 96 SmolLM2 rows at 100-800 keys
-(mean 410), one layer: the bmm path 3.2-4.1 ms, the plain loops 2.0 ms, AVX512-BF16 1.0 ms.
+Three paths, one chosen when the C is compiled:
+- AVX512-BF16 (bf16 only): dot-product instructions on the bf16 values themselves (four keys'
+  scores per reduction, two keys' values per instruction).
+- AVX2 + FMA, where AVX512-BF16 is not (bf16 and fp32, head dims a multiple of 32): register
+  tiles of 3 query rows x 4 keys for the scores (the dot products reduced four at a time) and
+  3 rows x 32 dims for the values (probabilities broadcast, values widened in registers: bf16
+  is the top half of an fp32, so a shift or a mask widens it), a vectorised softmax, and
+  per-thread scratch. It reads the query and writes the output in transformers' layouts
+  (`grouped_attention`), so a call allocates only its output. SmolLM2's shapes, bf16, one
+  layer on one Zen 3 core, a `ragged_attention` call: one row x 1 token over 300 keys
+  42 -> 25 us, x 8 tokens 210 -> 107 us (the plain loops -> this path).
+- plain C loops that the compiler vectorises: fp32 on AVX512-BF16 CPUs, other head dims, and
+  CPUs without AVX2. 96 SmolLM2 rows at 100-800 keys (mean 410), one layer: the bmm path
+  3.2-4.1 ms, the plain loops 2.0 ms, AVX512-BF16 1.0 ms.
 
 It is C, compiled once per machine and called through ctypes (heads/target/cpu_kernels.py: PyTorch
 has no op for it). Where no compiler is found, `available()` is False and heads/target/cpu_layout.py
 keeps its bmm path.
 
-Shapes: q [B, Hkv, G, D] (query head h reads KV head h // group; row g of a KV head is query
-head g // T of its group at token g % T), keys and values [B, Hkv, >= L_b, D] with unit
-stride in D (views of the cache), mask bool [B, T, K] (any strides along B and T, unit along
-K) or None -> out [B, Hkv, G, D] in q's dtype. A row reads its keys up to the last one its
-mask shows (the kernel finds it: no per-layer length pass in torch); a row whose keys are all
-masked gets zeros (finite, as the bmm path).
+Shapes (`ragged_attention`): q [B, Hkv, G, D] (query head h reads KV head h // group; row g of a
+KV head is query head g // T of its group at token g % T), keys and values [B, Hkv, >= L_b, D]
+with unit stride in D and D-contiguous rows (views of the cache), mask bool [B, T, K] (any
+strides along B and T, unit along K) or None -> out [B, Hkv, G, D] in q's dtype.
+`grouped_attention` takes q [B, Hq, T, D] and a mask [B, 1, T, >= K] and returns [B, T, Hq, D].
+A row reads its keys up to the last one its mask shows (the kernel finds it: no per-layer
+length pass in torch); a row whose keys are all masked gets zeros (finite, as the bmm path).
+Softmax in fp32; in bf16 the probabilities are rounded to bf16 before the values product (as
+a bf16 matmul takes them; the plain loops keep them in fp32), and the output to the dtype.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 
 import torch
 
 from specheads.heads.target import cpu_kernels
+
+# The AVX2 + FMA path, compiled where AVX512-BF16 is not. Its register tiles are written out per
+# shape, as named variables: GCC keeps arrays of __m256 on the stack.
+KINDS = {"bf16": "uint16_t", "f32": "float"}  # C element types
+# bf16 widens a 256-bit load of 16 values into two fp32 vectors, the even and the odd elements
+# (a shift or a mask: no shuffle); the queries are stored in that order, so the dot product is
+# the same. Per kind: dims per step, and per vector of a step its query offset and its keys.
+SCORE_STEPS = {"bf16": (16, ((0, "bf16_even(k{u} + d)"), (8, "bf16_odd(k{u} + d)"))),
+               "f32": (8, ((0, "_mm256_loadu_ps(k{u} + d)"),))}
+# The 4 vectors of 32 dims of value row vj (bf16: even and odd elements, undone at the store).
+# A tile of 3 rows holds 12 accumulators, 3 probabilities and a value vector: the odd elements
+# take two shifts there (bf16_odd_shifts) instead of a mask, which would need a 17th register
+# (GCC then kept an accumulator on the stack, at half the throughput).
+VALUE_LOADS = {"bf16": ("bf16_even(vj)", "bf16_odd(vj)", "bf16_even(vj + 16)", "bf16_odd(vj + 16)"),
+               "f32": ("_mm256_loadu_ps(vj)", "_mm256_loadu_ps(vj + 8)", "_mm256_loadu_ps(vj + 16)",
+                       "_mm256_loadu_ps(vj + 24)")}
+ROW_TILE = 3  # query rows per tile
+SCORE_KEYS = {3: 4, 2: 4, 1: 8}  # query rows per score tile -> keys per tile (12, 8, 8 accumulators)
+VALUE_DIMS = 32  # output dims per value tile (4 vectors)
+KEY_BLOCK_BYTES = 16384  # keys scored against every query row while they sit in L1
+PARALLEL_WORK = 1 << 15  # query rows x keys x dims from which a call spreads over the threads
+
+
+def _score_tile(kind: str, rows: int) -> str:
+    """C of score_<kind>_<rows>: s[r][j] = q[r] . k[j] for `rows` query rows and keys [j0, j1), in
+    tiles of SCORE_KEYS[rows] keys; a tile's keys past `last` read key `last` (their scores land
+    in the row's padding). q: fp32 rows, stride qs, scaled, in the kind's element order."""
+    ctype, (step, vectors), keys = KINDS[kind], SCORE_STEPS[kind], SCORE_KEYS[rows]
+    acc = [f"a{r}_{u}" for r in range(rows) for u in range(keys)]
+    lines = [f"static NOINLINE void score_{kind}_{rows}(const float* q, int64_t qs, const {ctype}* kp, int j0, int j1,",
+             "                                    int last, int dim, float* s, int64_t ss) {",
+             f"    for (int j = j0; j < j1; j += {keys}) {{"]
+    lines += [f"        const {ctype}* k{u} = kp + (int64_t)(j + {u} <= last ? j + {u} : last) * dim;" for u in range(keys)]
+    lines += ["        __m256 " + ", ".join(f"{a} = _mm256_setzero_ps()" for a in acc) + ";",
+              f"        for (int d = 0; d < dim; d += {step}) {{"]
+    for offset, load in vectors:
+        lines += ["            {",
+                  "                const __m256 " + ", ".join(f"q{r} = _mm256_loadu_ps(q + {r} * qs + d + {offset})"
+                                                            for r in range(rows)) + ";"]
+        for u in range(keys):
+            lines.append(f"                const __m256 x{u} = {load.format(u=u)};")
+            lines.append("                " + " ".join(f"a{r}_{u} = _mm256_fmadd_ps(q{r}, x{u}, a{r}_{u});"
+                                                       for r in range(rows)))
+        lines.append("            }")
+    lines.append("        }")
+    lines += [f"        _mm_storeu_ps(s + {r} * ss + j + {u}, sum4_256(a{r}_{u}, a{r}_{u + 1}, a{r}_{u + 2}, a{r}_{u + 3}));"
+              for r in range(rows) for u in range(0, keys, 4)]
+    return "\n".join(lines + ["    }", "}"])
+
+
+def _value_tile(kind: str, rows: int) -> str:
+    """C of value_<kind>_<rows>: o[r][0..31] = sum_j p[r][j] v[j][0..31] over keys [0, L) for
+    `rows` rows (p: fp32, stride ps; v: 32 dims of key 0, key j at v + j * dim). One row sums
+    even and odd keys apart: its 4 accumulators alone would wait on the FMA latency."""
+    ctype, loads = KINDS[kind], VALUE_LOADS[kind]
+    if rows == 3:
+        loads = tuple(load.replace("bf16_odd(", "bf16_odd_shifts(") for load in loads)
+    sets = 2 if rows == 1 else 1
+    acc = [f"a{s}{r}_{i}" for s in range(sets) for r in range(rows) for i in range(4)]
+    lines = [f"static NOINLINE void value_{kind}_{rows}(const float* p, int64_t ps, const {ctype}* v, int dim, int L,",
+             f"                                    {ctype}* const* o) {{",
+             "    __m256 " + ", ".join(f"{a} = _mm256_setzero_ps()" for a in acc) + ";",
+             "    int j = 0;",
+             f"    for (; j + {sets} <= L; j += {sets}) {{"]
+    for s in range(sets):
+        lines += ["        {",
+                  f"            const {ctype}* vj = v + (int64_t)(j + {s}) * dim;",
+                  "            const __m256 " + ", ".join(f"p{r} = _mm256_broadcast_ss(p + {r} * ps + j + {s})"
+                                                        for r in range(rows)) + ";"]
+        for i, load in enumerate(loads):
+            lines.append(f"            const __m256 x{i} = {load};")
+            lines.append("            " + " ".join(f"a{s}{r}_{i} = _mm256_fmadd_ps(x{i}, p{r}, a{s}{r}_{i});"
+                                                   for r in range(rows)))
+        lines.append("        }")
+    lines.append("    }")
+    if sets == 2:
+        lines += ["    if (j < L) {",
+                  f"        const {ctype}* vj = v + (int64_t)j * dim;",
+                  "        const __m256 p0 = _mm256_broadcast_ss(p + j);"]
+        lines += [f"        a00_{i} = _mm256_fmadd_ps({load}, p0, a00_{i});" for i, load in enumerate(loads)]
+        lines.append("    }")
+        lines += [f"    a00_{i} = _mm256_add_ps(a00_{i}, a10_{i});" for i in range(4)]
+    lines += [f"    store_{kind}_32(o[{r}], a0{r}_0, a0{r}_1, a0{r}_2, a0{r}_3);" for r in range(rows)]
+    return "\n".join(lines + ["}"])
+
+
+AVX2_COMMON = r"""
+#if defined(__AVX2__) && defined(__FMA__) && !defined(FAST_BF16)
+#include <immintrin.h>
+#define AVX2_PATH 1
+/* Tiles are compiled apart from their callers: inlined, GCC keeps the callers' constants in
+   registers across the tile's loop and spills an accumulator instead. */
+#define NOINLINE __attribute__((noinline))
+
+/* The lane sums of four vectors, as one 4-lane vector. */
+static inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    const __m256 abcd = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float hsum8(__m256 x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* 16 bf16 values at p as fp32: elements 0, 2, .., 14 (even) or 1, 3, .., 15 (odd). */
+static inline __m256 bf16_even(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)p), 16));
+}
+static inline __m256 bf16_odd(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)p),
+                                                _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline __m256 bf16_odd_shifts(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i*)p), 16), 16));
+}
+/* bf16_store, 8 lanes: the bf16 bits in each lane's low half (a NaN kept a quiet NaN). */
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i x = _mm256_castps_si256(v), top = _mm256_srli_epi32(x, 16);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)),
+                                                         _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+}
+/* bf16_round, 8 lanes, for finite values (probabilities). */
+static inline __m256 bf16_round8(__m256 v) {
+    const __m256i x = _mm256_castps_si256(v);
+    const __m256i up = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(x, 16),
+                                                                                     _mm256_set1_epi32(1)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(x, up), _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void store_bf16_16(uint16_t* o, __m256 lo, __m256 hi) {  /* lo: o[0..7], hi: o[8..15] */
+    const __m256i packed = _mm256_packus_epi32(bf16_bits8(lo), bf16_bits8(hi));  /* 128-bit lanes: lo, hi halves */
+    _mm256_storeu_si256((__m256i*)o, _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+/* 32 output dims from a bf16 value tile: even and odd elements of dims 0..15, then of 16..31. */
+static inline void store_bf16_32(uint16_t* o, __m256 even0, __m256 odd0, __m256 even1, __m256 odd1) {
+    __m256 a = _mm256_unpacklo_ps(even0, odd0), b = _mm256_unpackhi_ps(even0, odd0);  /* dims 0-3 8-11, 4-7 12-15 */
+    store_bf16_16(o, _mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    a = _mm256_unpacklo_ps(even1, odd1); b = _mm256_unpackhi_ps(even1, odd1);
+    store_bf16_16(o + 16, _mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+static inline void store_f32_32(float* o, __m256 a, __m256 b, __m256 c, __m256 d) {
+    _mm256_storeu_ps(o, a); _mm256_storeu_ps(o + 8, b); _mm256_storeu_ps(o + 16, c); _mm256_storeu_ps(o + 24, d);
+}
+
+/* exp_nonpositive, 8 lanes: the same polynomial, so that probabilities round alike. */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    const __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.000154035304f), f, _mm256_set1_ps(0.00133335581f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00961812911f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0555041087f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240226507f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147180f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                                _mm256_set1_epi32(127)), 23));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), _mm256_mul_ps(p, scale));
+}
+
+/* One query row's scores s[0..L) -> its probabilities, in place: keys that m (the row's mask,
+   or NULL) hides score -inf; probabilities rounded to bf16 where round_bf16 (the values product
+   takes them as a bf16 matmul would). A row that sees nothing gets zeros; returns whether it saw. */
+static int softmax_row(float* s, int L, const uint8_t* m, int round_bf16) {
+    const int L8 = L & ~7;
+    const __m256 hidden = _mm256_set1_ps(-INFINITY);
+    __m256 top8 = hidden;
+    int j = 0;
+    for (; j < L8; j += 8) {
+        __m256 x = _mm256_loadu_ps(s + j);
+        if (m) {
+            const __m256i seen = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(m + j)));
+            x = _mm256_blendv_ps(hidden, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen, _mm256_setzero_si256())));
+            _mm256_storeu_ps(s + j, x);
+        }
+        top8 = _mm256_max_ps(top8, x);
+    }
+    float top = hmax8(top8);
+    for (; j < L; j++) {
+        if (m && !m[j]) s[j] = -INFINITY;
+        top = s[j] > top ? s[j] : top;
+    }
+    if (top == -INFINITY) {
+        memset(s, 0, sizeof(float) * (size_t)L);
+        return 0;
+    }
+    const __m256 top_v = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (j = 0; j < L8; j += 8) {
+        const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), top_v));
+        _mm256_storeu_ps(s + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum8(sum8);
+    for (; j < L; j++) { const float e = exp_nonpositive(s[j] - top); s[j] = e; sum += e; }
+    const float inv = 1.0f / sum;
+    const __m256 inv_v = _mm256_set1_ps(inv);
+    for (j = 0; j < L8; j += 8) {
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(s + j), inv_v);
+        _mm256_storeu_ps(s + j, round_bf16 ? bf16_round8(p) : p);
+    }
+    for (; j < L; j++) s[j] = round_bf16 ? bf16_round(s[j] * inv) : s[j] * inv;
+    return 1;
+}
+
+/* Per-thread scratch, grown as needed and kept (OpenMP's threads outlive the calls). */
+static __thread float* scratch_buffer;
+static __thread size_t scratch_floats;
+static float* scratch(size_t floats) {
+    if (floats > scratch_floats) {
+        free(scratch_buffer);
+        scratch_buffer = aligned_alloc(64, (sizeof(float) * floats + 63) & ~(size_t)63);
+        if (!scratch_buffer) abort();
+        scratch_floats = floats;
+    }
+    return scratch_buffer;
+}
+
+/* A call's operands (ragged_attention_avx2_*), packed by Python's struct (CALL_LAYOUT): one
+   ctypes argument instead of 27 (about 1 us less a call). Strides in elements; query row g of
+   KV head h is query head h * group + g / tokens at token g % tokens. */
+typedef struct {
+    int64_t q, q_b, q_kv, q_head, q_tok;          /* query [B, Hkv * group, T, D], unit stride in D */
+    int64_t k, k_b, k_kv, v, v_b, v_kv;            /* keys, values [B, Hkv, >= num_keys, D] (D-contiguous rows) */
+    int64_t mask, mask_b, mask_t;                  /* bool [B, T, >= num_keys], unit stride in keys; or 0 */
+    int64_t out, o_b, o_kv, o_head, o_tok;         /* output, laid out as the query */
+    int64_t num_keys, batch, heads, group, tokens, dim, threads;
+    float scale;
+} call_t;
+"""
+
+AVX2_KIND = r"""
+/* q row (dim values) -> fp32, times scale, in the score tiles' element order. */
+static inline void widen_q_bf16(const uint16_t* q, float* out, int dim, float scale) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int d = 0; d < dim; d += 16) {
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(bf16_even(q + d), sv));
+        _mm256_storeu_ps(out + d + 8, _mm256_mul_ps(bf16_odd(q + d), sv));
+    }
+}
+static inline void widen_q_f32(const float* q, float* out, int dim, float scale) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(q + d), sv));
+}
+"""
+
+AVX2_DRIVER = r"""
+/* Query rows [g0, g0 + rows) of one (batch row, KV head) against its keys [0, L): q and o at the
+   (row, head) base, kp, vp its keys and values, mp its mask rows. Scores all rows against a
+   block of keys while the keys sit in L1, then the softmax per row, then the values product
+   per tile of rows and 32 dims. */
+static void attend_KIND(const T* q, int64_t q_head, int64_t q_tok, const T* kp, const T* vp, const uint8_t* mp,
+                        int64_t mask_t, int L, int g0, int rows, int tokens, int dim, float scale,
+                        T* o, int64_t o_head, int64_t o_tok) {
+    if (L == 0) {  /* nothing visible to any row */
+        for (int r = 0; r < rows; r++) {
+            const int g = g0 + r;
+            memset(o + (g / tokens) * o_head + (g % tokens) * o_tok, 0, sizeof(T) * (size_t)dim);
+        }
+        return;
+    }
+    const int64_t ss = ((int64_t)L + 7) & ~(int64_t)7;  /* a score row, padded for the key tiles */
+    float* qf = scratch((size_t)rows * ((size_t)dim + (size_t)ss));
+    float* s = qf + (size_t)rows * dim;
+    for (int r = 0; r < rows; r++) {
+        const int g = g0 + r;
+        widen_q_KIND(q + (g / tokens) * q_head + (g % tokens) * q_tok, qf + (size_t)r * dim, dim, scale);
+    }
+    int block = KEY_BLOCK / (dim * (int)sizeof(T)) & ~7;
+    block = block < 8 ? 8 : block;
+    for (int kb = 0; kb < L; kb += block) {
+        const int ke = kb + block < L ? kb + block : L;
+        for (int r = 0; r < rows; r += ROWS) {
+            const float* qr = qf + (size_t)r * dim;
+            float* sr = s + r * ss;
+            switch (rows - r) {
+            case 1: score_KIND_1(qr, dim, kp, kb, ke, L - 1, dim, sr, ss); break;
+            case 2: score_KIND_2(qr, dim, kp, kb, ke, L - 1, dim, sr, ss); break;
+            default: score_KIND_3(qr, dim, kp, kb, ke, L - 1, dim, sr, ss);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        softmax_row(s + r * ss, L, mp ? mp + ((g0 + r) % tokens) * mask_t : 0, sizeof(T) == 2);
+    for (int r = 0; r < rows; r += ROWS) {
+        const int tile = rows - r < ROWS ? rows - r : ROWS;
+        T* out[ROWS];
+        for (int i = 0; i < tile; i++) {
+            const int g = g0 + r + i;
+            out[i] = o + (g / tokens) * o_head + (g % tokens) * o_tok;
+        }
+        for (int dc = 0; dc < dim; dc += 32) {
+            T* const oc[ROWS] = {out[0] + dc, tile > 1 ? out[1] + dc : 0, tile > 2 ? out[2] + dc : 0};
+            switch (tile) {
+            case 1: value_KIND_1(s + r * ss, ss, vp + dc, dim, L, oc); break;
+            case 2: value_KIND_2(s + r * ss, ss, vp + dc, dim, L, oc); break;
+            default: value_KIND_3(s + r * ss, ss, vp + dc, dim, L, oc);
+            }
+        }
+    }
+}
+
+/* The whole call (call_t): units of (batch row, KV head, chunk of query rows), on the OpenMP
+   threads where the work pays for the fork (PARALLEL_WORK); few rows and heads are cut into
+   chunks of query rows so that every thread gets some. dim: a multiple of 32. */
+static void unit_KIND(const call_t* c, int chunk, int per_task, int64_t u) {
+    const int64_t task = u / per_task, b = task / c->heads, h = task % c->heads;
+    const int G = (int)(c->group * c->tokens), g0 = (int)(u % per_task) * chunk;
+    const uint8_t* mp = c->mask ? (const uint8_t*)(intptr_t)c->mask + b * c->mask_b : 0;
+    const int L = row_length(mp, c->mask_t, (int)c->tokens, (int)c->num_keys);
+    attend_KIND((const T*)(intptr_t)c->q + b * c->q_b + h * c->q_kv, c->q_head, c->q_tok,
+                (const T*)(intptr_t)c->k + b * c->k_b + h * c->k_kv, (const T*)(intptr_t)c->v + b * c->v_b + h * c->v_kv,
+                mp, c->mask_t, L, g0, G - g0 < chunk ? G - g0 : chunk, (int)c->tokens, (int)c->dim, c->scale,
+                (T*)(intptr_t)c->out + b * c->o_b + h * c->o_kv, c->o_head, c->o_tok);
+}
+
+void ragged_attention_avx2_KIND(const call_t* c) {
+    const int G = (int)(c->group * c->tokens), threads = (int)c->threads;
+    const int64_t tasks = c->batch * c->heads;
+    const int parallel = threads > 1 && tasks * G * c->num_keys * c->dim >= PARALLEL;
+    int chunk = G;
+    if (parallel && tasks < 4 * threads) {
+        const int tiles = (G + ROWS - 1) / ROWS, wanted = (int)((4 * threads + tasks - 1) / tasks);
+        const int parts = wanted < tiles ? wanted : tiles;
+        chunk = ROWS * ((tiles + parts - 1) / parts);
+    }
+    const int per_task = (G + chunk - 1) / chunk;
+    const int64_t units = tasks * per_task;
+    if (!parallel) {
+        for (int64_t u = 0; u < units; u++) unit_KIND(c, chunk, per_task, u);
+        return;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; u++) unit_KIND(c, chunk, per_task, u);
+}
+"""
+
+
+def _avx2_source() -> str:
+    """The AVX2 section of SOURCE: helpers, then per kind its tiles and driver."""
+    parts = [AVX2_COMMON.replace("#define AVX2_PATH 1", f"#define AVX2_PATH 1\n#define ROWS {ROW_TILE}\n"
+                                 f"#define KEY_BLOCK {KEY_BLOCK_BYTES}\n#define PARALLEL {PARALLEL_WORK}"), AVX2_KIND]
+    for kind, ctype in KINDS.items():
+        parts += [_score_tile(kind, rows) for rows in (1, 2, 3)] + [_value_tile(kind, rows) for rows in (1, 2, 3)]
+        parts += [f"#define T {ctype}", AVX2_DRIVER.replace("KIND", kind), "#undef T"]
+    return "\n".join(parts) + "\n#endif\n"
+
 
 SOURCE = cpu_kernels.BF16_HELPERS + r"""
 
@@ -205,9 +575,11 @@ void NAME(const T* q, const T* k, const T* v, int64_t k_row, int64_t k_head, int
 
 RAGGED_ATTENTION(ragged_attention_bf16, uint16_t, bf16_load, bf16_store)
 RAGGED_ATTENTION(ragged_attention_f32, float, f32_load, f32_store)
-"""
+""" + _avx2_source()
 
 DTYPES = (torch.bfloat16, torch.float32)
+AVX2_NAMES = {torch.bfloat16: "ragged_attention_avx2_bf16", torch.float32: "ragged_attention_avx2_f32"}
+CALL_LAYOUT = struct.Struct("=26qf")  # C call_t
 
 
 @functools.cache
@@ -224,16 +596,68 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+@functools.cache
+def _avx2_kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """dtype -> the AVX2 entry (call_t), where this build has that path."""
+    library = _library()
+    if library is None or not hasattr(library, AVX2_NAMES[torch.float32]):
+        return {}
+    kernels = {}
+    for dtype, name in AVX2_NAMES.items():
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = [ctypes.c_char_p]  # a CALL_LAYOUT bytes object, read in place
+        kernels[dtype] = function
+    return kernels
+
+
 def available() -> bool:
     """Whether the kernel is built (or can be) on this machine."""
     return _library() is not None
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `ragged_attention` takes these tensors (CPU, bf16 or fp32, unit stride in D)."""
-    return (query.device.type == "cpu" and query.dtype in DTYPES and key.dtype == value.dtype == query.dtype
-            and key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(-2) == key.shape[-1]
-            and value.stride(-2) == value.shape[-1] and available())
+    """Whether `ragged_attention` and `grouped_attention` take these tensors (CPU, bf16 or fp32,
+    keys and values with unit stride in D and D-contiguous rows)."""
+    dtype = query.dtype
+    if not (query.is_cpu and (dtype is torch.bfloat16 or dtype is torch.float32) and key.dtype is dtype
+            and value.dtype is dtype):
+        return False
+    key_strides, value_strides = key.stride(), value.stride()
+    return (key_strides[-1] == 1 and key_strides[-2] == key.shape[-1] and value_strides[-1] == 1
+            and value_strides[-2] == value.shape[-1] and available())
+
+
+def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """transformers' layout, for heads/target/cpu_layout.py (the caller checks `supports` first):
+    query [B, Hq, T, D] (any strides), keys and values [B, Hkv, K, D], mask bool [B, 1, T, >= K]
+    or [B, T, >= K] (True = attend; keys past K ignored) or None (every key) -> out [B, T, Hq, D],
+    contiguous. Query head h reads KV head h // (Hq // Hkv). On the AVX2 path the kernel reads
+    the query and writes the output in these layouts: the call allocates only the output."""
+    batch, num_q_heads, num_tokens, head_dim = query_BHTD.shape
+    key_batch, num_kv_heads, num_keys, key_dim = key.shape
+    kernel = _avx2_kernels().get(query_BHTD.dtype) if head_dim % 32 == 0 else None
+    if kernel is None:
+        query_BHGD = query_BHTD.reshape(batch, num_kv_heads, -1, head_dim)
+        mask_BTK = None if mask is None else (mask[:, 0] if mask.dim() == 4 else mask)[..., :num_keys]
+        out_BHGD = ragged_attention(query_BHGD, key, value, mask_BTK, num_tokens, scale)
+        return out_BHGD.view(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
+    group = num_q_heads // num_kv_heads
+    if key_batch != batch or key_dim != head_dim or group * num_kv_heads != num_q_heads or value.shape != key.shape:
+        raise ValueError(f"grouped_attention: query {tuple(query_BHTD.shape)}, keys {tuple(key.shape)}, values "
+                         f"{tuple(value.shape)} do not fit together")
+    q_b, q_head, q_tok, q_d = query_BHTD.stride()
+    if q_d != 1:
+        query_BHTD = query_BHTD.contiguous()
+        q_b, q_head, q_tok, _ = query_BHTD.stride()
+    mask, mask_args = _mask_args(mask, batch, num_tokens, num_keys)  # mask: held while the kernel reads it
+    out_BTHD = torch.empty(batch, num_tokens, num_q_heads, head_dim, dtype=query_BHTD.dtype)
+    row = num_q_heads * head_dim
+    _launch(kernel, query_BHTD.data_ptr(), q_b, group * q_head, q_head, q_tok, key, value, mask_args, num_keys,
+            batch, num_kv_heads, group, num_tokens, head_dim,
+            out_BTHD.data_ptr(), num_tokens * row, group * head_dim, head_dim, row, scale)
+    return out_BTHD
 
 
 def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -250,6 +674,18 @@ def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.T
     if mask_BTK is not None and (mask_BTK.dtype != torch.bool or mask_BTK.shape[:2] != (batch, num_tokens)):
         raise ValueError(f"ragged_attention: the mask must be bool [{batch}, {num_tokens}, <= {key.shape[2]}], got "
                          f"{mask_BTK.dtype} {tuple(mask_BTK.shape)}")
+    kernel = _avx2_kernels().get(query_BHGD.dtype) if head_dim % 32 == 0 else None
+    if kernel is not None:
+        if query_BHGD.stride(3) != 1:
+            query_BHGD = query_BHGD.contiguous()
+        out_BHGD = torch.empty(query_BHGD.shape, dtype=query_BHGD.dtype)
+        q_b, q_kv, q_row, _ = query_BHGD.stride()
+        o_b, o_kv, o_row, _ = out_BHGD.stride()
+        mask_BTK, mask_args = _mask_args(mask_BTK, batch, num_tokens, num_keys)
+        _launch(kernel, query_BHGD.data_ptr(), q_b, q_kv, num_tokens * q_row, q_row, key, value, mask_args, num_keys,
+                batch, num_kv_heads, num_rows // num_tokens, num_tokens, head_dim,
+                out_BHGD.data_ptr(), o_b, o_kv, num_tokens * o_row, o_row, scale)
+        return out_BHGD
     query_BHGD = query_BHGD.contiguous()
     out = torch.empty_like(query_BHGD)
     if mask_BTK is not None:
@@ -263,3 +699,34 @@ def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.T
                               value.stride(0), value.stride(1), *mask_args, num_keys, batch, num_kv_heads,
                               num_rows // num_tokens, num_tokens, head_dim, scale, out.data_ptr())
     return out
+
+
+def _mask_args(mask: torch.Tensor | None, batch: int, num_tokens: int,
+               num_keys: int) -> tuple[torch.Tensor | None, tuple[int, int, int]]:
+    """A bool mask [B, 1, T, >= K] or [B, T, >= K], or None -> (the mask the kernel reads, with
+    unit stride in keys; call_t's (mask, mask_b, mask_t))."""
+    if mask is None:
+        return None, (0, 0, 0)
+    shape = mask.shape
+    if mask.dtype is not torch.bool or shape[0] != batch or shape[-2] != num_tokens or shape[-1] < num_keys \
+            or len(shape) != 3 and (len(shape) != 4 or shape[1] != 1):
+        raise ValueError(f"the mask must be bool [{batch}, (1,) {num_tokens}, >= {num_keys}], got {mask.dtype} "
+                         f"{tuple(shape)}")
+    strides = mask.stride()
+    if strides[-1] != 1:
+        mask = mask.contiguous()
+        strides = mask.stride()
+    return mask, (mask.data_ptr(), strides[0], strides[-2])
+
+
+def _launch(kernel, q: int, q_b: int, q_kv: int, q_head: int, q_tok: int, key: torch.Tensor, value: torch.Tensor,
+            mask_args: tuple[int, int, int], num_keys: int, batch: int, num_kv_heads: int, group: int,
+            num_tokens: int, head_dim: int, out: int, o_b: int, o_kv: int, o_head: int, o_tok: int,
+            scale: float) -> None:
+    """One AVX2 kernel call (call_t): query and output as a pointer and strides in elements per
+    batch row, KV head, query head of a group and token."""
+    k_b, k_kv, _, _ = key.stride()
+    v_b, v_kv, _, _ = value.stride()
+    kernel(CALL_LAYOUT.pack(q, q_b, q_kv, q_head, q_tok, key.data_ptr(), k_b, k_kv, value.data_ptr(), v_b, v_kv,
+                            *mask_args, out, o_b, o_kv, o_head, o_tok, num_keys, batch, num_kv_heads, group,
+                            num_tokens, head_dim, torch.get_num_threads(), scale))
