@@ -634,7 +634,8 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
     query [B, Hq, T, D] (any strides), keys and values [B, Hkv, K, D], mask bool [B, 1, T, >= K]
     or [B, T, >= K] (True = attend; keys past K ignored) or None (every key) -> out [B, T, Hq, D],
     contiguous. Query head h reads KV head h // (Hq // Hkv). On the AVX2 path the kernel reads
-    the query and writes the output in these layouts: the call allocates only the output."""
+    the query and writes the output in these layouts: the call allocates only the output, and
+    its Python (this function) costs about 5 us, most of it torch.empty and ctypes."""
     batch, num_q_heads, num_tokens, head_dim = query_BHTD.shape
     key_batch, num_kv_heads, num_keys, key_dim = key.shape
     kernel = _avx2_kernels().get(query_BHTD.dtype) if head_dim % 32 == 0 else None
@@ -651,12 +652,27 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
     if q_d != 1:
         query_BHTD = query_BHTD.contiguous()
         q_b, q_head, q_tok, _ = query_BHTD.stride()
-    mask, mask_args = _mask_args(mask, batch, num_tokens, num_keys)  # mask: held while the kernel reads it
+    if mask is None:
+        mask_pointer = mask_b = mask_t = 0
+    else:
+        shape = mask.shape
+        if mask.dtype is not torch.bool or shape[0] != batch or shape[-2] != num_tokens or shape[-1] < num_keys \
+                or len(shape) != 3 and (len(shape) != 4 or shape[1] != 1):
+            raise ValueError(f"grouped_attention: the mask must be bool [{batch}, (1,) {num_tokens}, >= {num_keys}], "
+                             f"got {mask.dtype} {tuple(shape)}")
+        mask_strides = mask.stride()
+        if mask_strides[-1] != 1:
+            mask = mask.contiguous()  # held in `mask` while the kernel reads it
+            mask_strides = mask.stride()
+        mask_pointer, mask_b, mask_t = mask.data_ptr(), mask_strides[0], mask_strides[-2]
+    k_b, k_kv, _, _ = key.stride()
+    v_b, v_kv, _, _ = value.stride()
     out_BTHD = torch.empty(batch, num_tokens, num_q_heads, head_dim, dtype=query_BHTD.dtype)
     row = num_q_heads * head_dim
-    _launch(kernel, query_BHTD.data_ptr(), q_b, group * q_head, q_head, q_tok, key, value, mask_args, num_keys,
-            batch, num_kv_heads, group, num_tokens, head_dim,
-            out_BTHD.data_ptr(), num_tokens * row, group * head_dim, head_dim, row, scale)
+    kernel(CALL_LAYOUT.pack(query_BHTD.data_ptr(), q_b, group * q_head, q_head, q_tok, key.data_ptr(), k_b, k_kv,
+                            value.data_ptr(), v_b, v_kv, mask_pointer, mask_b, mask_t,
+                            out_BTHD.data_ptr(), num_tokens * row, group * head_dim, head_dim, row,
+                            num_keys, batch, num_kv_heads, group, num_tokens, head_dim, torch.get_num_threads(), scale))
     return out_BTHD
 
 
@@ -674,18 +690,12 @@ def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.T
     if mask_BTK is not None and (mask_BTK.dtype != torch.bool or mask_BTK.shape[:2] != (batch, num_tokens)):
         raise ValueError(f"ragged_attention: the mask must be bool [{batch}, {num_tokens}, <= {key.shape[2]}], got "
                          f"{mask_BTK.dtype} {tuple(mask_BTK.shape)}")
-    kernel = _avx2_kernels().get(query_BHGD.dtype) if head_dim % 32 == 0 else None
-    if kernel is not None:
-        if query_BHGD.stride(3) != 1:
-            query_BHGD = query_BHGD.contiguous()
-        out_BHGD = torch.empty(query_BHGD.shape, dtype=query_BHGD.dtype)
-        q_b, q_kv, q_row, _ = query_BHGD.stride()
-        o_b, o_kv, o_row, _ = out_BHGD.stride()
-        mask_BTK, mask_args = _mask_args(mask_BTK, batch, num_tokens, num_keys)
-        _launch(kernel, query_BHGD.data_ptr(), q_b, q_kv, num_tokens * q_row, q_row, key, value, mask_args, num_keys,
-                batch, num_kv_heads, num_rows // num_tokens, num_tokens, head_dim,
-                out_BHGD.data_ptr(), o_b, o_kv, num_tokens * o_row, o_row, scale)
-        return out_BHGD
+    if head_dim % 32 == 0 and query_BHGD.dtype in _avx2_kernels():  # in transformers' layout, [B, Hq, T, D]
+        if num_keys < key.shape[2]:
+            key, value = key[:, :, :num_keys], value[:, :, :num_keys]
+        query_BHTD = query_BHGD.reshape(batch, -1, num_tokens, head_dim)
+        out_BTHD = grouped_attention(query_BHTD, key, value, mask_BTK, scale)
+        return out_BTHD.transpose(1, 2).reshape(query_BHGD.shape)
     query_BHGD = query_BHGD.contiguous()
     out = torch.empty_like(query_BHGD)
     if mask_BTK is not None:
@@ -699,34 +709,3 @@ def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.T
                               value.stride(0), value.stride(1), *mask_args, num_keys, batch, num_kv_heads,
                               num_rows // num_tokens, num_tokens, head_dim, scale, out.data_ptr())
     return out
-
-
-def _mask_args(mask: torch.Tensor | None, batch: int, num_tokens: int,
-               num_keys: int) -> tuple[torch.Tensor | None, tuple[int, int, int]]:
-    """A bool mask [B, 1, T, >= K] or [B, T, >= K], or None -> (the mask the kernel reads, with
-    unit stride in keys; call_t's (mask, mask_b, mask_t))."""
-    if mask is None:
-        return None, (0, 0, 0)
-    shape = mask.shape
-    if mask.dtype is not torch.bool or shape[0] != batch or shape[-2] != num_tokens or shape[-1] < num_keys \
-            or len(shape) != 3 and (len(shape) != 4 or shape[1] != 1):
-        raise ValueError(f"the mask must be bool [{batch}, (1,) {num_tokens}, >= {num_keys}], got {mask.dtype} "
-                         f"{tuple(shape)}")
-    strides = mask.stride()
-    if strides[-1] != 1:
-        mask = mask.contiguous()
-        strides = mask.stride()
-    return mask, (mask.data_ptr(), strides[0], strides[-2])
-
-
-def _launch(kernel, q: int, q_b: int, q_kv: int, q_head: int, q_tok: int, key: torch.Tensor, value: torch.Tensor,
-            mask_args: tuple[int, int, int], num_keys: int, batch: int, num_kv_heads: int, group: int,
-            num_tokens: int, head_dim: int, out: int, o_b: int, o_kv: int, o_head: int, o_tok: int,
-            scale: float) -> None:
-    """One AVX2 kernel call (call_t): query and output as a pointer and strides in elements per
-    batch row, KV head, query head of a group and token."""
-    k_b, k_kv, _, _ = key.stride()
-    v_b, v_kv, _, _ = value.stride()
-    kernel(CALL_LAYOUT.pack(q, q_b, q_kv, q_head, q_tok, key.data_ptr(), k_b, k_kv, value.data_ptr(), v_b, v_kv,
-                            *mask_args, out, o_b, o_kv, o_head, o_tok, num_keys, batch, num_kv_heads, group,
-                            num_tokens, head_dim, torch.get_num_threads(), scale))
