@@ -7,12 +7,14 @@ about 1e-5, bf16 about 1e-2 (the output is rounded to bf16).
 
 `grouped_attention` (transformers' layout, the AVX2 path's own entry) is checked at the edges
 of the AVX2 path's tiles: 1..9, 16 and 33 tokens, query rows per KV head no multiple of the
-3-row tile, keys no multiple of the 4- or 8-key tile, head sizes 64, 128, 96 and 48 (which
-falls back), on one thread and on the OpenMP path (rows cut into chunks).
+3-row dot-product or the 6-row outer-product tile, keys no multiple of the 4-, 8- or 16-key
+tile, head sizes 64, 128, 96 and 48 (which falls back), on one thread and on the OpenMP path
+(rows cut into chunks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -158,25 +160,31 @@ def _grouped_reference(query_BHTD, key, value, mask_B1TK, scale):
     return out_BHGD.view(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    """One thread (no OpenMP region), or two (units spread over the threads, rows in chunks)."""
+@contextlib.contextmanager
+def _threads(num_threads):
+    """One thread (no OpenMP region), or more (units spread over the threads, rows in chunks)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33])
-def test_grouped_attention_at_the_tile_edges(dtype, num_tokens, threads):
+@pytest.mark.parametrize("num_tokens,num_threads", [(t, 1) for t in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33)]
+                         + [(t, 2) for t in (1, 6, 8, 33)])
+def test_grouped_attention_at_the_tile_edges(dtype, num_tokens, num_threads):
     generator = torch.Generator().manual_seed(num_tokens)
-    # (batch, KV heads, group, head dim): rows per KV head 3T, 2T, 4T, T; 96 and 48 no kernel size
+    # (batch, KV heads, group, head dim): rows per KV head 3T, 2T, 4T, T, 5T (dot-product tiles
+    # of 3 rows, outer-product tiles of 6 from 12 rows on, and their remainders); head dims 96
+    # and 48 no size the kernel specialises, 48 no multiple of 32 (the plain loops)
     for batch, num_kv_heads, group, head_dim in ((3, 2, 3, 64), (2, 1, 2, 128), (3, 1, 4, 96), (2, 2, 1, 64),
-                                                 (2, 1, 3, 48)):
+                                                 (2, 1, 5, 64), (2, 1, 3, 48)):
         query, key, value, mask = _grouped_case(batch, num_kv_heads, group, num_tokens, head_dim, dtype, generator)
-        got = cpu_attention.grouped_attention(query, key, value, mask, 0.15)
+        with _threads(num_threads):
+            got = cpu_attention.grouped_attention(query, key, value, mask, 0.15)
         expected = _grouped_reference(query, key, value, mask, 0.15)
         assert got.shape == (batch, num_tokens, num_kv_heads * group, head_dim) and got.dtype == dtype
         torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -185,7 +193,7 @@ def test_grouped_attention_at_the_tile_edges(dtype, num_tokens, threads):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_attention_without_a_mask_reads_every_key(dtype, threads):
+def test_grouped_attention_without_a_mask_reads_every_key(dtype):
     generator = torch.Generator().manual_seed(5)
     query, key, value, _ = _grouped_case(2, 3, 3, 1, 64, dtype, generator)
     key, value = key[:, :, :40], value[:, :, :40]
