@@ -12,13 +12,15 @@ Three paths, one chosen when the C is compiled:
 - AVX512-BF16 (bf16 only): dot-product instructions on the bf16 values themselves (four keys'
   scores per reduction, two keys' values per instruction).
 - AVX2 + FMA, where AVX512-BF16 is not (bf16 and fp32, head dims a multiple of 32): register
-  tiles of 3 query rows x 4 keys for the scores (the dot products reduced four at a time) and
-  3 rows x 32 dims for the values (probabilities broadcast, values widened in registers: bf16
-  is the top half of an fp32, so a shift or a mask widens it), a vectorised softmax, and
-  per-thread scratch. It reads the query and writes the output in transformers' layouts
-  (`grouped_attention`), so a call allocates only its output. SmolLM2's shapes, bf16, one
-  layer on one Zen 3 core, a `ragged_attention` call: one row x 1 token over 300 keys
-  42 -> 25 us, x 8 tokens 210 -> 107 us (the plain loops -> this path).
+  tiles for the scores (3 query rows x 4 keys, dot products reduced four at a time; from 12
+  rows on, 6 rows x 16 keys as outer products over keys transposed once) and 3 rows x 32 dims
+  for the values (probabilities broadcast, values widened in registers: bf16 is the top half
+  of an fp32, so a shift or a mask widens it), a vectorised softmax, keys and values
+  prefetched, per-thread scratch. It reads the query and writes the output in transformers'
+  layouts (`grouped_attention`), so a call allocates only its output. SmolLM2's shapes
+  (3 KV heads, group 3, head dim 64), bf16, one layer on one Zen 3 core, a
+  `grouped_attention_forward` call (the plain loops and their wrapper -> this path): one row
+  x 1 token over 300 keys 66 -> 22 us, x 8 tokens 250 -> 97 us.
 - plain C loops that the compiler vectorises: fp32 on AVX512-BF16 CPUs, other head dims, and
   CPUs without AVX2. 96 SmolLM2 rows at 100-800 keys (mean 410), one layer: the bmm path
   3.2-4.1 ms, the plain loops 2.0 ms, AVX512-BF16 1.0 ms.
@@ -756,7 +758,7 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
     or [B, T, >= K] (True = attend; keys past K ignored) or None (every key) -> out [B, T, Hq, D],
     contiguous. Query head h reads KV head h // (Hq // Hkv). On the AVX2 path the kernel reads
     the query and writes the output in these layouts: the call allocates only the output, and
-    its Python (this function) costs about 5 us, most of it torch.empty and ctypes."""
+    its Python (this function) costs about 6 us, half of it torch.empty and ctypes."""
     batch, num_q_heads, num_tokens, head_dim = query_BHTD.shape
     key_batch, num_kv_heads, num_keys, key_dim = key.shape
     kernel = _avx2_kernels().get(query_BHTD.dtype) if head_dim % 32 == 0 else None
