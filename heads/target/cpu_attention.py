@@ -81,7 +81,10 @@ KEY_BLOCK_BYTES = 16384  # keys scored against every query row while they sit in
 # token over 300 keys, each call on another layer's cache: 35 -> 25 us a call on one core.
 PREFETCH_BYTES = 2048
 PREFETCH_ROWS = 16
-PARALLEL_WORK = 1 << 15  # query rows x keys x dims from which a call spreads over the threads
+# Query rows x keys x dims from which a call spreads over the OpenMP threads: below, the fork and
+# join cost more than they save (SmolLM2's shapes, bf16, 2 threads: one row x 1 token over
+# 100 keys, 58K, 10.6 us in one thread, 12.0 us in two; over 200 keys 15.6 and 14.7 us).
+PARALLEL_WORK = 1 << 16
 
 
 def _score_tile(kind: str, rows: int) -> str:
