@@ -73,7 +73,6 @@ SCORE_KEYS = {3: 4, 2: 4, 1: 8}  # query rows per score tile -> keys per tile (1
 # 300 keys: 24 rows 4.1 -> 5.0 G FMA/s, 192 rows 4.0 -> 5.8 (12 rows 4.4; 6 rows 3.5, slower).
 OUTER_ROWS = 12
 OUTER_TILE = 6
-VALUE_DIMS = 32  # output dims per value tile (4 vectors)
 KEY_BLOCK_BYTES = 16384  # keys scored against every query row while they sit in L1
 # Prefetch distances: score tiles read keys, and the values' same rows into L2, PREFETCH_BYTES
 # ahead; value tiles read values PREFETCH_ROWS rows ahead. A decode step's caches come from
@@ -94,11 +93,13 @@ def _score_tile(kind: str, rows: int) -> str:
     values, only prefetched (the value tiles read them next)."""
     ctype, (step, vectors), keys = KINDS[kind], SCORE_STEPS[kind], SCORE_KEYS[rows]
     acc = [f"a{r}_{u}" for r in range(rows) for u in range(keys)]
-    lines = [f"static NOINLINE void score_{kind}_{rows}(const float* q, int64_t qs, const {ctype}* kp, const {ctype}* vp,",
-             "                                    int j0, int j1, int last, int dim, float* s, int64_t ss) {",
+    lines = [f"static NOINLINE void score_{kind}_{rows}(const float* q, int64_t qs, const {ctype}* kp,",
+             f"                                    const {ctype}* vp, int j0, int j1, int last, int dim, float* s,",
+             "                                    int64_t ss) {",
              f"    for (int j = j0; j < j1; j += {keys}) {{"]
-    lines += [f"        const {ctype}* k{u} = kp + (int64_t)(j + {u} <= last ? j + {u} : last) * dim;" for u in range(keys)]
-    lines += [f"        for (int64_t b = 0; b < (int64_t)sizeof({ctype}) * {keys} * dim; b += 64) {{  /* rows j.. are contiguous */",
+    lines += [f"        const {ctype}* k{u} = kp + (int64_t)(j + {u} <= last ? j + {u} : last) * dim;"
+              for u in range(keys)]
+    lines += [f"        for (int64_t b = 0; b < (int64_t)sizeof({ctype}) * {keys} * dim; b += 64) {{  /* rows j.. */",
               "            _mm_prefetch((const char*)(kp + (int64_t)j * dim) + PREFETCH + b, _MM_HINT_T0);",
               "            _mm_prefetch((const char*)(vp + (int64_t)j * dim) + PREFETCH + b, _MM_HINT_T1);",
               "        }"]
@@ -114,7 +115,8 @@ def _score_tile(kind: str, rows: int) -> str:
                                                        for r in range(rows)))
         lines.append("            }")
     lines.append("        }")
-    lines += [f"        _mm_storeu_ps(s + {r} * ss + j + {u}, sum4_256(a{r}_{u}, a{r}_{u + 1}, a{r}_{u + 2}, a{r}_{u + 3}));"
+    lines += [f"        _mm_storeu_ps(s + {r} * ss + j + {u}, "
+              f"sum4_256(a{r}_{u}, a{r}_{u + 1}, a{r}_{u + 2}, a{r}_{u + 3}));"
               for r in range(rows) for u in range(0, keys, 4)]
     return "\n".join(lines + ["    }", "}"])
 
@@ -123,8 +125,8 @@ def _outer_tile(rows: int) -> str:
     """C of outer_<rows>: s[r][0..16) = q[r] . kt[.][0..16) for `rows` query rows (q: fp32, in
     order, stride qs; kt: 16 keys transposed, [dim][16] fp32)."""
     acc = [f"a{r}_{h}" for r in range(rows) for h in (0, 1)]
-    lines = ["static NOINLINE void outer_%d(const float* q, int64_t qs, const float* kt, int dim, float* s, int64_t ss) {"
-             % rows,
+    lines = [f"static NOINLINE void outer_{rows}(const float* q, int64_t qs, const float* kt, int dim, float* s,",
+             "                             int64_t ss) {",
              "    __m256 " + ", ".join(f"{a} = _mm256_setzero_ps()" for a in acc) + ";",
              "    for (int d = 0; d < dim; d++) {",
              "        const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);",
@@ -132,7 +134,8 @@ def _outer_tile(rows: int) -> str:
     lines += [f"        b = _mm256_broadcast_ss(q + {r} * qs + d); a{r}_0 = _mm256_fmadd_ps(b, k0, a{r}_0); "
               f"a{r}_1 = _mm256_fmadd_ps(b, k1, a{r}_1);" for r in range(rows)]
     lines.append("    }")
-    lines += [f"    _mm256_storeu_ps(s + {r} * ss, a{r}_0); _mm256_storeu_ps(s + {r} * ss + 8, a{r}_1);" for r in range(rows)]
+    lines += [f"    _mm256_storeu_ps(s + {r} * ss, a{r}_0); _mm256_storeu_ps(s + {r} * ss + 8, a{r}_1);"
+              for r in range(rows)]
     return "\n".join(lines + ["}"])
 
 
@@ -145,8 +148,8 @@ def _value_tile(kind: str, rows: int) -> str:
         loads = tuple(load.replace("bf16_odd(", "bf16_odd_shifts(") for load in loads)
     sets = 2 if rows == 1 else 1
     acc = [f"a{s}{r}_{i}" for s in range(sets) for r in range(rows) for i in range(4)]
-    lines = [f"static NOINLINE void value_{kind}_{rows}(const float* p, int64_t ps, const {ctype}* v, int dim, int L,",
-             f"                                    {ctype}* const* o) {{",
+    lines = [f"static NOINLINE void value_{kind}_{rows}(const float* p, int64_t ps, const {ctype}* v, int dim,",
+             f"                                    int L, {ctype}* const* o) {{",
              "    __m256 " + ", ".join(f"{a} = _mm256_setzero_ps()" for a in acc) + ";",
              "    int j = 0;",
              f"    for (; j + {sets} <= L; j += {sets}) {{"]
@@ -154,7 +157,7 @@ def _value_tile(kind: str, rows: int) -> str:
         lines += ["        {",
                   f"            const {ctype}* vj = v + (int64_t)(j + {s}) * dim;",
                   f"            for (int b = 0; b < (int)sizeof({ctype}) * 32; b += 64)",
-                  "                _mm_prefetch((const char*)vj + PREFETCH_ROWS * (int64_t)sizeof(" + ctype + ") * dim + b, _MM_HINT_T0);",
+                  f"                _mm_prefetch((const char*)(vj + PREFETCH_ROWS * (int64_t)dim) + b, _MM_HINT_T0);",
                   "            const __m256 " + ", ".join(f"p{r} = _mm256_broadcast_ss(p + {r} * ps + j + {s})"
                                                         for r in range(rows)) + ";"]
         for i, load in enumerate(loads):
@@ -489,7 +492,8 @@ static void unit_KIND(const call_t* c, int chunk, int per_task, int64_t u) {
     const uint8_t* mp = c->mask ? (const uint8_t*)(intptr_t)c->mask + b * c->mask_b : 0;
     const int L = row_length(mp, c->mask_t, (int)c->tokens, (int)c->num_keys);
     attend_KIND((const T*)(intptr_t)c->q + b * c->q_b + h * c->q_kv, c->q_head, c->q_tok,
-                (const T*)(intptr_t)c->k + b * c->k_b + h * c->k_kv, (const T*)(intptr_t)c->v + b * c->v_b + h * c->v_kv,
+                (const T*)(intptr_t)c->k + b * c->k_b + h * c->k_kv,
+                (const T*)(intptr_t)c->v + b * c->v_b + h * c->v_kv,
                 mp, c->mask_t, L, g0, G - g0 < chunk ? G - g0 : chunk, (int)c->tokens, (int)c->dim, c->scale,
                 (T*)(intptr_t)c->out + b * c->o_b + h * c->o_kv, c->o_head, c->o_tok);
 }
@@ -764,16 +768,22 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
     its Python (this function) costs about 6 us, half of it torch.empty and ctypes."""
     batch, num_q_heads, num_tokens, head_dim = query_BHTD.shape
     key_batch, num_kv_heads, num_keys, key_dim = key.shape
-    kernel = _avx2_kernels().get(query_BHTD.dtype) if head_dim % 32 == 0 else None
-    if kernel is None:
-        query_BHGD = query_BHTD.reshape(batch, num_kv_heads, -1, head_dim)
-        mask_BTK = None if mask is None else (mask[:, 0] if mask.dim() == 4 else mask)[..., :num_keys]
-        out_BHGD = ragged_attention(query_BHGD, key, value, mask_BTK, num_tokens, scale)
-        return out_BHGD.view(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
     group = num_q_heads // num_kv_heads
     if key_batch != batch or key_dim != head_dim or group * num_kv_heads != num_q_heads or value.shape != key.shape:
         raise ValueError(f"grouped_attention: query {tuple(query_BHTD.shape)}, keys {tuple(key.shape)}, values "
                          f"{tuple(value.shape)} do not fit together")
+    if mask is not None:
+        shape = mask.shape
+        if mask.dtype is not torch.bool or shape[0] != batch or shape[-2] != num_tokens or shape[-1] < num_keys \
+                or len(shape) != 3 and (len(shape) != 4 or shape[1] != 1):
+            raise ValueError(f"grouped_attention: the mask must be bool [{batch}, (1,) {num_tokens}, >= {num_keys}], "
+                             f"got {mask.dtype} {tuple(shape)}")
+    kernel = _avx2_kernels().get(query_BHTD.dtype) if head_dim % 32 == 0 else None
+    if kernel is None:
+        query_BHGD = query_BHTD.reshape(batch, num_kv_heads, group * num_tokens, head_dim)
+        mask_BTK = None if mask is None else (mask[:, 0] if mask.dim() == 4 else mask)[..., :num_keys]
+        out_BHGD = ragged_attention(query_BHGD, key, value, mask_BTK, num_tokens, scale)
+        return out_BHGD.view(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
     q_b, q_head, q_tok, q_d = query_BHTD.stride()
     if q_d != 1:
         query_BHTD = query_BHTD.contiguous()
@@ -781,11 +791,6 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
     if mask is None:
         mask_pointer = mask_b = mask_t = 0
     else:
-        shape = mask.shape
-        if mask.dtype is not torch.bool or shape[0] != batch or shape[-2] != num_tokens or shape[-1] < num_keys \
-                or len(shape) != 3 and (len(shape) != 4 or shape[1] != 1):
-            raise ValueError(f"grouped_attention: the mask must be bool [{batch}, (1,) {num_tokens}, >= {num_keys}], "
-                             f"got {mask.dtype} {tuple(shape)}")
         mask_strides = mask.stride()
         if mask_strides[-1] != 1:
             mask = mask.contiguous()  # held in `mask` while the kernel reads it
