@@ -343,9 +343,9 @@ static float* scratch(size_t floats) {
     return scratch_buffer;
 }
 
-/* A call's operands (ragged_attention_avx2_*), packed by Python's struct (CALL_LAYOUT): one
-   ctypes argument instead of 27 (about 1 us less a call). Strides in elements; query row g of
-   KV head h is query head h * group + g / tokens at token g % tokens. */
+/* A call's operands (ragged_attention_avx2_*), packed by Python's struct (CALL_LAYOUT) and read
+   in place: one ctypes argument instead of 27 typed ones, 0.8 us a call instead of 3.8. Strides
+   in elements; query row g of KV head h is query head h * group + g / tokens at token g % tokens. */
 typedef struct {
     int64_t q, q_b, q_kv, q_head, q_tok;          /* query [B, Hkv * group, T, D], unit stride in D */
     int64_t k, k_b, k_kv, v, v_b, v_kv;            /* keys, values [B, Hkv, >= num_keys, D] (D-contiguous rows) */
@@ -762,10 +762,11 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
                       scale: float) -> torch.Tensor:
     """transformers' layout, for heads/target/cpu_layout.py (the caller checks `supports` first):
     query [B, Hq, T, D] (any strides), keys and values [B, Hkv, K, D], mask bool [B, 1, T, >= K]
-    or [B, T, >= K] (True = attend; keys past K ignored) or None (every key) -> out [B, T, Hq, D],
-    contiguous. Query head h reads KV head h // (Hq // Hkv). On the AVX2 path the kernel reads
-    the query and writes the output in these layouts: the call allocates only the output, and
-    its Python (this function) costs about 6 us, half of it torch.empty and ctypes."""
+    or [B, T, >= K] (True = attend; keys past K ignored) or None (every key) -> out [B, T, Hq, D].
+    Query head h reads KV head h // (Hq // Hkv). On the AVX2 path the kernel reads the query and
+    writes the (contiguous) output in these layouts: the call allocates only the output, and its
+    Python (this function) costs about 6 us, half of it torch.empty and ctypes; elsewhere it
+    runs `ragged_attention` on a [B, Hkv, G, D] copy of the query."""
     batch, num_q_heads, num_tokens, head_dim = query_BHTD.shape
     key_batch, num_kv_heads, num_keys, key_dim = key.shape
     group = num_q_heads // num_kv_heads
