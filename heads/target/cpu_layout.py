@@ -176,24 +176,22 @@ def grouped_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     Anything else (a float or a per-head mask, no mask over several query tokens, dropout,
     extra kwargs such as sinks; without the kernel also no mask at all, or a single query
     token in a single row) goes to transformers' own SDPA function."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     batch, num_q_heads, num_new, head_dim = query.shape
     kernel = cpu_attention.supports(query, key, value)
-    masked = attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
+    masked = attention_mask is not None and attention_mask.dtype is torch.bool and attention_mask.shape[1] == 1
     covered = (not dropout and not kwargs.get("s_aux") and key.shape[-1] == value.shape[-1]
                and (masked and (batch * num_new > 1 or kernel) or attention_mask is None and num_new == 1 and kernel))
     if not covered:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    if kernel:  # each row's own keys, read in place (heads/target/cpu_attention.py); no mask: all of them
+        return cpu_attention.grouped_attention(query, key, value, attention_mask, scale), None
     num_kv_heads, num_keys = key.shape[1], key.shape[2]
     group = num_q_heads // num_kv_heads
-    scale = head_dim ** -0.5 if scaling is None else scaling
     query_BHGD = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # G = group * T rows per KV head
-    if kernel:  # each row's own keys, read in place (heads/target/cpu_attention.py); no mask: all of them
-        mask_BTK = None if attention_mask is None else attention_mask[:, 0, :, :num_keys]
-        out_BHGD = cpu_attention.ragged_attention(query_BHGD, key, value, mask_BTK, num_new, scale)
-        return out_BHGD.view(batch, num_q_heads, num_new, head_dim).transpose(1, 2), None
     visible_B1TK = attention_mask[..., :num_keys]  # a mask may be longer than the keys, as SDPA allows
     out_BHGD = torch.empty_like(query_BHGD)
     for rows_N, length in _row_buckets(visible_B1TK):
