@@ -68,7 +68,7 @@ from specheads.training.head_kinds import HeadKind, head_kind
 from specheads.training.progress import Progress
 from specheads.training.steps import StepParts, bf16_autocast, train_step
 from specheads.training.tracking import eval_metrics, make_tracker, new_run_id, step_metrics
-from specheads.training.zero3 import gathered, load_target
+from specheads.training.zero3 import gathered, load_target, teacher_runs_inference_layout
 
 HEADS_SUBDIR = "heads"
 # Recipe keys that must match a checkpoint to resume from it (they shape the state or the data).
@@ -93,14 +93,16 @@ def run(recipe: Recipe) -> Path:
     target_path = _resolve_target(recipe.target.name_or_path)
     check_target_exists(target_path)  # fail before starting DeepSpeed
     recipe = _materialize_chat_source(recipe, target_path)
-    recipe = resolve_auto(recipe, train_device())
+    inference_layout = teacher_runs_inference_layout(recipe, train_device())
+    recipe = resolve_auto(recipe, target_path, train_device())
     dist = init_distributed()
     train_cfg, output_dir = recipe.train, Path(recipe.train.output_dir)
     random.seed(train_cfg.seed)
     torch.manual_seed(train_cfg.seed)
 
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
-    target, target_engine = load_target(recipe, target_path, dist)  # keep the engine: it gathers ZeRO-3 weights
+    # keep the engine: it gathers ZeRO-3 weights
+    target, target_engine = load_target(recipe, target_path, dist, inference_layout)
     train_blocks, eval_blocks = load_training_data(recipe.data, target_path, train_cfg.seed, _eos_token_id(target),
                                                    target.vocab_size, recipe.target.trust_remote_code)
     config = _heads_config(recipe, target)
@@ -215,16 +217,20 @@ def _materialize_chat_source(recipe: Recipe, target_path: str) -> Recipe:
     return recipe.replace(data=data)
 
 
-def resolve_auto(recipe: Recipe, device: str) -> Recipe:
-    """target.dtype and train.precision "auto" -> the training device's fast dtype (bf16 on a GPU
-    or a CPU with native bf16; fp32 on any other CPU, where torch's bf16 is emulated and slower),
-    so that every later step, the checkpoints and the resume check see one concrete value."""
-    from specheads.heads.target.adapter import AUTO, resolve_dtype
+def resolve_auto(recipe: Recipe, target_path: str, device: str) -> Recipe:
+    """train.precision "auto" -> the training device's fast dtype (bf16 on a GPU or a CPU with
+    native bf16; fp32 on any other CPU, where torch's bf16 is emulated and slower); target.dtype
+    "auto" -> the same, or the dtype it serves in where the teacher loads as serving loads it
+    (training/zero3.py teacher_runs_inference_layout): so that every later step, the checkpoints
+    and the resume check see one concrete value."""
+    from specheads.heads.target.adapter import AUTO, inference_dtype, resolve_dtype
 
     fast = resolve_dtype(AUTO, device)
     target, train = recipe.target, recipe.train
     if target.dtype == AUTO:
-        target = target.replace(dtype=str(fast).removeprefix("torch."))
+        teacher = inference_dtype(target_path, AUTO, device, target.trust_remote_code) \
+            if teacher_runs_inference_layout(recipe, device) else fast
+        target = target.replace(dtype=str(teacher).removeprefix("torch."))
     if train.precision == AUTO:
         train = train.replace(precision={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(fast, "fp32"))
     return recipe.replace(target=target).replace(train=train)

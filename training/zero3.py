@@ -17,13 +17,25 @@ from specheads.training.distributed import Dist, train_device
 from specheads.training.ds_config import build_ds_config
 
 
-def load_target(recipe: Recipe, target_path: str, dist: Dist):
+def teacher_runs_inference_layout(recipe: Recipe, device: str) -> bool:
+    """Whether the frozen target loads as serving loads it (heads/target/cpu_layout.py: weights packed,
+    the fused forward, the inference dtype): for target.dtype "auto" on a CPU, when nothing trains
+    the target (no lora) and ZeRO-3 does not partition it. Its forward then costs what it costs at
+    serving, in the dtype it serves in (bf16 on an AVX2 CPU with heads/target/cpu_gemm.py's
+    kernel, where training math is fp32). Asked before "auto" is resolved (training/trainer.py)."""
+    return recipe.target.dtype == "auto" and recipe.lora is None and recipe.train.zero_stage != 3 \
+        and device.split(":")[0] == "cpu"
+
+
+def load_target(recipe: Recipe, target_path: str, dist: Dist, inference_layout: bool = False):
     """-> (the frozen target on this rank's device, its ZeRO-3 engine or None when it is whole).
-    Keep the engine while the target is used: it owns the hooks that gather the weights."""
+    Keep the engine while the target is used: it owns the hooks that gather the weights.
+    inference_layout: `teacher_runs_inference_layout`."""
     kwargs = {"dtype": recipe.target.dtype, "device": train_device(),
               "trust_remote_code": recipe.target.trust_remote_code}
     if recipe.train.zero_stage != 3:
-        return TargetAdapter.from_pretrained(target_path, **kwargs), None
+        return TargetAdapter.from_pretrained(target_path, pack_weights="auto" if inference_layout else False,
+                                             **kwargs), None
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
