@@ -6,7 +6,7 @@
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
                               [--thinking default|on|off] [--device auto|cpu|cuda[:N]] [--enforce-eager]
     specheads data regenerate --server URL [--server URL ...] [--target SERVED_NAME] --input FILE --output FILE
-                              [--server-concurrency N] [--max-retries N] [--request-timeout S] [--api-key KEY]
+                              [--server-concurrency N] [--retry-minutes M] [--request-timeout S] [--api-key KEY]
                               [--temperature T] [--top-p P] [--top-k K] [--seed S] [--max-new-tokens N] [--thinking M]
     specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
     specheads data store --input REPLIES.jsonl --target T --output DIR [--tokenizer PATH] [--thinking MODE]
@@ -14,8 +14,10 @@
 --device defaults to auto (CUDA when torch sees a GPU, else the CPU); on a CUDA device
 regenerate replays its decode steps as CUDA graphs unless --enforce-eager. With --server,
 regenerate loads nothing: OpenAI-compatible servers (vLLM, SGLang, `specheads serve`) make
-the replies (data/remote_replies.py); it exits 1 when a record's request failed every retry
-(the output holds the records before it; a rerun resumes there).
+the replies (data/remote_replies.py); a record a server refuses (4xx) goes to
+OUTPUT.rejects.jsonl with the server's message and the run goes on; it exits 1 when a record's
+request kept failing for --retry-minutes (the output holds the records before it; a rerun
+resumes there).
 
 `add_parser(subparsers)` registers the "data" command on the top-level parser and
 `run(args)` executes it (the returned int is the exit status). Machinery is imported
@@ -125,7 +127,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # regenerate's options that only its --server path has: dest -> (flag, its default there)
-SERVER_OPTIONS = {"server_concurrency": ("--server-concurrency", 8), "max_retries": ("--max-retries", 5),
+SERVER_OPTIONS = {"server_concurrency": ("--server-concurrency", 8), "retry_minutes": ("--retry-minutes", 10.0),
                   "request_timeout": ("--request-timeout", 600.0), "api_key": ("--api-key", None),
                   "temperature": ("--temperature", 0.0), "top_p": ("--top-p", 1.0), "top_k": ("--top-k", 0),
                   "seed": ("--seed", None)}
@@ -140,8 +142,9 @@ def _add_server_options(p) -> None:
                         "http://127.0.0.1:8000; repeatable: requests are spread over them. Nothing loads locally")
     p.add_argument("--server-concurrency", type=int, default=None, metavar="N",
                    help="with --server: requests in flight per server (default 8)")
-    p.add_argument("--max-retries", type=int, default=None, metavar="N",
-                   help="with --server: times a failed request is sent again, with exponential backoff (default 5)")
+    p.add_argument("--retry-minutes", type=float, default=None, metavar="M",
+                   help="with --server: how long a failed request keeps being retried, with exponential backoff and "
+                        "jitter, before the run stops at its record (default 10)")
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="with --server: seconds one reply may take (default 600)")
     p.add_argument("--api-key", default=None,
@@ -247,7 +250,7 @@ def _regenerate_with_servers(args) -> int:
     run = regenerate_with_servers(args.server, args.input, args.output, model=args.target,
                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                   max_batches=args.max_batches, thinking=args.thinking, sampling=sampling,
-                                  concurrency=options["server_concurrency"], max_retries=options["max_retries"],
+                                  concurrency=options["server_concurrency"], retry_minutes=options["retry_minutes"],
                                   request_timeout_s=options["request_timeout"],
                                   api_key=options["api_key"] or os.environ.get("OPENAI_API_KEY"))
     print(f"regenerate: {args.output}: {run.summary()}")

@@ -17,6 +17,7 @@ verify forward replays a CUDA graph with the tree-attention kernel, unless --enf
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from specheads.errors import UserError
 from specheads.options import add_device_options, add_lookup_option, add_store_option, apply_device_options
@@ -89,7 +90,8 @@ def run(args) -> int:
         torch.set_num_threads(args.torch_threads)
     if args.request_timeout <= 0:
         raise UserError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    config = ServeConfig(model_name=args.served_model_name or args.target, api_key=api_key,
+    root = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target  # as regenerate records it
+    config = ServeConfig(model_name=args.served_model_name or args.target, model_root=root, api_key=api_key,
                          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, public_metrics=args.public_metrics,

@@ -340,7 +340,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def model_card() -> dict:
         return {"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "specheads",
-                "max_model_len": state.max_model_len or None}
+                "root": state.config.model_root or state.config.model_name, "max_model_len": state.max_model_len or None}
 
     @app.get("/v1/models")
     async def models():

@@ -18,6 +18,7 @@ log = logging.getLogger("specheads.serve")
 @dataclass
 class ServeConfig:
     model_name: str
+    model_root: str | None = None  # what /v1/models names as the model's `root` (the target; default: model_name)
     api_key: str | None = None
     max_concurrency: int = 8  # sequences decoded together
     max_queue: int = 64  # requests waiting for admission before 503
