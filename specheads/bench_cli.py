@@ -86,7 +86,7 @@ import sys
 from specheads.errors import UserError
 from specheads.options import (STORE_HELP, add_device_options, add_lookup_option, add_output_json_option,
                                add_store_option, apply_device_options, human_output, write_json_report)
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP
 
 
 def int_list(text: str, option: str, example: str) -> list[int]:
@@ -105,7 +105,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)
     p.add_argument("--heads", action="append", default=[], metavar="DIR[,DIR...]",
-                   help="heads directory (repeatable or comma-separated: benched side by side); "
+                   help=HEADS_HELP + " (repeatable or comma-separated: benched side by side); "
                         "omit to bench only plain decoding and the peers")
     p.add_argument("--prompts", help="Spec-Bench question.jsonl (default: the shipped 6-category set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")

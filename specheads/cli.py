@@ -35,14 +35,14 @@ from specheads import __version__
 from specheads.errors import EXIT_USER_ERROR, UserError
 from specheads.options import (Parser, add_device_options, add_lookup_option, add_output_json_option,
                                add_store_option, apply_device_options, write_json_report)
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP
 
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with (or without) heads and print alpha, tau, tokens/s")
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)
-    p.add_argument("--heads", help="heads directory (config.json + model.safetensors); omit for plain decoding")
+    p.add_argument("--heads", help=HEADS_HELP + "; omit for plain decoding")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)

@@ -297,6 +297,10 @@ def _store(args) -> int:
 
 def run(args) -> int:
     try:
+        if args.data_command in ("report", "regenerate", "cache", "store"):
+            from specheads.data.text import check_source
+
+            check_source(args.input)  # before any target resolves, builds or loads
         if args.data_command == "prompts":
             return _prompts(args)
         if args.data_command == "report":

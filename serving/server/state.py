@@ -60,9 +60,12 @@ class ServerState:
     # requests being answered (event-loop side; weak: a response that never started leaves none behind)
     jobs: weakref.WeakSet[Job] = field(default_factory=weakref.WeakSet)
     cut_off: bool = False  # the shutdown's grace period has ended: requests still running get a 503
+    on_failed: Callable[[], None] | None = None  # called when loading fails (serve: stop the server)
 
     def load(self) -> None:
-        """Load the model and start the engine (runs in a background thread)."""
+        """Load the model and start the engine (runs in a background thread). A failure is
+        logged in one line (its traceback at debug level), reported by /health, and handed to
+        `on_failed`: `specheads serve` then stops and exits non-zero, as vLLM does."""
         try:
             decoder, tokenizer = self.loader()
             limit = int(getattr(decoder.target.config, "max_position_embeddings", 0) or 0)
@@ -80,10 +83,13 @@ class ServerState:
             self.engine = engine
             self.status = "ready"
             log.info("model %s ready (max_model_len %d)", self.config.model_name, self.max_model_len)
-        except Exception as err:  # noqa: BLE001 - reported through /health, never raised into uvicorn
-            log.exception("loading the model failed")
+        except Exception as err:  # noqa: BLE001 - reported through /health and on_failed, never raised into uvicorn
             self.error = f"{type(err).__name__}: {err}"
             self.status = "failed"
+            log.error("loading the model failed: %s", self.error)
+            log.debug("loading the model failed", exc_info=True)
+            if self.on_failed is not None:
+                self.on_failed()
 
     def cut_off_in_flight(self) -> int:
         """The grace period is over: answer every request still running with a 503 and drop its
