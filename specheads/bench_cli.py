@@ -124,7 +124,7 @@ def add_parser(subparsers) -> None:
     add_output_json_option(p, old_json="path")
     p.add_argument("--plot", metavar="OUT.png",
                    help="write a PNG of charts (acceptance by depth; speedup vs tree size; tokens/s per method "
-                        "over prompts); needs matplotlib: pip install 'specheads[plot]'")
+                        "over prompts); needs matplotlib: pip install matplotlib")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up decode per method")
     p.add_argument("--no-fallback", action="store_true",
                    help="never let the engine switch a request to plain decoding (measures the heads themselves)")

@@ -194,7 +194,8 @@ def run_converter(converter: Path, model_dir: Path, outfile: Path, outtype: str,
                             "pre-tokenizer hash is not in get_vocab_base_pre); pass --pre-tokenizer NAME, e.g. "
                             "gpt-2 for a byte-level BPE with GPT-2's regex")
     if "No module named 'sentencepiece'" in result.stdout:
-        raise LlamaCppError("llama.cpp's converter needs sentencepiece: pip install 'specheads[llama-cpp]'")
+        raise LlamaCppError("llama.cpp's converter needs sentencepiece: pip install sentencepiece (in a clone of specheads: "
+                            "pip install -e '.[llama-cpp]')")
     raise LlamaCppError(f"llama.cpp's converter failed on {str(model_dir)!r} (exit {result.returncode}): "
                         f"{_last_error(result.stdout)}")
 
