@@ -22,6 +22,7 @@ from pathlib import Path
 from specheads.errors import UserError
 from specheads.options import add_device_options, add_lookup_option, add_store_option, apply_device_options
 from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP
+from specheads.serving.server.reasoning import PARSERS as REASONING_PARSERS
 
 
 def add_parser(subparsers) -> None:
@@ -49,6 +50,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --target)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the tokenizer's; without one, specheads' documented fallback)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a chat reply's <think>...</think> into message.reasoning_content (a stream's "
+                        "delta.reasoning_content), as vLLM's and SGLang's parsers of these names do: qwen3 (a reply "
+                        "that opens with <think>) or deepseek_r1 (the template opened it); default: no split")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
@@ -100,7 +105,7 @@ def run(args) -> int:
                          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, public_metrics=args.public_metrics,
-                         chat_template=chat_template)
+                         chat_template=chat_template, reasoning_parser=args.reasoning_parser)
 
     def loader():
         decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
