@@ -177,20 +177,22 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
 
 
 def report_chat_data(path: str | Path, tokenizer_path: str, draft_vocab_size: int | None = None,
-                     eval_paths: list[str | Path] = (), thinking: str = "default") -> dict:
+                     eval_paths: list[str | Path] = (), thinking: str = "default",
+                     trust_remote_code: bool = False) -> dict:
     """What a file of chat records (regenerate's output) holds: conversations, reply tokens (the
     tokens under the assistant loss mask, as training counts them: data/chat.py), conversations by
     number of replies, distinct first prompts (after normalize), and, given draft_vocab_size and
     evaluation files, the share of the evaluation replies' tokens the draft vocabulary covers (the
     draft_vocab_size most frequent training reply tokens plus EOS: heads/draft_vocab.py).
-    thinking: the chat template's thinking mode, as training renders the records (data/chat.py)."""
+    thinking: the chat template's thinking mode, as training renders the records (data/chat.py).
+    trust_remote_code: allow the tokenizer's own code."""
     import torch
 
     from specheads.data.chat import ensure_chat_template, thinking_kwargs
     from specheads.data.text import load_records, load_tokenizer
     from specheads.heads.draft_vocab import build_draft_vocab
 
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     ensure_chat_template(tokenizer)
     template_kwargs = thinking_kwargs(tokenizer, thinking)
     ids, replies, firsts, skipped = _reply_tokens(load_records(str(path)), tokenizer, template_kwargs)

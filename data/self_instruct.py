@@ -157,7 +157,7 @@ def plan(num: int, seed: int, *, repeat: bool = False) -> list[tuple[str, str]]:
 
 def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *, max_new_tokens: int = 64,
                         batch_size: int = 64, dtype: str = "auto", device: str = "cpu", temperature: float = 0.0,
-                        seed: int = 0) -> list[tuple[str, str]]:
+                        seed: int = 0, trust_remote_code: bool = False) -> list[tuple[str, str]]:
     """The target's answer to each (kind, instruction), cleaned: -> (kind, candidate) pairs.
     Greedy at temperature 0; above it, sampled (top-p TOP_P), the i-th answer with its own
     seed drawn from `seed`, so a seed gives the same candidates on a rerun. On a CUDA device
@@ -168,9 +168,9 @@ def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *
 
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
         raise ValueError(f"self-instruct temperature must be a number in [0, 2] (0 = greedy), got {temperature!r}")
-    tokenizer = load_tokenizer(target_path)
+    tokenizer = load_tokenizer(target_path, trust_remote_code)
     ensure_chat_template(tokenizer)
-    target = load_generation_target(target_path, dtype=dtype, device=device)
+    target = load_generation_target(target_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     prompts = [generation_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for _, text in instructions]
     rng = random.Random(f"self-instruct sampling {seed}")
     seeds = [rng.getrandbits(63) for _ in prompts] if temperature > 0 else None

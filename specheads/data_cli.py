@@ -2,7 +2,7 @@
 
     specheads data prompts --output FILE [--num N] [--seed S] [--self-instruct --target T
         [--self-instruct-fraction F] [--self-instruct-temperature X]] [--context-from FILE [--context-fraction F]]
-    specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
+    specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval-replies FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
                               [--thinking default|on|off] [--device auto|cpu|cuda[:N]] [--enforce-eager]
     specheads data regenerate --server URL [--server URL ...] [--target SERVED_NAME] --input FILE --output FILE
@@ -63,11 +63,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "extract, summarize, answer from, rewrite a long text); repeatable")
     p.add_argument("--context-fraction", type=float, default=0.25,
                    help="with --context-from: the share of prompts that are context tasks")
-    p.add_argument("--eval-prompts", action="append", default=[],
-                   help="question.jsonl whose turns must not appear (MT-bench is always checked); repeatable")
+    p.add_argument("--eval-prompts", action="append", default=[], metavar="FILE",
+                   help="evaluation prompts (question.jsonl) whose turns must not appear (MT-bench is always checked); "
+                        "repeatable")
     p.add_argument("--batch-size", type=int, default=96, help="with --self-instruct: sequences per forward")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_device_options(p, graphs=False)
+    p.add_argument("--trust-remote-code", action="store_true", help="with --self-instruct: allow the target's own code")
 
     p = sub.add_parser("report", help="tokens, turns, distinct prompts and draft-vocab coverage of chat data")
     p.add_argument("--input", required=True, help="chat records (regenerate's output): .jsonl/.json/.parquet")
@@ -75,9 +77,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer path (instead of --target)")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft vocab: this many most frequent reply tokens of --input (plus EOS)")
-    p.add_argument("--eval", action="append", default=[],
-                   help="evaluation replies (.jsonl chat or text records) whose tokens the draft vocab should cover")
+    add_renamed_option(p, "--eval-replies", "--eval", action="append", default=[], metavar="FILE",
+                       help="evaluation replies (.jsonl chat or text records) whose tokens the draft vocab should cover; "
+                            "repeatable")
     p.add_argument("--thinking", default="default", help=THINKING_HELP)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code")
 
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
     p.add_argument("--target", default=None,
@@ -184,7 +188,7 @@ def _prompts(args) -> int:
                                    follow_up_fraction=args.follow_up_fraction,
                                    third_turn_fraction=args.third_turn_fraction, eval_paths=args.eval_prompts,
                                    temperature=args.self_instruct_temperature, batch_size=args.batch_size,
-                                   dtype=args.dtype, device=args.device)
+                                   dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
     if args.context_from:
         from specheads.data.context_prompts import REJECT_REASONS, context_prompts, mixed_in, source_texts, usable_texts
         from specheads.data.self_instruct import evaluation_turns, format_rejects
@@ -206,11 +210,11 @@ def _report(args) -> int:
 
     if (args.target is None) == (args.tokenizer is None):
         raise ValueError("give one of --target or --tokenizer (whose tokens are counted)")
-    if args.eval and not args.draft_vocab_size:
-        raise ValueError("--eval needs --draft-vocab-size (the draft vocab whose coverage is measured)")
+    if args.eval_replies and not args.draft_vocab_size:
+        raise ValueError("--eval-replies needs --draft-vocab-size (the draft vocab whose coverage is measured)")
     tokenizer = args.tokenizer or resolve_target_name(args.target)
-    print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval,
-                                         thinking=args.thinking)))
+    print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval_replies,
+                                         thinking=args.thinking, trust_remote_code=args.trust_remote_code)))
     return 0
 
 
