@@ -44,7 +44,8 @@ from pathlib import Path
 
 from specheads.bench.harness import PromptRun, summarise
 from specheads.bench.support import metric_samples
-from specheads.heads.artefacts.export_llama_cpp import EAGLE3_SPEC_TYPE, LLAMA_CPP_PYTHON, LlamaCppError, draft_args
+from specheads.heads.artefacts.export_llama_cpp import LLAMA_CPP_PYTHON, LlamaCppError
+from specheads.heads.artefacts.llama_cpp_serve import EAGLE3_SPEC_TYPE, draft_args
 
 SERVER = "llama-server"
 BUILD_TARGETS = ("llama-server", "llama-bench", "llama-cli")

@@ -166,7 +166,7 @@ def run(args) -> int:
     llama_cpp_extra = []  # --llama-cpp-args as llama-server flags
     if args.llama_cpp is not None:  # a missing or too-old llama.cpp, or a bad flag, fails before any model loads
         from specheads.bench.llama_cpp import find_server, server_args
-        from specheads.heads.artefacts.export_llama_cpp import check_draft
+        from specheads.heads.artefacts.llama_cpp_serve import check_draft
 
         find_server(args.llama_cpp)
         check_draft(args.llama_cpp_draft_max, args.llama_cpp_draft_p_min)

@@ -88,11 +88,11 @@ def run(args) -> int:
 
 def _export_llama_cpp(args) -> int:
     from specheads.data.tiny_target import default_cache_dir
-    from specheads.heads.artefacts.export_llama_cpp import (SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, check_target_dir,
-                                                           draft_args, export_llama_cpp, find_converter,
+    from specheads.heads.artefacts.export_llama_cpp import (check_target_dir, export_llama_cpp, find_converter,
                                                            pinned_source)
     from specheads.heads.artefacts.heads_dir import read_heads_config
-    from specheads.heads.hub import local_target_dir
+    from specheads.heads.artefacts.llama_cpp_serve import SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, draft_args
+    from specheads.heads.artefacts.hub import local_target_dir
 
     config = read_heads_config(args.heads_dir)
     if config.kind != "eagle3":  # before anything is fetched or resolved

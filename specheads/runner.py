@@ -44,10 +44,10 @@ def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
 def check_target_name(name_or_path: str) -> None:
     """Fail in one line (FileNotFoundError), before anything builds, converts or loads, for a
     `--target` that cannot be loaded: an unknown embedded name, a local path that is not there,
-    a Hub id that is neither in the Hub cache nor on the Hub (heads/hub.py; offline, the Hub is
+    a Hub id that is neither in the Hub cache nor on the Hub (heads/artefacts/hub.py; offline, the Hub is
     not asked). A Hub id's config.json is fetched into the cache on the way."""
     from specheads.data.tiny_target import EMBEDDED_TARGETS
-    from specheads.heads.hub import check_hub_target, is_hub_id
+    from specheads.heads.artefacts.hub import check_hub_target, is_hub_id
 
     name = str(name_or_path)
     if name.startswith("embedded:"):

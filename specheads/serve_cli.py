@@ -22,10 +22,11 @@ from pathlib import Path
 from specheads.errors import UserError
 from specheads.options import add_device_options, add_lookup_option, add_store_option, apply_device_options
 from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP
-from specheads.serving.server.reasoning import PARSERS as REASONING_PARSERS
 
 
 def add_parser(subparsers) -> None:
+    from specheads.serving.server.reasoning import PARSERS as REASONING_PARSERS  # imports nothing heavy
+
     p = subparsers.add_parser("serve", help="serve the target (+ heads) over an OpenAI-compatible HTTP API")
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)

@@ -36,7 +36,7 @@ from torch import nn
 
 from specheads.heads import atomic
 from specheads.heads.artefacts import model_card
-from specheads.heads.hub import hub_snapshot
+from specheads.heads.artefacts.hub import hub_snapshot
 from specheads.heads.target.adapter import TargetIdentity, _looks_like_hub_id
 
 FORMAT_NAME = "specheads"
@@ -202,7 +202,7 @@ def save_heads(directory: str | os.PathLike, heads: nn.Module, config: HeadsConf
 
 def resolve_heads_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = HUB_FILES) -> Path:
     """Where the heads that `name_or_path` names are on disk: a local path as it is, a Hub repo
-    id (`org/name`) as the snapshot of its `files` (heads/hub.py: the Hub cache first, nothing
+    id (`org/name`) as the snapshot of its `files` (heads/artefacts/hub.py: the Hub cache first, nothing
     asked under HF_HUB_OFFLINE=1). A name that is neither fails with one line naming it and
     what was tried."""
     return hub_snapshot(name_or_path, files, "heads")

@@ -26,7 +26,7 @@ The runtimes' flags were checked against their own code:
     to num-steps + 1 when topk is 1. SGLang loads one-layer EAGLE-3 drafts only.
   - llama.cpp as vendored in llama-cpp-python 0.3.36 (the one heads/artefacts/export_llama_cpp.py
     converts with): common/arg.cpp -md, --spec-type draft-eagle3, --spec-draft-n-max,
-    --spec-draft-p-min; the flags come from export_llama_cpp.draft_args.
+    --spec-draft-p-min; the flags come from llama_cpp_serve.draft_args.
   - Medusa layouts: the loaders named in heads/artefacts/export_medusa.py (TGI's get_model reads
     medusa_num_heads and base_model_name_or_path; TensorRT-LLM's
     examples/medusa/convert_checkpoint.py takes --medusa_model_dir and --num_medusa_heads;
@@ -63,7 +63,7 @@ def write_card(directory: str | os.PathLike, config, layout: str = "specheads",
     """Write DIR/README.md for `config` (a HeadsConfig) in `layout`, atomically, after the
     directory's other files. `published`: the path the commands name when DIR is a staging
     directory (default DIR). A llama.cpp card serves DIR's target.gguf when DIR has one."""
-    from specheads.heads.artefacts.export_llama_cpp import TARGET_NAME
+    from specheads.heads.artefacts.llama_cpp_serve import TARGET_NAME
 
     path = Path(directory) / CARD_NAME
     target_gguf = (Path(directory) / TARGET_NAME).is_file()
@@ -314,8 +314,8 @@ def _sglang(config, model: str) -> str:
 
 
 def _llama_server(gguf_dir: str, with_target: bool = True) -> str:
-    from specheads.heads.artefacts.export_llama_cpp import (DRAFT_NAME, SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, TARGET_NAME,
-                                                            draft_args)
+    from specheads.heads.artefacts.llama_cpp_serve import (DRAFT_NAME, SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, TARGET_NAME,
+                                                           draft_args)
 
     target = f"{gguf_dir}/{TARGET_NAME}" if with_target else "TARGET.gguf"
     draft = " ".join(_q(arg) for arg in draft_args(f"{gguf_dir}/{DRAFT_NAME}", SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN))
