@@ -13,7 +13,7 @@ per kind x subject x instruction (3753 in all), which caps what a seed can add; 
 temperature above 0 each is sampled with its own seed and the plan may repeat
 instructions, so more data means more prompts. Candidates then pass
 `filter_candidates`: length bounds, English-looking, ends like a question or request, not an
-evaluation prompt (MT-bench, shipped in bench/prompts, plus any files given) nor one's first
+evaluation prompt (MT-bench, shipped in prompts/, plus any files given) nor one's first
 60 characters, and distinct after normalize() from every prompt kept so far. Every rejected
 candidate is counted by reason, and the counts are returned and printed.
 
@@ -76,9 +76,9 @@ REJECT_REASONS = ("empty", "too short", "too long", "not English", "echoes the i
 
 
 def evaluation_turns(paths: list[str | Path] = ()) -> list[str]:
-    """Every turn of the evaluation prompts: MT-bench (shipped in bench/prompts) and `paths`
+    """Every turn of the evaluation prompts: MT-bench (shipped in prompts/) and `paths`
     (question.jsonl files, e.g. Spec-Bench's)."""
-    from specheads.bench.prompts import mt_bench_path
+    from specheads.prompts import mt_bench_path
 
     shipped = mt_bench_path()
     turns = []

@@ -9,7 +9,7 @@
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
 each, through the target tokenizer's chat template when it has one, else raw text.
-Default: the shipped set (bench/prompts/default.jsonl, 6 categories).
+Default: the shipped set (prompts/default.jsonl, 6 categories).
 
 Methods: hf-greedy (the reference), engine-plain (speculation off), engine-heads[tuned,N]
 (the heads directory's tree: the one `specheads tune` chose, or [stored,N] for an untuned

@@ -204,6 +204,17 @@ def _prompts(args) -> int:
     return 0
 
 
+def _check_inputs(args) -> None:
+    """--target's name and --input, both cheap to check: before any target is built or loaded
+    (embedded:tiny builds for minutes on a slow machine the first time)."""
+    from specheads.data.text import check_source
+    from specheads.runner import check_target_name
+
+    if args.target is not None:
+        check_target_name(args.target)
+    check_source(args.input)
+
+
 def _report(args) -> int:
     from specheads.data.chat_prompts import format_report, report_chat_data
     from specheads.runner import resolve_target_name
@@ -212,6 +223,7 @@ def _report(args) -> int:
         raise ValueError("give one of --target or --tokenizer (whose tokens are counted)")
     if args.eval_replies and not args.draft_vocab_size:
         raise ValueError("--eval-replies needs --draft-vocab-size (the draft vocab whose coverage is measured)")
+    _check_inputs(args)
     tokenizer = args.tokenizer or resolve_target_name(args.target)
     print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval_replies,
                                          thinking=args.thinking, trust_remote_code=args.trust_remote_code)))
@@ -231,6 +243,7 @@ def _regenerate(args) -> int:
     if args.target is None:
         raise ValueError("give --target (the model whose replies are made), or --server URL (a server that makes them)")
     apply_device_options(args)
+    _check_inputs(args)
     progress = regenerate(resolve_target_name(args.target), args.input, args.output, tokenizer_path=args.tokenizer,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                           device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches,
@@ -272,6 +285,7 @@ def _cache(args) -> int:
     except ValueError:
         raise ValueError(f"--taps: expected comma-separated layer numbers like 2,5,8, got {args.taps!r}") from None
     apply_device_options(args)
+    _check_inputs(args)
     path = resolve_target_name(args.target)
     target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
                                            trust_remote_code=args.trust_remote_code)
@@ -291,6 +305,7 @@ def _store(args) -> int:
     from specheads.data.reply_store import build_store
     from specheads.runner import resolve_target_name
 
+    _check_inputs(args)
     manifest, report = build_store(args.input, resolve_target_name(args.target), args.output,
                                    tokenizer_path=args.tokenizer, thinking=args.thinking,
                                    trust_remote_code=args.trust_remote_code)
@@ -301,10 +316,6 @@ def _store(args) -> int:
 
 def run(args) -> int:
     try:
-        if args.data_command in ("report", "regenerate", "cache", "store"):
-            from specheads.data.text import check_source
-
-            check_source(args.input)  # before any target resolves, builds or loads
         if args.data_command == "prompts":
             return _prompts(args)
         if args.data_command == "report":

@@ -383,7 +383,7 @@ def phase_train(run, deadline: float) -> dict:
 
 
 def phase_score(run, deadline: float) -> dict:
-    from specheads.bench.prompts import mt_bench_path
+    from specheads.prompts import mt_bench_path
 
     sizes, tokens = run.sizes, {arm: a["reply_tokens"] for arm, a in run.result("cut")["arms"].items()}
     points = [x for arm in run.arms for x in ("--series", arm, "--point",

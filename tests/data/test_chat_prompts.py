@@ -1,5 +1,5 @@
 """The locally built chat prompts (data/chat_prompts.py): deterministic, distinct, partly
-multi-turn, and disjoint from the evaluation sets (MT-bench ships in bench/prompts;
+multi-turn, and disjoint from the evaluation sets (MT-bench ships in prompts/;
 Spec-Bench is read from ../shared/data when it is there)."""
 
 from __future__ import annotations
