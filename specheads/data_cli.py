@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specheads.errors import EXIT_USER_ERROR, UserError
+from specheads.errors import EXIT_USER_ERROR, UserError, one_line
 from specheads.options import add_device_options, add_renamed_option, apply_device_options
 from specheads.runner import DTYPE_HELP, TARGET_HELP
 
@@ -326,8 +326,8 @@ def run(args) -> int:
             return _cache(args)
         if args.data_command == "store":
             return _store(args)
-    except (UserError, ValueError, FileNotFoundError) as err:  # DataError is a ValueError
-        print(f"specheads data {args.data_command}: error: {err}", file=sys.stderr)
+    except (UserError, ValueError, OSError) as err:  # DataError is a ValueError
+        print(f"specheads data {args.data_command}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
     print(f"specheads data: unknown command {args.data_command!r}", file=sys.stderr)
     return EXIT_USER_ERROR

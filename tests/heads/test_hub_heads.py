@@ -249,3 +249,19 @@ def test_a_bad_hub_target_is_one_line_within_seconds_offline(hub_cache, tmp_path
     assert "\n" not in err and "Traceback" not in err
     assert f"target {MISSING_ID!r}: no local directory of that name, and the Hub cache ({hub_cache}) has no " \
            "snapshot" in err and "offline (HF_HUB_OFFLINE is set)" in err
+
+
+def test_a_hub_target_that_does_not_load_is_one_line(hub_cache, tmp_path, capsys):
+    """Its config.json is in the Hub cache (so the name checks pass) but not its weights: the
+    load itself fails, as transformers does offline (an OSError), in one line, exit 2."""
+    from conftest import make_tiny_model
+    from specheads.cli import main
+
+    full = make_tiny_model("llama", tmp_path / "full")
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_bytes((full / "config.json").read_bytes())
+    put_in_hub_cache(hub_cache, TARGET_ID, tmp_path / "config-only")
+    capsys.readouterr()
+    assert main(["generate", "--target", TARGET_ID, "--prompt", "hi", "--device", "cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("specheads generate: error: ") and TARGET_ID in errors[0], errors
