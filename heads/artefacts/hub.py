@@ -16,7 +16,7 @@ from pathlib import Path
 from specheads.heads.target.adapter import _looks_like_hub_id
 
 # A target as llama.cpp's converter reads it: its config, tokenizer and weights
-TARGET_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.py")
+TARGET_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt")
 
 
 def is_hub_id(name_or_path: str | os.PathLike) -> bool:
