@@ -2,7 +2,7 @@
 
     specheads data prompts --output prompts.jsonl [--num N] [--seed S] [--follow-up-fraction F]
     specheads data prompts --output prompts.jsonl --self-instruct --target T   # part written by the target
-    specheads data report --input replies.jsonl --target T [--draft-vocab-size N --eval FILE]
+    specheads data report --input replies.jsonl --target T [--draft-vocab-size N --eval-replies FILE]
     (in a recipe) data.source: embedded:chat   # prompts + the target's replies, generated once and cached
 
 Heads learn to predict the target's own replies, so the prompts only have to make the
