@@ -43,7 +43,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specheads.bench.harness import PromptRun, summarise
-from specheads.heads.artefacts.export_llama_cpp import EAGLE3_SPEC_TYPE, LLAMA_CPP_PYTHON, LlamaCppError, draft_args
+from specheads.bench.support import metric_samples
+from specheads.heads.artefacts.export_llama_cpp import LLAMA_CPP_PYTHON, LlamaCppError
+from specheads.heads.artefacts.llama_cpp_serve import EAGLE3_SPEC_TYPE, draft_args
 
 SERVER = "llama-server"
 BUILD_TARGETS = ("llama-server", "llama-bench", "llama-cli")
@@ -194,14 +196,19 @@ def _tail(path: Path) -> str:
 def spec_counters(client) -> dict[str, float]:
     """The server's cumulative speculative counters: {"draft_tokens", "accepted_tokens", "drafts",
     "pos<i>"} (drafts: verify steps that drafted; pos<i>: accepted draft tokens at position i)."""
+    return spec_counters_of(client.get("/metrics").text)
+
+
+def spec_counters_of(text: str) -> dict[str, float]:
+    """spec_counters from llama-server's /metrics text."""
     counters = {}
-    for line in client.get("/metrics").text.splitlines():
-        if not line.startswith(METRIC):
+    for name, labels, value in metric_samples(text):
+        if not name.startswith(METRIC):
             continue
-        name, value = line[len(METRIC):].rsplit(" ", 1)
-        if name.startswith("accepted_tokens_per_pos_total"):
-            name = "pos" + name.split('position="')[1].split('"')[0]
-        counters[name.removesuffix("_total")] = float(value)
+        name = name[len(METRIC):].removesuffix("_total")
+        if name.startswith("accepted_tokens_per_pos"):
+            name = "pos" + labels["position"]
+        counters[name] = value
     return counters
 
 

@@ -1,5 +1,5 @@
-"""PNG charts of a bench report, drawn with matplotlib (the optional extra
-`pip install 'specheads[plot]'`): `specheads bench --plot OUT.png` writes one image with
+"""PNG charts of a bench report, drawn with matplotlib (the optional `plot` extra, `pip install
+-e '.[plot]'` in a clone): `specheads bench --plot OUT.png` writes one image with
 three panels.
 
     acceptance by depth   one line per method that drafts with heads (engine-heads, dashed:
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from specheads.bench.harness import HEADS_KINDS
 
-INSTALL_HINT = "pip install 'specheads[plot]'"
+INSTALL_HINT = "pip install matplotlib (in a clone of specheads: pip install -e '.[plot]')"
 OWN_TREE_SOURCES = ("heads-dir-tuned", "heads-dir", "heads-dir-default")  # the heads dir's tree, not --tree-nodes
 TITLE_SIZE, LABEL_SIZE, TICK_SIZE, LEGEND_SIZE = 13, 11, 10, 9
 # One colour map per heads directory (shades: tree size, light to dark); fixed colours for the rest.

@@ -1,20 +1,18 @@
 """Benchmark prompts: Spec-Bench `question.jsonl` records and their tokenization.
 
 One JSON object per line: {"question_id": int | str, "category": str, "turns": [str, ...]}.
-The bench decodes the first turn only. `default.jsonl` beside this module is the
-project's own prompt set (6 categories: chat, code, math, summarisation, translation,
-retrieval), written for the project.
+The bench decodes the first turn only. The default is the project's own prompt set (6
+categories: chat, code, math, summarisation, translation, retrieval), shipped with MT-bench's
+questions in prompts/ (specheads.prompts).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-DEFAULT_PROMPTS = "default.jsonl"
-MT_BENCH_PROMPTS = "mt_bench_question.jsonl"
+from specheads.prompts import default_prompts_path
 # The untimed warm-up before timed decoding (bench/harness.py, bench/tune.py, bench/tools/serve_load.py)
 # decodes at most this many new tokens, so one-off costs (first kernel calls, allocator growth,
 # lazy imports) are not timed.
@@ -33,15 +31,6 @@ class EncodedPrompt:
     question_id: int | str
     category: str
     input_ids: list[int]  # [P] prompt token ids (chat template applied when the tokenizer has one)
-
-
-def default_prompts_path() -> Path:
-    return Path(str(resources.files("specheads.bench") / "prompts" / DEFAULT_PROMPTS))
-
-
-def mt_bench_path() -> Path:
-    """The 80 MT-bench questions (bench/prompts/README.md has their source and licence)."""
-    return Path(str(resources.files("specheads.bench") / "prompts" / MT_BENCH_PROMPTS))
 
 
 def _parse_line(line: str, where: str) -> BenchPrompt:

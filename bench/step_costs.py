@@ -180,11 +180,11 @@ def _random_heads(target, kind: str, num_steps: int, draft_vocab_size: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specheads.runner import DTYPE_HELP, TARGET_HELP, load_inference_target
+    from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP, load_inference_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="embedded:smollm2", help=TARGET_HELP)
-    p.add_argument("--heads", help="a heads directory (default: random EAGLE-3 and Medusa heads of recipe size)")
+    p.add_argument("--heads", help=HEADS_HELP + " (default: random EAGLE-3 and Medusa heads of recipe size)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--prefix", type=int, default=300)
     p.add_argument("--trees", default=",".join(map(str, VERIFY_SIZES)))

@@ -1,6 +1,6 @@
 """Small helpers the bench's parts share (the bench itself, the GPU suite in bench/gpu/, the
-tools in bench/tools/): wall-clock and CUDA-event timers, and a free local port for the
-servers a bench starts."""
+tools in bench/tools/): wall-clock and CUDA-event timers, a free local port for the servers a
+bench starts, the samples of a server's Prometheus /metrics text, and random draft trees."""
 
 from __future__ import annotations
 
@@ -45,3 +45,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample in Prometheus exposition text (a server's
+    /metrics), read by prometheus_client's own parser; counters keep their `_total` names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(sample.name, dict(sample.labels), float(sample.value))
+            for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def random_tree_mask(num_tree: int, generator: torch.Generator) -> torch.Tensor:
+    """[T, T] bool ancestor mask (self included) of a random tree; node 0 is the root."""
+    parents = [-1] + [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, num_tree)]
+    mask = torch.eye(num_tree, dtype=torch.bool)
+    for node in range(1, num_tree):  # a parent comes before its children
+        mask[node] |= mask[parents[node]]
+    return mask

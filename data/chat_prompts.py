@@ -2,7 +2,7 @@
 
     specheads data prompts --output prompts.jsonl [--num N] [--seed S] [--follow-up-fraction F]
     specheads data prompts --output prompts.jsonl --self-instruct --target T   # part written by the target
-    specheads data report --input replies.jsonl --target T [--draft-vocab-size N --eval FILE]
+    specheads data report --input replies.jsonl --target T [--draft-vocab-size N --eval-replies FILE]
     (in a recipe) data.source: embedded:chat   # prompts + the target's replies, generated once and cached
 
 Heads learn to predict the target's own replies, so the prompts only have to make the
@@ -177,20 +177,22 @@ def write_prompts(output: str | Path, num: int, seed: int = 0, follow_up_fractio
 
 
 def report_chat_data(path: str | Path, tokenizer_path: str, draft_vocab_size: int | None = None,
-                     eval_paths: list[str | Path] = (), thinking: str = "default") -> dict:
+                     eval_paths: list[str | Path] = (), thinking: str = "default",
+                     trust_remote_code: bool = False) -> dict:
     """What a file of chat records (regenerate's output) holds: conversations, reply tokens (the
     tokens under the assistant loss mask, as training counts them: data/chat.py), conversations by
     number of replies, distinct first prompts (after normalize), and, given draft_vocab_size and
     evaluation files, the share of the evaluation replies' tokens the draft vocabulary covers (the
     draft_vocab_size most frequent training reply tokens plus EOS: heads/draft_vocab.py).
-    thinking: the chat template's thinking mode, as training renders the records (data/chat.py)."""
+    thinking: the chat template's thinking mode, as training renders the records (data/chat.py).
+    trust_remote_code: allow the tokenizer's own code."""
     import torch
 
     from specheads.data.chat import ensure_chat_template, thinking_kwargs
     from specheads.data.text import load_records, load_tokenizer
     from specheads.heads.draft_vocab import build_draft_vocab
 
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
     ensure_chat_template(tokenizer)
     template_kwargs = thinking_kwargs(tokenizer, thinking)
     ids, replies, firsts, skipped = _reply_tokens(load_records(str(path)), tokenizer, template_kwargs)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible wire as `data regenerate --server` speaks it (data/remote_replies.py):
-a --server value's base URL, the model the servers serve, a conversation's messages as sent
-(reasoning under both of its names), a chat completion's reply and token count, and what a
-failed response says (its message, whether the prompt did not fit, its Retry-After)."""
+a --server value's base URL, the model the servers serve (and the target behind that name),
+the sampling fields every request carries, a conversation's messages as sent (reasoning under
+both of its names), a chat completion's reply and token count, and what a failed response
+says (its message, whether the prompt did not fit, its Retry-After)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ from specheads.data.text import DataError
 
 CONNECT_TIMEOUT_S = 10.0
 CHAT_PATH, MODELS_PATH = "/v1/chat/completions", "/v1/models"
+
+# Every sampling field a request could leave to the server, at the value that changes nothing.
+# Servers fill an omitted field from the model's generation_config.json (vLLM by default,
+# `--generation-config auto`; SGLang with `--sampling-defaults model`): a Qwen2.5 target would
+# regenerate with its repetition_penalty 1.05 and a Qwen3 one with its top_k 20, replies the
+# target does not give. top_k -1 is "off" for both (vLLM takes 0 or -1, SGLang and older vLLM
+# refuse 0; `specheads serve` takes both).
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
 
 
 def server_url(url: str) -> str:
@@ -27,13 +37,16 @@ def server_url(url: str) -> str:
     return base
 
 
-def served_model(urls: list[str], model: str | None, headers: dict) -> tuple[str, list[str]]:
-    """Ask each server's GET /v1/models -> (the model to request, the URLs that did not answer).
-    --target (model) must be served by every server that answers; without it, the one model
-    they serve. A refused API key, or no server answering at all, is an error naming the URLs."""
+def served_model(urls: list[str], model: str | None, headers: dict) -> tuple[str, str, list[str]]:
+    """Ask each server's GET /v1/models -> (the model to request, the target behind it, the URLs
+    that did not answer). --target (model) must be served by every server that answers; without
+    it, the one model they serve. The target is the model entry's `root` (vLLM, SGLang and
+    `specheads serve` put the served model's path or Hub id there), else its name; servers that
+    serve one name from different roots are refused. A refused API key, or no server answering
+    at all, is an error naming the URLs."""
     import httpx
 
-    served, down = {}, {}
+    served, roots, down = {}, {}, {}
     with httpx.Client(timeout=CONNECT_TIMEOUT_S, headers=headers) as client:
         for url in urls:
             try:
@@ -48,8 +61,10 @@ def served_model(urls: list[str], model: str | None, headers: dict) -> tuple[str
                 down[url] = f"HTTP {response.status_code} on GET {MODELS_PATH}"
                 continue
             try:
-                served[url] = [str(entry["id"]) for entry in response.json()["data"]]
-            except (ValueError, KeyError, TypeError) as err:
+                entries = response.json()["data"]
+                served[url] = [str(entry["id"]) for entry in entries]
+                roots[url] = {str(entry["id"]): str(entry.get("root") or entry["id"]) for entry in entries}
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise DataError(f"server {url} is not an OpenAI-compatible server: GET {MODELS_PATH} answered "
                                 f"{response.text[:120]!r}") from err
     if not served:
@@ -64,7 +79,12 @@ def served_model(urls: list[str], model: str | None, headers: dict) -> tuple[str
         if model not in names:
             raise DataError(f"server {url} serves {', '.join(names) or 'no model'}, not {model!r}; pass --target "
                             "with the served model name (the server's --served-model-name)")
-    return model, list(down)
+    targets = {url: names[model] for url, names in roots.items()}
+    if len(set(targets.values())) > 1:
+        raise DataError(f"the servers serve {model!r} from different models: "
+                        + "; ".join(f"{url}: {root}" for url, root in targets.items())
+                        + "; give servers of one target")
+    return model, next(iter(targets.values())), list(down)
 
 
 def wire_message(message: dict) -> dict:

@@ -49,7 +49,12 @@ length and those records' counts. A rerun truncates the output to that length (d
 partial trailing line or a batch written after the last progress update) and continues, so
 an interrupted run never duplicates or loses a record. It loses work: its unfinished
 records, the finished ones after the first of those, and fewer than WRITE_EVERY before it
-are made again.
+are made again. The progress file also records the target the replies come from (and, from
+servers, the served model name): a rerun with another target or served name, or another
+input, reply length, thinking mode or sampling, is refused in one line, since resuming would
+mix two models' replies in one file. Records a server refused (data/remote_replies.py) are
+written with the same batch to OUTPUT.rejects.jsonl, one `{"index", "turn", "status",
+"reason"}` line each, and truncated with the output on a rerun.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from specheads.data.records import Conversation, normalize_record
 from specheads.data.text import DataError, load_records, load_tokenizer
 from specheads.heads import atomic
 
-PROGRESS_SUFFIX = ".progress.json"
+PROGRESS_SUFFIX, REJECTS_SUFFIX = ".progress.json", ".rejects.jsonl"
 REPLY_SLACK_TOKENS = 16  # a decoded reply re-encoded in a later turn's prompt may take this many tokens more
 
 
@@ -84,6 +89,9 @@ class Progress:
     skipped: dict[str, int] = field(default_factory=dict)
     thinking: str = "default"  # the template's thinking mode the replies were generated in
     sampling: dict = field(default_factory=dict)  # sampled replies' settings ({}: greedy; data/remote_replies.py)
+    target: str = ""  # the target the replies come from (a local --target, or a server's model root)
+    served_model: str = ""  # the model name requested from servers ("": made locally)
+    rejects_bytes: int = 0  # the rejects file's length after the last written batch
 
     def summary(self) -> str:
         text = (f"{self.next_record}/{self.num_input_records} records done, {self.num_written} written, "
@@ -105,10 +113,15 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + PROGRESS_SUFFIX)
 
 
+def rejects_path(output: Path) -> Path:
+    return output.with_name(output.name + REJECTS_SUFFIX)
+
+
 def start_progress(input_path: str, output: Path, num_records: int, max_new_tokens: int, thinking: str,
-                   sampling: dict | None = None) -> Progress:
-    """Fresh progress, or the saved one with the output cut back to its last whole batch; a
-    saved one of another input, reply length, thinking mode or sampling is refused."""
+                   sampling: dict | None = None, *, target: str = "", served_model: str = "") -> Progress:
+    """Fresh progress, or the saved one with the output (and rejects file) cut back to its last
+    whole batch; a saved one of another input, reply length, thinking mode, sampling, target or
+    served model is refused (module doc)."""
     sampling = sampling or {}
     saved = progress_path(output)
     if not saved.exists():
@@ -118,23 +131,39 @@ def start_progress(input_path: str, output: Path, num_records: int, max_new_toke
                             "another --output")
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(b"")
+        rejects_path(output).unlink(missing_ok=True)
         progress = Progress(str(Path(input_path).resolve()), num_records, max_new_tokens, thinking=thinking,
-                            sampling=sampling)
+                            sampling=sampling, target=target, served_model=served_model)
         atomic.write_json(saved, asdict(progress))
         return progress
     progress = Progress(**json.loads(saved.read_text()))
+    _check_same_model(saved, progress, target, served_model)
     if (progress.input, progress.num_input_records, progress.max_new_tokens, progress.thinking,
             progress.sampling) != (str(Path(input_path).resolve()), num_records, max_new_tokens, thinking, sampling):
         raise DataError(f"{saved} belongs to another run (input {progress.input!r}, {progress.num_input_records} "
                         f"records, max_new_tokens {progress.max_new_tokens}, thinking {progress.thinking!r}, "
                         f"sampling {progress.sampling or 'greedy'}); choose another --output")
-    size = output.stat().st_size if output.exists() else 0
-    if size < progress.output_bytes:
-        raise DataError(f"output {str(output)!r} is shorter than its progress file says ({size} < "
-                        f"{progress.output_bytes} bytes); it was modified, start again with a new --output")
-    output.touch()
-    os.truncate(output, progress.output_bytes)  # drop a partial line or an unrecorded batch
+    for path, length in ((output, progress.output_bytes), (rejects_path(output), progress.rejects_bytes)):
+        size = path.stat().st_size if path.exists() else 0
+        if size < length:
+            raise DataError(f"{str(path)!r} is shorter than its progress file says ({size} < {length} bytes); it "
+                            "was modified, start again with a new --output")
+        if path == output or path.exists():
+            path.touch()
+            os.truncate(path, length)  # drop a partial line or an unrecorded batch
     return progress
+
+
+def _check_same_model(saved: Path, progress: Progress, target: str, served_model: str) -> None:
+    """A resume must ask the model that made the replies already written: the same target, and
+    from servers the same served name (a local run and a server run of one target may resume
+    each other)."""
+    what = f"target {progress.target!r}" + (f" served as {progress.served_model!r}" if progress.served_model else "")
+    now = f"target {target!r}" + (f" served as {served_model!r}" if served_model else "")
+    if (progress.target and target and progress.target != target) or \
+            (progress.served_model and served_model and progress.served_model != served_model):
+        raise DataError(f"{saved} holds replies of {what}, but this run's come from {now}; resume with the same "
+                        "model, or choose another --output")
 
 
 def _stop_ids(target, tokenizer) -> list[int]:
@@ -252,6 +281,7 @@ class RecordJob:
         self.line: str | None = None  # the output line once done (None: skipped)
         self.turns = _user_turns(record)
         self.skip_reason: str | None = None
+        self.rejection: dict | None = None  # why a server refused this record (refuse)
         self.first_prompts: list[tuple[int, object]] = []  # (turn, prompt) to generate first
         if self.turns is not None:
             if not self.turns:
@@ -297,10 +327,12 @@ class RecordJob:
             self.skip_reason = "empty reply"
         return None
 
-    def refuse(self, reason: str) -> None:
-        """No reply can be made for this record (a prompt too long for the server): it is skipped
-        and counted under `reason`; replies still to come for it are ignored."""
+    def refuse(self, reason: str, rejection: dict | None = None) -> None:
+        """No reply can be made for this record (a server refused its request): it is skipped and
+        counted under `reason`; replies still to come for it are ignored. `rejection` (the
+        request's turn, HTTP status and the server's message) goes to the rejects file."""
         self.line, self.skip_reason = None, reason
+        self.rejection = rejection
 
     def _finish(self) -> None:
         self.line = json.dumps({"index": self.index, "messages": self.messages}, ensure_ascii=False) + "\n"
@@ -383,14 +415,23 @@ class InOrderWriter:
                 skipped[job.skip_reason] += 1
         progress.skipped = dict(skipped)
         lines = [job.line for job in jobs if job.line is not None]
-        with open(self.output, "ab") as f:
-            f.write("".join(lines).encode())
-            f.flush()
-            os.fsync(f.fileno())
-            progress.output_bytes = f.tell()
+        progress.output_bytes = _append(self.output, lines)
+        rejected = [json.dumps({"index": job.index, **job.rejection}, ensure_ascii=False) + "\n"
+                    for job in jobs if job.rejection is not None]
+        if rejected:
+            progress.rejects_bytes = _append(rejects_path(self.output), rejected)
         progress.next_record += num_records
         progress.num_written += len(lines)
         atomic.write_json(progress_path(self.output), asdict(progress))
+
+
+def _append(path: Path, lines: list[str]) -> int:
+    """Append lines, flushed and fsynced -> the file's length."""
+    with open(path, "ab") as f:
+        f.write("".join(lines).encode())
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
 
 
 def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path: str | None = None,
@@ -415,7 +456,8 @@ def regenerate(target: str, input_path: str, output_path: str, *, tokenizer_path
     tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
     ensure_chat_template(tokenizer)
     template_kwargs = thinking_kwargs(tokenizer, thinking)  # refused before anything is written
-    progress = start_progress(input_path, output, len(records), max_new_tokens, thinking)
+    progress = start_progress(input_path, output, len(records), max_new_tokens, thinking,
+                              target=str(Path(target).resolve()) if Path(target).exists() else str(target))
     if progress.next_record >= len(records):
         log(f"regenerate: {output} is complete: {progress.summary()}")
         return progress

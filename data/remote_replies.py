@@ -1,7 +1,7 @@
 """The target's replies made by OpenAI-compatible servers: `data regenerate --server URL ...`.
 
     specheads data regenerate --server http://gpu0:8000 --server http://gpu1:8000 --input FILE --output FILE
-        [--target SERVED_NAME] [--server-concurrency 8] [--max-retries 5] [--temperature T --top-p P
+        [--target SERVED_NAME] [--server-concurrency 8] [--retry-minutes 10] [--temperature T --top-p P
         --top-k K --seed S] [--max-new-tokens N] [--thinking default|on|off] [--api-key KEY]
 
 A target too large for one device is served by the engine its users already run (vLLM,
@@ -10,8 +10,11 @@ the replies that data/regenerate.py otherwise decodes locally. Nothing is loaded
 reply is one POST /v1/chat/completions carrying the conversation so far as chat messages, so
 the server applies its own chat template (`--thinking on|off` travels as
 `chat_template_kwargs: {"enable_thinking": ...}`, which vLLM and SGLang pass to the
-template), with `max_tokens` = --max-new-tokens and the sampling parameters as given
-(greedy by default). Which turns are asked, in which order, and what an empty reply does are
+template), with `max_tokens` = --max-new-tokens and every sampling field set explicitly:
+temperature, top_p, top_k and the seed as given (greedy by default), min_p and the three
+penalties at their neutral values (openai_wire.NEUTRAL_SAMPLING). A field left out would be
+filled from the model's generation_config.json, as vLLM and SGLang do by default, and the
+replies would not be the target's own. Which turns are asked, in which order, and what an empty reply does are
 data/regenerate.py's RecordJob's rules, the same as the local path's; so are the output
 lines, the in-order writing and the resume file (a run may resume a local one of the same
 settings, and the other way round).
@@ -25,16 +28,22 @@ Spreading and failures: every URL gets --server-concurrency workers that take th
 request from one queue, lowest record first (so records finish nearly in input order and few
 wait in memory for an earlier one; at most WINDOW_PER_WORKER x workers records are started
 ahead of the last one written). A failed request (no connection, a timeout, HTTP 408, 429 or
-5xx, a malformed answer) is retried on whichever server takes it next, after
-BACKOFF_S x 2^(attempt - 1) seconds (at most MAX_BACKOFF_S; longer if the server said
-Retry-After), up to --max-retries times. A server whose requests fail OUT_AFTER_FAILURES
-times in a row is taken out: its workers wait, and GET /v1/models probes it with a growing
-pause until it answers (while every server is out, all keep being tried). A record whose
-request still fails is reported by index and no record from it on is started or written: the
-next run resumes there. A prompt longer than the server's context (a 400 naming the context
-length) skips its record, counted under its reason; any other 4xx is a mistake in the
-command (model name, API key, a parameter the server refuses) and stops the run with the
-server's message.
+5xx, a malformed answer) is retried on whichever server takes it next, after a backoff of
+BACKOFF_S x 2^(attempt - 1) seconds (at most MAX_BACKOFF_S) with jitter (half of it drawn at
+random, so requests that failed together do not return together; longer if the server said
+Retry-After), for as long as --retry-minutes allows from its first failure (10 by default:
+a server restart, even of the only server, loses nothing). A server whose requests fail
+OUT_AFTER_FAILURES times in a row is taken out: its workers wait, and GET /v1/models probes it
+with a growing pause until it answers (while every server is out, all keep being tried). A
+record whose request still fails is reported by index and no record from it on is started or
+written: the next run resumes there.
+
+A record whose request the server refuses (any other 4xx: a prompt longer than its context, a
+chat-template error) is skipped, counted under its reason and written to OUTPUT.rejects.jsonl
+with the server's message (data/regenerate.py), and the run goes on. Two refusals stop the
+run instead, as mistakes in the command that every record would repeat: 401/403 (the API
+key) and 404 (the model name), and so does a run whose first REFUSED_BEFORE_ANY_REPLY
+records are all refused before any reply came (a parameter the server does not take).
 """
 
 from __future__ import annotations
@@ -47,19 +56,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.data.chat import THINKING_MODES, THINKING_SWITCH
-from specheads.data.openai_wire import (CHAT_PATH, CONNECT_TIMEOUT_S, MODELS_PATH, error_text, reply_of, retry_after,
-                                         served_model, server_url, too_long, wire_message)
-from specheads.data.regenerate import (WRITE_EVERY, InOrderWriter, Progress, RecordJob, ReplyMeter,
+from specheads.data.openai_wire import (CHAT_PATH, CONNECT_TIMEOUT_S, MODELS_PATH, NEUTRAL_SAMPLING, error_text,
+                                         reply_of, retry_after, served_model, server_url, too_long, wire_message)
+from specheads.data.regenerate import (WRITE_EVERY, InOrderWriter, Progress, RecordJob, ReplyMeter, rejects_path,
                                        start_progress)
 from specheads.data.text import DataError, load_records
 
 DEFAULT_CONCURRENCY = 8  # requests in flight per server
-DEFAULT_MAX_RETRIES = 5
+DEFAULT_RETRY_MINUTES = 10.0  # how long a failed request keeps being retried
 BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 OUT_AFTER_FAILURES = 3  # failed requests in a row that take a server out
 PROBE_S, MAX_PROBE_S = 2.0, 60.0  # the pause before probing a server that is out, doubled per failed probe
 WINDOW_PER_WORKER = 4  # records started beyond the last one written, per worker (plus one write's worth)
 RETRYABLE_STATUS = {408, 429}  # and every 5xx
+COMMAND_MISTAKES = {401: "the API key", 403: "the API key", 404: "the model name"}  # 4xx that stop the run
+REFUSED_BEFORE_ANY_REPLY = 8  # refused records, with no reply yet, that stop the run
 
 
 @dataclass(frozen=True)
@@ -93,14 +104,26 @@ class Sampling:
                                        "seed": self.seed}
 
     def request_fields(self, record: int, turn: int) -> dict:
+        """Every sampling field of one request, explicitly (module doc): what is not sampling's
+        own is neutral, so that no server fills it from the model's generation_config.json."""
+        fields = dict(NEUTRAL_SAMPLING, temperature=self.temperature)
         if self.greedy:
-            return {"temperature": 0.0}
-        fields = {"temperature": self.temperature, "top_p": self.top_p}
-        if self.top_k:  # unset otherwise: SGLang refuses top_k 0
+            return fields
+        fields["top_p"] = self.top_p
+        if self.top_k:  # 0 (every token) stays NEUTRAL_SAMPLING's -1
             fields["top_k"] = self.top_k
         if self.seed is not None:
             fields["seed"] = random.Random(f"{self.seed}:{record}:{turn}").getrandbits(31)
         return fields
+
+
+def backoff_delay(attempt: int, backoff_s: float, rng: random.Random, retry_after: float | None = None) -> float:
+    """The pause before a failed request's next attempt (attempt >= 1): backoff_s x 2^(attempt - 1),
+    at most MAX_BACKOFF_S, of which a random half is taken off (jitter), or the server's
+    Retry-After if that is longer (also at most MAX_BACKOFF_S)."""
+    delay = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+    delay = delay / 2 + rng.uniform(0, delay / 2)
+    return delay if retry_after is None else max(delay, min(retry_after, MAX_BACKOFF_S))
 
 
 @dataclass
@@ -117,6 +140,7 @@ class RequestCounts:
 
     servers: list[ServerCounts]
     num_retried: int = 0  # requests sent again after a failure
+    num_refused: int = 0  # records a server refused (4xx): in the rejects file
     failed_records: list[int] = field(default_factory=list)  # records whose request failed every attempt
     last_errors: dict[int, str] = field(default_factory=dict)  # failed record -> "URL: its last error"
     num_unwritten: int = 0  # records finished after a failed one, made again by the next run
@@ -125,7 +149,8 @@ class RequestCounts:
         num_ok = sum(s.num_ok for s in self.servers)
         per_server = "; ".join(f"{s.url}: {s.num_ok} ok, {s.num_errors} errors"
                                + (f", taken out {s.num_taken_out}x" if s.num_taken_out else "") for s in self.servers)
-        text = f"server requests: {num_ok} ok, {self.num_retried} retried ({per_server}); records failed: "
+        text = (f"server requests: {num_ok} ok, {self.num_retried} retried ({per_server}); "
+                f"records refused: {self.num_refused}; records failed: ")
         if not self.failed_records:
             return text + "0"
         first = min(self.failed_records)
@@ -138,9 +163,11 @@ class RequestCounts:
 class ServerRun:
     progress: Progress
     requests: RequestCounts
+    rejects: Path | None = None  # the rejects file, when it holds any record
 
     def summary(self) -> str:
-        return f"{self.progress.summary()}; {self.requests.summary()}"
+        text = f"{self.progress.summary()}; {self.requests.summary()}"
+        return text + (f"; refused records and why: {self.rejects}" if self.rejects is not None else "")
 
 
 @dataclass(order=True)
@@ -149,6 +176,7 @@ class _Request:
     turn: int
     messages: list = field(compare=False)
     attempt: int = field(default=0, compare=False)
+    first_failure: float | None = field(default=None, compare=False)  # time.monotonic() of its first failure
 
 
 class _Server:
@@ -164,11 +192,12 @@ class _ServerReplies:
     and the writer that puts finished records into the output in input order."""
 
     def __init__(self, servers: list[_Server], records: list, start: int, stop: int, writer: InOrderWriter,
-                 meter: ReplyMeter, base_body: dict, sampling: Sampling, concurrency: int, max_retries: int,
+                 meter: ReplyMeter, base_body: dict, sampling: Sampling, concurrency: int, retry_s: float,
                  backoff_s: float):
         self.servers, self.records, self.next_record, self.stop = servers, records, start, stop
         self.writer, self.meter, self.base_body, self.sampling = writer, meter, base_body, sampling
-        self.concurrency, self.max_retries, self.backoff_s = concurrency, max_retries, backoff_s
+        self.concurrency, self.retry_s, self.backoff_s = concurrency, retry_s, backoff_s
+        self.jitter = random.Random()
         self.window = writer.every + WINDOW_PER_WORKER * concurrency * len(servers)
         self.counts = RequestCounts([server.counts for server in servers])
         self.active: dict[int, RecordJob] = {}  # started records that are not done
@@ -243,9 +272,18 @@ class _ServerReplies:
             return self._failed(server, request, f"HTTP {status}: {text}", server_fault=status != 429,
                                 retry_after=retry_after(response))
         server.failures_in_a_row = 0  # it answered
-        if too_long(status, text):
-            return self._refused(request.record, "longer than the server's context")
-        self.fatal = f"server {server.url} refused record {request.record}'s request (HTTP {status}): {text}"
+        refusal = f"server {server.url} refused record {request.record}'s request (HTTP {status}): {text}"
+        if status in COMMAND_MISTAKES:
+            return self._stop(f"{refusal}; check {COMMAND_MISTAKES[status]}")
+        self.counts.num_refused += 1
+        if not any(s.counts.num_ok for s in self.servers) and self.counts.num_refused >= REFUSED_BEFORE_ANY_REPLY:
+            return self._stop(f"{refusal}; the first {self.counts.num_refused} records were all refused and none "
+                              "answered, so the command is likely at fault (a parameter the server does not take?)")
+        reason = "longer than the server's context" if too_long(status, text) else f"refused by the server (HTTP {status})"
+        self._refused(request, reason, {"turn": request.turn, "status": status, "reason": text})
+
+    def _stop(self, message: str) -> None:
+        self.fatal = message
         self.finished.set()
 
     def _replied(self, request: _Request, message: dict, num_tokens: int) -> None:
@@ -259,10 +297,10 @@ class _ServerReplies:
         elif job.done:
             self._done(job)
 
-    def _refused(self, record: int, reason: str) -> None:
-        job = self.active.get(record)
+    def _refused(self, request: _Request, reason: str, rejection: dict) -> None:
+        job = self.active.get(request.record)
         if job is not None:
-            job.refuse(reason)
+            job.refuse(reason, rejection)
             self._done(job)
 
     def _done(self, job: RecordJob) -> None:
@@ -280,14 +318,15 @@ class _ServerReplies:
         if request.record not in self.active:  # given up meanwhile
             return
         request.attempt += 1
-        if request.attempt > self.max_retries:
+        now = time.monotonic()
+        request.first_failure = now if request.first_failure is None else request.first_failure
+        left = request.first_failure + self.retry_s - now
+        if left <= 0:
             self.counts.last_errors[request.record] = f"{server.url}: {reason}"
             return self._give_up(request.record)
         self.counts.num_retried += 1
-        delay = min(self.backoff_s * 2 ** (request.attempt - 1), MAX_BACKOFF_S)
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, MAX_BACKOFF_S))
-        asyncio.get_running_loop().call_later(delay, self.queue.put_nowait, request)
+        delay = backoff_delay(request.attempt, self.backoff_s, self.jitter, retry_after)
+        asyncio.get_running_loop().call_later(min(delay, left), self.queue.put_nowait, request)
 
     def _give_up(self, record: int) -> None:
         """A record that failed every attempt: it and every record after it are left for the next run."""
@@ -331,20 +370,20 @@ class _ServerReplies:
 def regenerate_with_servers(urls: list[str], input_path: str, output_path: str, *, model: str | None = None,
                             max_new_tokens: int = 256, batch_size: int = 96, max_batches: int | None = None,
                             thinking: str = "default", sampling: Sampling = Sampling(),
-                            concurrency: int = DEFAULT_CONCURRENCY, max_retries: int = DEFAULT_MAX_RETRIES,
+                            concurrency: int = DEFAULT_CONCURRENCY, retry_minutes: float = DEFAULT_RETRY_MINUTES,
                             backoff_s: float = BACKOFF_S, request_timeout_s: float = 600.0,
                             api_key: str | None = None, log=print, progress_bar: bool = True) -> ServerRun:
     """Regenerate `input_path` into `output_path` with the replies of the servers at `urls`,
     resuming a previous run (data/regenerate.py's format and resume file); -> the progress
     and the request counts. model: the served model name (None: the one the servers serve).
     Records are written min(batch_size, WRITE_EVERY) at a time; max_batches stops after that
-    many batch_size records (a later call continues). A record whose request failed every
-    attempt ends the run early (module doc): see the result's requests.failed_records."""
+    many batch_size records (a later call continues). A record whose request kept failing for
+    retry_minutes ends the run early (module doc): see the result's requests.failed_records."""
     import httpx
 
-    if max_new_tokens < 1 or batch_size < 1 or concurrency < 1 or max_retries < 0 or request_timeout_s <= 0:
-        raise DataError(f"max new tokens, batch size and server concurrency must be >= 1, max retries >= 0 and the "
-                        f"request timeout > 0; got {max_new_tokens}, {batch_size}, {concurrency}, {max_retries}, "
+    if max_new_tokens < 1 or batch_size < 1 or concurrency < 1 or not retry_minutes >= 0 or request_timeout_s <= 0:
+        raise DataError(f"max new tokens, batch size and server concurrency must be >= 1, retry minutes >= 0 and the "
+                        f"request timeout > 0; got {max_new_tokens}, {batch_size}, {concurrency}, {retry_minutes}, "
                         f"{request_timeout_s}")
     if thinking not in THINKING_MODES:
         raise DataError(f"thinking: expected one of {', '.join(THINKING_MODES)}, got {thinking!r}")
@@ -353,11 +392,12 @@ def regenerate_with_servers(urls: list[str], input_path: str, output_path: str, 
         raise DataError(f"--server: give each server once, at least one; got {', '.join(urls) or 'none'}")
     records = load_records(input_path)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model, down = served_model(bases, model, headers)
+    model, target, down = served_model(bases, model, headers)
     for url in down:
         log(f"regenerate: server {url} does not answer; it is probed and used once it does")
     output = Path(output_path)
-    progress = start_progress(input_path, output, len(records), max_new_tokens, thinking, sampling.as_progress())
+    progress = start_progress(input_path, output, len(records), max_new_tokens, thinking, sampling.as_progress(),
+                              target=target, served_model=model)
     servers = [_Server(url) for url in bases]
     for server in servers:
         server.out = server.url in down
@@ -375,7 +415,7 @@ def regenerate_with_servers(urls: list[str], input_path: str, output_path: str, 
                        initial=progress.num_turns)
     writer = InOrderWriter(output, progress, min(batch_size, WRITE_EVERY))
     run = _ServerReplies(servers, records, progress.next_record, stop, writer, meter, base_body, sampling,
-                         concurrency, max_retries, backoff_s)
+                         concurrency, 60.0 * retry_minutes, backoff_s)
     timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
     limits = httpx.Limits(max_connections=len(servers) * (concurrency + 1))
     started = time.perf_counter()
@@ -394,6 +434,6 @@ def regenerate_with_servers(urls: list[str], input_path: str, output_path: str, 
     if run.counts.num_unwritten and not run.counts.failed_records:
         raise RuntimeError(f"regenerate: {run.counts.num_unwritten} records finished behind record "
                            f"{progress.next_record}, which never did; nothing after it was written")
-    result = ServerRun(progress, run.counts)
+    result = ServerRun(progress, run.counts, rejects_path(output) if progress.rejects_bytes else None)
     log(f"regenerate: {result.summary()} in {time.perf_counter() - started:.0f}s")
     return result

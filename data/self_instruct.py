@@ -13,7 +13,7 @@ per kind x subject x instruction (3753 in all), which caps what a seed can add; 
 temperature above 0 each is sampled with its own seed and the plan may repeat
 instructions, so more data means more prompts. Candidates then pass
 `filter_candidates`: length bounds, English-looking, ends like a question or request, not an
-evaluation prompt (MT-bench, shipped in bench/prompts, plus any files given) nor one's first
+evaluation prompt (MT-bench, shipped in prompts/, plus any files given) nor one's first
 60 characters, and distinct after normalize() from every prompt kept so far. Every rejected
 candidate is counted by reason, and the counts are returned and printed.
 
@@ -76,9 +76,9 @@ REJECT_REASONS = ("empty", "too short", "too long", "not English", "echoes the i
 
 
 def evaluation_turns(paths: list[str | Path] = ()) -> list[str]:
-    """Every turn of the evaluation prompts: MT-bench (shipped in bench/prompts) and `paths`
+    """Every turn of the evaluation prompts: MT-bench (shipped in prompts/) and `paths`
     (question.jsonl files, e.g. Spec-Bench's)."""
-    from specheads.bench.prompts import mt_bench_path
+    from specheads.prompts import mt_bench_path
 
     shipped = mt_bench_path()
     turns = []
@@ -157,7 +157,7 @@ def plan(num: int, seed: int, *, repeat: bool = False) -> list[tuple[str, str]]:
 
 def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *, max_new_tokens: int = 64,
                         batch_size: int = 64, dtype: str = "auto", device: str = "cpu", temperature: float = 0.0,
-                        seed: int = 0) -> list[tuple[str, str]]:
+                        seed: int = 0, trust_remote_code: bool = False) -> list[tuple[str, str]]:
     """The target's answer to each (kind, instruction), cleaned: -> (kind, candidate) pairs.
     Greedy at temperature 0; above it, sampled (top-p TOP_P), the i-th answer with its own
     seed drawn from `seed`, so a seed gives the same candidates on a rerun. On a CUDA device
@@ -168,9 +168,9 @@ def generate_candidates(target_path: str, instructions: list[tuple[str, str]], *
 
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
         raise ValueError(f"self-instruct temperature must be a number in [0, 2] (0 = greedy), got {temperature!r}")
-    tokenizer = load_tokenizer(target_path)
+    tokenizer = load_tokenizer(target_path, trust_remote_code)
     ensure_chat_template(tokenizer)
-    target = load_generation_target(target_path, dtype=dtype, device=device)
+    target = load_generation_target(target_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     prompts = [generation_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for _, text in instructions]
     rng = random.Random(f"self-instruct sampling {seed}")
     seeds = [rng.getrandbits(63) for _ in prompts] if temperature > 0 else None

@@ -108,19 +108,31 @@ def load_records(source: str, split: str = "train") -> list:
         from specheads.data.corpus import stdlib_texts
 
         return stdlib_texts("heldout" if split == "heldout" else "train")
+    path = check_source(source)
+    if path is None:
+        return _load_dataset(source, source)
+    if path.stat().st_size == 0:
+        return []
+    return _load_dataset(source, LOCAL_FORMATS[path.suffix.lower()], data_files=str(path))
+
+
+def check_source(source: str) -> Path | None:
+    """A data source that names a local file must be one of a format we read (a DataError
+    otherwise, in one line): checked before any model loads. -> its path, or None for a
+    `datasets` name (or embedded:stdlib), which only loading can check."""
+    if source == EMBEDDED_STDLIB:
+        return None
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
-    if path.exists() or suffix in LOCAL_FORMATS or source.startswith((".", "/", "~")):
-        if not path.is_file():
-            raise DataError(f"data source {source!r} does not exist (expected a local "
-                            f"{'/'.join(LOCAL_FORMATS)} file, {EMBEDDED_STDLIB}, or a datasets name)")
-        if suffix not in LOCAL_FORMATS:
-            raise DataError(f"data source {source!r}: unsupported file type {suffix or '(none)'!r}; "
-                            f"expected one of {sorted(LOCAL_FORMATS)}")
-        if path.stat().st_size == 0:
-            return []
-        return _load_dataset(source, LOCAL_FORMATS[suffix], data_files=str(path))
-    return _load_dataset(source, source)
+    if not (path.exists() or suffix in LOCAL_FORMATS or source.startswith((".", "/", "~"))):
+        return None
+    if not path.is_file():
+        raise DataError(f"data source {source!r} does not exist (expected a local "
+                        f"{'/'.join(LOCAL_FORMATS)} file, {EMBEDDED_STDLIB}, or a datasets name)")
+    if suffix not in LOCAL_FORMATS:
+        raise DataError(f"data source {source!r}: unsupported file type {suffix or '(none)'!r}; "
+                        f"expected one of {sorted(LOCAL_FORMATS)}")
+    return path
 
 
 def _load_dataset(source: str, name: str, **kwargs) -> list[dict]:

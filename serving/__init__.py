@@ -30,5 +30,6 @@ kernels/   tree attention: the Triton kernels and their launch plan (triton_kern
 server/    the HTTP server: app.py (FastAPI routes), state.py (its config and shared state),
            worker.py (the engine thread), schema.py (request validation), responses.py
            (OpenAI response bodies), metrics.py (Prometheus), detokenize.py (token deltas to
-           text), text_stream.py (one request's text deltas), server.py (uvicorn, shutdown)
+           text), text_stream.py (one request's text deltas), server.py (uvicorn, shutdown),
+           reasoning.py (a reply's reasoning split off, --reasoning-parser)
 """

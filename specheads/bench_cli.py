@@ -9,7 +9,7 @@
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
 each, through the target tokenizer's chat template when it has one, else raw text.
-Default: the shipped set (bench/prompts/default.jsonl, 6 categories).
+Default: the shipped set (prompts/default.jsonl, 6 categories).
 
 Methods: hf-greedy (the reference), engine-plain (speculation off), engine-heads[tuned,N]
 (the heads directory's tree: the one `specheads tune` chose, or [stored,N] for an untuned
@@ -86,7 +86,7 @@ import sys
 from specheads.errors import UserError
 from specheads.options import (STORE_HELP, add_device_options, add_lookup_option, add_output_json_option,
                                add_store_option, apply_device_options, human_output, write_json_report)
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP
 
 
 def int_list(text: str, option: str, example: str) -> list[int]:
@@ -105,7 +105,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)
     p.add_argument("--heads", action="append", default=[], metavar="DIR[,DIR...]",
-                   help="heads directory (repeatable or comma-separated: benched side by side); "
+                   help=HEADS_HELP + " (repeatable or comma-separated: benched side by side); "
                         "omit to bench only plain decoding and the peers")
     p.add_argument("--prompts", help="Spec-Bench question.jsonl (default: the shipped 6-category set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
@@ -124,7 +124,7 @@ def add_parser(subparsers) -> None:
     add_output_json_option(p, old_json="path")
     p.add_argument("--plot", metavar="OUT.png",
                    help="write a PNG of charts (acceptance by depth; speedup vs tree size; tokens/s per method "
-                        "over prompts); needs matplotlib: pip install 'specheads[plot]'")
+                        "over prompts); needs matplotlib: pip install matplotlib")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up decode per method")
     p.add_argument("--no-fallback", action="store_true",
                    help="never let the engine switch a request to plain decoding (measures the heads themselves)")
@@ -166,7 +166,7 @@ def run(args) -> int:
     llama_cpp_extra = []  # --llama-cpp-args as llama-server flags
     if args.llama_cpp is not None:  # a missing or too-old llama.cpp, or a bad flag, fails before any model loads
         from specheads.bench.llama_cpp import find_server, server_args
-        from specheads.heads.artefacts.export_llama_cpp import check_draft
+        from specheads.heads.artefacts.llama_cpp_serve import check_draft
 
         find_server(args.llama_cpp)
         check_draft(args.llama_cpp_draft_max, args.llama_cpp_draft_p_min)

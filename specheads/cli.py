@@ -20,7 +20,8 @@ parser conventions (defaults in every --help, no abbreviations, deprecated spell
 specheads/options.py. `build_parser()` returns the whole parser tree, `train` included.
 
 Every subcommand imports its machinery lazily so `specheads --help` is instant. User
-errors (bad paths, mismatched heads, bad recipes) print one clear line and exit 2
+errors (bad paths, mismatched heads, bad recipes, a model or file that cannot be read or
+written: OSError, transformers' load errors among them) print one clear line and exit 2
 (specheads/errors.py); bugs keep their traceback. `specheads train ...` hands its arguments,
 `--help` included, to specheads/train.py's own parser (the one `python -m specheads.train`
 and the deepspeed launcher use).
@@ -32,17 +33,17 @@ import argparse
 import sys
 
 from specheads import __version__
-from specheads.errors import EXIT_USER_ERROR, UserError
+from specheads.errors import EXIT_USER_ERROR, UserError, one_line
 from specheads.options import (Parser, add_device_options, add_lookup_option, add_output_json_option,
                                add_store_option, apply_device_options, write_json_report)
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP
 
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with (or without) heads and print alpha, tau, tokens/s")
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)
-    p.add_argument("--heads", help="heads directory (config.json + model.safetensors); omit for plain decoding")
+    p.add_argument("--heads", help=HEADS_HELP + "; omit for plain decoding")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
@@ -213,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             from specheads.demo import run_demo
 
             return run_demo(args)
-    except (UserError, FileNotFoundError, ValueError) as err:
-        print(f"specheads {args.command}: error: {err}", file=sys.stderr)
+    except (UserError, OSError, ValueError) as err:  # OSError: a model or file that cannot be read or written
+        print(f"specheads {args.command}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USER_ERROR

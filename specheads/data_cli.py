@@ -2,11 +2,11 @@
 
     specheads data prompts --output FILE [--num N] [--seed S] [--self-instruct --target T
         [--self-instruct-fraction F] [--self-instruct-temperature X]] [--context-from FILE [--context-fraction F]]
-    specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval FILE ...]
+    specheads data report --input FILE [--target T | --tokenizer PATH] [--draft-vocab-size N --eval-replies FILE ...]
     specheads data regenerate --target T --input FILE --output FILE [--batch-size N] [--max-new-tokens N]
                               [--thinking default|on|off] [--device auto|cpu|cuda[:N]] [--enforce-eager]
     specheads data regenerate --server URL [--server URL ...] [--target SERVED_NAME] --input FILE --output FILE
-                              [--server-concurrency N] [--max-retries N] [--request-timeout S] [--api-key KEY]
+                              [--server-concurrency N] [--retry-minutes M] [--request-timeout S] [--api-key KEY]
                               [--temperature T] [--top-p P] [--top-k K] [--seed S] [--max-new-tokens N] [--thinking M]
     specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
     specheads data store --input REPLIES.jsonl --target T --output DIR [--tokenizer PATH] [--thinking MODE]
@@ -14,8 +14,10 @@
 --device defaults to auto (CUDA when torch sees a GPU, else the CPU); on a CUDA device
 regenerate replays its decode steps as CUDA graphs unless --enforce-eager. With --server,
 regenerate loads nothing: OpenAI-compatible servers (vLLM, SGLang, `specheads serve`) make
-the replies (data/remote_replies.py); it exits 1 when a record's request failed every retry
-(the output holds the records before it; a rerun resumes there).
+the replies (data/remote_replies.py); a record a server refuses (4xx) goes to
+OUTPUT.rejects.jsonl with the server's message and the run goes on; it exits 1 when a record's
+request kept failing for --retry-minutes (the output holds the records before it; a rerun
+resumes there).
 
 `add_parser(subparsers)` registers the "data" command on the top-level parser and
 `run(args)` executes it (the returned int is the exit status). Machinery is imported
@@ -28,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specheads.errors import EXIT_USER_ERROR, UserError
+from specheads.errors import EXIT_USER_ERROR, UserError, one_line
 from specheads.options import add_device_options, add_renamed_option, apply_device_options
 from specheads.runner import DTYPE_HELP, TARGET_HELP
 
@@ -61,11 +63,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "extract, summarize, answer from, rewrite a long text); repeatable")
     p.add_argument("--context-fraction", type=float, default=0.25,
                    help="with --context-from: the share of prompts that are context tasks")
-    p.add_argument("--eval-prompts", action="append", default=[],
-                   help="question.jsonl whose turns must not appear (MT-bench is always checked); repeatable")
+    p.add_argument("--eval-prompts", action="append", default=[], metavar="FILE",
+                   help="evaluation prompts (question.jsonl) whose turns must not appear (MT-bench is always checked); "
+                        "repeatable")
     p.add_argument("--batch-size", type=int, default=96, help="with --self-instruct: sequences per forward")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_device_options(p, graphs=False)
+    p.add_argument("--trust-remote-code", action="store_true", help="with --self-instruct: allow the target's own code")
 
     p = sub.add_parser("report", help="tokens, turns, distinct prompts and draft-vocab coverage of chat data")
     p.add_argument("--input", required=True, help="chat records (regenerate's output): .jsonl/.json/.parquet")
@@ -73,9 +77,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer path (instead of --target)")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft vocab: this many most frequent reply tokens of --input (plus EOS)")
-    p.add_argument("--eval", action="append", default=[],
-                   help="evaluation replies (.jsonl chat or text records) whose tokens the draft vocab should cover")
+    add_renamed_option(p, "--eval-replies", "--eval", action="append", default=[], metavar="FILE",
+                       help="evaluation replies (.jsonl chat or text records) whose tokens the draft vocab should cover; "
+                            "repeatable")
     p.add_argument("--thinking", default="default", help=THINKING_HELP)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code")
 
     p = sub.add_parser("regenerate", help="rewrite assistant turns with the target (self-distillation, resumable)")
     p.add_argument("--target", default=None,
@@ -125,7 +131,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # regenerate's options that only its --server path has: dest -> (flag, its default there)
-SERVER_OPTIONS = {"server_concurrency": ("--server-concurrency", 8), "max_retries": ("--max-retries", 5),
+SERVER_OPTIONS = {"server_concurrency": ("--server-concurrency", 8), "retry_minutes": ("--retry-minutes", 10.0),
                   "request_timeout": ("--request-timeout", 600.0), "api_key": ("--api-key", None),
                   "temperature": ("--temperature", 0.0), "top_p": ("--top-p", 1.0), "top_k": ("--top-k", 0),
                   "seed": ("--seed", None)}
@@ -140,8 +146,9 @@ def _add_server_options(p) -> None:
                         "http://127.0.0.1:8000; repeatable: requests are spread over them. Nothing loads locally")
     p.add_argument("--server-concurrency", type=int, default=None, metavar="N",
                    help="with --server: requests in flight per server (default 8)")
-    p.add_argument("--max-retries", type=int, default=None, metavar="N",
-                   help="with --server: times a failed request is sent again, with exponential backoff (default 5)")
+    p.add_argument("--retry-minutes", type=float, default=None, metavar="M",
+                   help="with --server: how long a failed request keeps being retried, with exponential backoff and "
+                        "jitter, before the run stops at its record (default 10)")
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="with --server: seconds one reply may take (default 600)")
     p.add_argument("--api-key", default=None,
@@ -181,7 +188,7 @@ def _prompts(args) -> int:
                                    follow_up_fraction=args.follow_up_fraction,
                                    third_turn_fraction=args.third_turn_fraction, eval_paths=args.eval_prompts,
                                    temperature=args.self_instruct_temperature, batch_size=args.batch_size,
-                                   dtype=args.dtype, device=args.device)
+                                   dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code)
     if args.context_from:
         from specheads.data.context_prompts import REJECT_REASONS, context_prompts, mixed_in, source_texts, usable_texts
         from specheads.data.self_instruct import evaluation_turns, format_rejects
@@ -197,17 +204,29 @@ def _prompts(args) -> int:
     return 0
 
 
+def _check_inputs(args) -> None:
+    """--target's name and --input, both cheap to check: before any target is built or loaded
+    (embedded:tiny builds for minutes on a slow machine the first time)."""
+    from specheads.data.text import check_source
+    from specheads.runner import check_target_name
+
+    if args.target is not None:
+        check_target_name(args.target)
+    check_source(args.input)
+
+
 def _report(args) -> int:
     from specheads.data.chat_prompts import format_report, report_chat_data
     from specheads.runner import resolve_target_name
 
     if (args.target is None) == (args.tokenizer is None):
         raise ValueError("give one of --target or --tokenizer (whose tokens are counted)")
-    if args.eval and not args.draft_vocab_size:
-        raise ValueError("--eval needs --draft-vocab-size (the draft vocab whose coverage is measured)")
+    if args.eval_replies and not args.draft_vocab_size:
+        raise ValueError("--eval-replies needs --draft-vocab-size (the draft vocab whose coverage is measured)")
+    _check_inputs(args)
     tokenizer = args.tokenizer or resolve_target_name(args.target)
-    print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval,
-                                         thinking=args.thinking)))
+    print(format_report(report_chat_data(args.input, tokenizer, args.draft_vocab_size, args.eval_replies,
+                                         thinking=args.thinking, trust_remote_code=args.trust_remote_code)))
     return 0
 
 
@@ -224,6 +243,7 @@ def _regenerate(args) -> int:
     if args.target is None:
         raise ValueError("give --target (the model whose replies are made), or --server URL (a server that makes them)")
     apply_device_options(args)
+    _check_inputs(args)
     progress = regenerate(resolve_target_name(args.target), args.input, args.output, tokenizer_path=args.tokenizer,
                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                           device=args.device, trust_remote_code=args.trust_remote_code, max_batches=args.max_batches,
@@ -247,7 +267,7 @@ def _regenerate_with_servers(args) -> int:
     run = regenerate_with_servers(args.server, args.input, args.output, model=args.target,
                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                   max_batches=args.max_batches, thinking=args.thinking, sampling=sampling,
-                                  concurrency=options["server_concurrency"], max_retries=options["max_retries"],
+                                  concurrency=options["server_concurrency"], retry_minutes=options["retry_minutes"],
                                   request_timeout_s=options["request_timeout"],
                                   api_key=options["api_key"] or os.environ.get("OPENAI_API_KEY"))
     print(f"regenerate: {args.output}: {run.summary()}")
@@ -265,6 +285,7 @@ def _cache(args) -> int:
     except ValueError:
         raise ValueError(f"--taps: expected comma-separated layer numbers like 2,5,8, got {args.taps!r}") from None
     apply_device_options(args)
+    _check_inputs(args)
     path = resolve_target_name(args.target)
     target = TargetAdapter.from_pretrained(path, dtype=args.dtype, device=args.device,
                                            trust_remote_code=args.trust_remote_code)
@@ -284,6 +305,7 @@ def _store(args) -> int:
     from specheads.data.reply_store import build_store
     from specheads.runner import resolve_target_name
 
+    _check_inputs(args)
     manifest, report = build_store(args.input, resolve_target_name(args.target), args.output,
                                    tokenizer_path=args.tokenizer, thinking=args.thinking,
                                    trust_remote_code=args.trust_remote_code)
@@ -304,8 +326,8 @@ def run(args) -> int:
             return _cache(args)
         if args.data_command == "store":
             return _store(args)
-    except (UserError, ValueError, FileNotFoundError) as err:  # DataError is a ValueError
-        print(f"specheads data {args.data_command}: error: {err}", file=sys.stderr)
+    except (UserError, ValueError, OSError) as err:  # DataError is a ValueError
+        print(f"specheads data {args.data_command}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_USER_ERROR
     print(f"specheads data: unknown command {args.data_command!r}", file=sys.stderr)
     return EXIT_USER_ERROR

@@ -356,7 +356,8 @@ def _tiny_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]])
 
 
 def _real_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]]) -> tuple[dict, dict]:
-    from specheads.bench.prompts import encode_prompts, load_prompts, mt_bench_path
+    from specheads.bench.prompts import encode_prompts, load_prompts
+    from specheads.prompts import mt_bench_path
     from specheads.runner import load_target_and_tokenizer, resolve_target_name
 
     (kind, (recipe, run_name)), = recipes.items()

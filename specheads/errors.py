@@ -12,3 +12,9 @@ EXIT_USER_ERROR = 2
 
 class UserError(Exception):
     """An error caused by the user's input: printed as one line, exit status EXIT_USER_ERROR."""
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message on one line (a library's message may span several: transformers' load
+    errors do), its whitespace runs collapsed; its type's name when it has no message."""
+    return " ".join(str(err).split()) or type(err).__name__

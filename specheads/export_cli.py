@@ -13,8 +13,9 @@ target identity names DIR/target); serve them together.
 `--spec-type draft-eagle3`) and DIR/target.gguf (the target, same outtype; --no-target skips it),
 both made by llama.cpp's own convert_hf_to_gguf.py (SRC: a llama.cpp checkout or `specheads
 llama-cpp build`'s directory; default: llama.cpp from the pinned llama-cpp-python sdist, fetched
-once into the cache). The target is the heads' recorded one unless --target names it; it must
-resolve to a local HF directory. Serve with
+once into the cache). The target is the heads' recorded one unless --target names it: a local HF
+directory, a Hub id (its snapshot in the Hub cache, downloaded when online), an embedded name
+or a .gguf file (converted first). Serve with
     llama-server -m DIR/target.gguf -md DIR/heads.gguf --spec-type draft-eagle3
 See heads/artefacts/export_llama_cpp.py for the tap convention.
 
@@ -87,16 +88,18 @@ def run(args) -> int:
 
 def _export_llama_cpp(args) -> int:
     from specheads.data.tiny_target import default_cache_dir
-    from specheads.heads.artefacts.export_llama_cpp import (SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, check_target_dir,
-                                                           draft_args, export_llama_cpp, find_converter,
+    from specheads.heads.artefacts.export_llama_cpp import (check_target_dir, export_llama_cpp, find_converter,
                                                            pinned_source)
     from specheads.heads.artefacts.heads_dir import read_heads_config
+    from specheads.heads.artefacts.llama_cpp_serve import SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, draft_args
+    from specheads.heads.artefacts.hub import local_target_dir
 
     config = read_heads_config(args.heads_dir)
     if config.kind != "eagle3":  # before anything is fetched or resolved
         raise ValueError(f"--format llama.cpp takes EAGLE-3 heads (llama.cpp's --spec-type draft-eagle3); "
                          f"{args.heads_dir!r} holds {config.kind} heads")
-    target = check_target_dir(resolve_target_name(args.target or config.target.name_or_path))
+    # a Hub id becomes its snapshot in the Hub cache (downloaded when online): the converter reads files
+    target = check_target_dir(local_target_dir(resolve_target_name(args.target or config.target.name_or_path)))
     source = args.llama_cpp if args.llama_cpp is not None else pinned_source(default_cache_dir())
     out = export_llama_cpp(args.heads_dir, args.output, target_dir=target, converter=find_converter(source),
                            outtype=args.outtype, pre_tokenizer=args.pre_tokenizer, with_target=not args.no_target,

@@ -55,14 +55,18 @@ class Parser(argparse.ArgumentParser):
 class _DeprecatedAlias(argparse.Action):
     """An old option spelling: stores into the new option's dest and warns once per use."""
 
-    def __init__(self, option_strings, dest, replacement: str, nargs=None, const=None, type=None, metavar=None):
+    def __init__(self, option_strings, dest, replacement: str, nargs=None, const=None, type=None, metavar=None,
+                 append: bool = False):
         super().__init__(option_strings, dest, nargs=nargs, const=const, type=type, metavar=metavar,
                          default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        self.replacement = replacement
+        self.replacement, self.append = replacement, append
 
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"{parser.prog}: warning: {option_string} is deprecated; {self.replacement}", file=sys.stderr)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        value = self.const if self.nargs == 0 else values
+        if self.append:  # the new option is repeatable: the old spelling adds to the same list
+            value = [*(getattr(namespace, self.dest, None) or []), value]
+        setattr(namespace, self.dest, value)
 
 
 def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, dest: str, replacement: str, *,
@@ -82,7 +86,8 @@ def add_renamed_option(parser: argparse.ArgumentParser, new: str, old: str, *, r
     refuses both at once)."""
     container = parser.add_mutually_exclusive_group(required=True) if required else parser
     action = container.add_argument(new, **kwargs)
-    container.add_argument(old, dest=action.dest, action=_DeprecatedAlias, replacement=f"use {new}", type=action.type)
+    container.add_argument(old, dest=action.dest, action=_DeprecatedAlias, replacement=f"use {new}", type=action.type,
+                           append=isinstance(action, argparse._AppendAction))
 
 
 def add_device_options(parser: argparse.ArgumentParser, graphs: bool = True) -> None:

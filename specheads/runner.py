@@ -15,12 +15,16 @@ context. It resolves names through the same data/tiny_target.resolve_target."""
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from specheads.errors import UserError
 
 # What every command's --target accepts (resolved by resolve_target_name).
 TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
+# What every command's --heads accepts (heads/artefacts/heads_dir.py resolve_heads_dir)
+HEADS_HELP = ("a heads directory (config.json + model.safetensors) or a Hugging Face Hub repo id (org/name: the Hub "
+              "cache first, fetched into it when online)")
 # What every command's --dtype accepts: the long names of heads/target/adapter.py's DTYPES, which also
 # takes fp32, bf16, fp16 (not imported here: `specheads --help` must not import torch).
 DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a GPU, on a CPU with native bf16, "
@@ -30,9 +34,34 @@ DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 
 
 
 def resolve_target_name(name_or_path: str, progress: bool = True) -> str:
+    """What `--target` names, as a local directory or a Hub id from_pretrained loads
+    (data/tiny_target.resolve_target: embedded names built, GGUF files converted), after
+    check_target_name."""
     from specheads.data.tiny_target import resolve_target
 
+    check_target_name(name_or_path)
     return resolve_target(str(name_or_path), progress=progress)
+
+
+def check_target_name(name_or_path: str) -> None:
+    """Fail in one line (FileNotFoundError), before anything builds, converts or loads, for a
+    `--target` that cannot be loaded: an unknown embedded name, a local path that is not there,
+    a Hub id that is neither in the Hub cache nor on the Hub (heads/artefacts/hub.py; offline, the Hub is
+    not asked). A Hub id's config.json is fetched into the cache on the way."""
+    from specheads.data.tiny_target import EMBEDDED_TARGETS
+    from specheads.heads.artefacts.hub import check_hub_target, is_hub_id
+
+    name = str(name_or_path)
+    if name.startswith("embedded:"):
+        if name not in EMBEDDED_TARGETS:
+            raise FileNotFoundError(f"unknown embedded target {name!r}; expected one of {', '.join(EMBEDDED_TARGETS)}")
+        return
+    if is_hub_id(name):
+        check_hub_target(name)
+    elif not os.path.exists(os.path.expanduser(name)):
+        raise FileNotFoundError(f"target {name!r} does not exist: expected a local model directory (config.json + "
+                                "weights), a .gguf file, embedded:tiny, embedded:smollm2, or a Hub id like "
+                                "'meta-llama/Llama-3.1-8B-Instruct'")
 
 
 def load_target_and_tokenizer(name_or_path: str, *, heads: Sequence[str] = (), dtype: str = "auto",

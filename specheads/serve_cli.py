@@ -17,17 +17,20 @@ verify forward replays a CUDA graph with the tree-attention kernel, unless --enf
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from specheads.errors import UserError
 from specheads.options import add_device_options, add_lookup_option, add_store_option, apply_device_options
-from specheads.runner import DTYPE_HELP, TARGET_HELP
+from specheads.runner import DTYPE_HELP, HEADS_HELP, TARGET_HELP
 
 
 def add_parser(subparsers) -> None:
+    from specheads.serving.server.reasoning import PARSERS as REASONING_PARSERS  # imports nothing heavy
+
     p = subparsers.add_parser("serve", help="serve the target (+ heads) over an OpenAI-compatible HTTP API")
     p.add_argument("--target", required=True,
                    help=TARGET_HELP)
-    p.add_argument("--heads", help="heads directory; omit to serve with plain decoding")
+    p.add_argument("--heads", help=HEADS_HELP + "; omit to serve with plain decoding")
     add_lookup_option(p, old="--lookup")
     add_store_option(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -48,6 +51,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --target)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (default: the tokenizer's; without one, specheads' documented fallback)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a chat reply's <think>...</think> into message.reasoning_content (a stream's "
+                        "delta.reasoning_content), as vLLM's and SGLang's parsers of these names do: qwen3 (a reply "
+                        "that opens with <think>) or deepseek_r1 (the template opened it); default: no split")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     add_device_options(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
@@ -58,7 +65,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from specheads.runner import load_decoder
+    from specheads.heads.artefacts.heads_dir import read_heads_config
+    from specheads.runner import check_target_name, load_decoder
     from specheads.serving.server.server import serve
     from specheads.serving.server.state import ServeConfig
 
@@ -72,8 +80,6 @@ def run(args) -> int:
             raise UserError(f"--chat-template {args.chat_template!r} is not a file")
         with open(args.chat_template, encoding="utf-8") as handle:
             chat_template = handle.read()
-    if args.heads is not None and not os.path.isdir(args.heads):
-        raise UserError(f"--heads {args.heads!r} is not a directory (expected config.json + model.safetensors)")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECHEADS_API_KEY") or None
     for flag, value, minimum in (("--max-concurrency", args.max_concurrency, 1), ("--max-queue", args.max_queue, 0),
                                  ("--max-model-len", args.max_model_len, 2), ("--max-body-bytes", args.max_body_bytes, 1),
@@ -89,11 +95,18 @@ def run(args) -> int:
         torch.set_num_threads(args.torch_threads)
     if args.request_timeout <= 0:
         raise UserError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    config = ServeConfig(model_name=args.served_model_name or args.target, api_key=api_key,
+    if args.heads is not None:  # a directory or a Hub id (fetched into the Hub cache)
+        try:
+            read_heads_config(args.heads)
+        except (FileNotFoundError, ValueError) as err:
+            raise UserError(f"--heads: {err}") from err
+    check_target_name(args.target)  # before the server listens: a bad --target exits 2, as a bad --heads does
+    root = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target  # as regenerate records it
+    config = ServeConfig(model_name=args.served_model_name or args.target, model_root=root, api_key=api_key,
                          max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, public_metrics=args.public_metrics,
-                         chat_template=chat_template)
+                         chat_template=chat_template, reasoning_parser=args.reasoning_parser)
 
     def loader():
         decoder, tokenizer = load_decoder(args.target, args.heads, dtype=args.dtype, device=args.device,
@@ -108,6 +121,8 @@ def run(args) -> int:
             ensure_chat_template(tokenizer)
         return decoder, tokenizer
 
-    serve(config, loader, host=args.host, port=args.port, graceful_timeout_s=args.graceful_timeout,
-          log_level=args.log_level)
+    state = serve(config, loader, host=args.host, port=args.port, graceful_timeout_s=args.graceful_timeout,
+                  log_level=args.log_level)
+    if state.status == "failed":  # the server stopped itself; vLLM exits non-zero here too
+        raise UserError(f"the model did not load, so the server stopped: {state.error}")
     return 0

@@ -75,6 +75,8 @@ DEPRECATED = [
     (["data", "cache", "--target", "t", "--input", "d", "--taps", "2", "--out", "o"], "--out", "output", "o",
      "--output"),
     (["serve", "--target", "t", "--cuda-graphs"], "--cuda-graphs", "cuda_graphs", True, "--enforce-eager"),
+    (["data", "report", "--input", "r", "--eval", "e.jsonl"], "--eval", "eval_replies", ["e.jsonl"],
+     "--eval-replies"),
 ]
 
 def fill(argv: list[str], tmp_path) -> list[str]:

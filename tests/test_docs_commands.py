@@ -305,7 +305,7 @@ def test_the_checker_fails_what_it_should():
 
 PACKAGE_DIRS = {"specheads": REPO / "specheads", "specheads.heads": REPO / "heads",
                 "specheads.training": REPO / "training", "specheads.serving": REPO / "serving",
-                "specheads.data": REPO / "data", "specheads.recipes": REPO / "recipes",
+                "specheads.data": REPO / "data", "specheads.recipes": REPO / "recipes", "specheads.prompts": REPO / "prompts",
                 "specheads.bench": REPO / "bench"}
 
 

@@ -332,6 +332,27 @@ def _stop_if_any_rank_failed(problem: str | None, engine, root: Path, name: str)
                         "space there and re-run the same command to resume")
 
 
+def stop_if_heads_not_written(problem: str | None, engine, heads_dir: Path, output_dir: str | os.PathLike) -> None:
+    """Collective, after rank 0 wrote the final heads directory (`problem`: why it could not,
+    from write_problem, else None): DiskFullError on every rank, in one line naming what is kept
+    (the final checkpoint, from which a re-run of the same command writes the heads), as a
+    checkpoint that does not fit does. A barrier for all ranks either way."""
+    if _all_ranks_ok(problem is None, engine):
+        return
+    latest = Path(output_dir) / CHECKPOINTS_DIR / LATEST
+    named = latest.read_text().strip() if latest.is_file() else ""
+    kept = f"the final checkpoint {named} is kept" if named else "there is no checkpoint, so a re-run starts over"
+    reason = problem or "could not be written by rank 0 (out of disk space: see its error line)"
+    raise DiskFullError(f"disk full: the heads directory {heads_dir} {reason}; it was not written. Nothing was lost: "
+                        f"{kept}. Free space there and re-run the same command to write the heads from it")
+
+
+def write_problem(write, directory: Path, need: int) -> str | None:
+    """Run write() (it writes `directory`, about `need` bytes) -> None when it wrote, the one-line
+    reason when the disk or quota ran out; any other failure propagates."""
+    return _out_of_space(write, directory, need)
+
+
 def _all_ranks_ok(ok: bool, engine) -> bool:
     """Whether every rank is ok (one rank alone: `ok`); a barrier for all ranks either way."""
     _, world_size = _rank_world()

@@ -394,6 +394,7 @@ def _finish(recipe: Recipe, parts: StepParts, config: HeadsConfig, eval_blocks: 
     weights, _ = checkpoint.trained_state(parts.engine, parts.source.adapter)
     heads_dir, target = output_dir / HEADS_SUBDIR, parts.source.target
     target.model.eval()  # LoRA's dropout off (a frozen target is always in eval mode)
+    problem = None  # rank 0: why the heads directory could not be written (a full disk)
     if dist.rank == 0 or partitioned_target:
         heads = build_heads(config)
         saved = heads.state_dict()  # non-persistent buffers (rotary inv_freq) stay as built
@@ -404,17 +405,17 @@ def _finish(recipe: Recipe, parts: StepParts, config: HeadsConfig, eval_blocks: 
             heads, parts.kind, target, eval_blocks.input_ids.to(target.device),
             eval_blocks.loss_mask.to(target.device), cal.num_nodes, cal.max_rank, recipe.train.micro_batch_size,
             cal.eval_batches, config.tap_layers, source=eval_blocks.report.source)
-        if dist.rank != 0:
-            checkpoint.barrier()
-            return heads_dir
+    if dist.rank == 0:
         config = parts.source.finish(config, output_dir, lambda message: _say(dist, message))
         config.training = training_record(recipe, parts.source.blocks.report.num_tokens, dist.world_size)
-        save_heads(heads_dir, heads, config)
+        need = checkpoint.state_bytes(heads.state_dict()) + checkpoint.HEADROOM
+        problem = checkpoint.write_problem(lambda: save_heads(heads_dir, heads, config), heads_dir, need)
+    if problem is None and dist.rank == 0:
         top1 = " ".join(f"{a:.3f}" for a in config.calibration["top1"])
         _say(dist, f"held-out top-1 per head {top1}; tree of {config.tree['num_nodes']} nodes, expected "
                    f"accepted draft tokens per step {config.tree['expected_accepted_draft_tokens']:.3f}")
         _say(dist, f"wrote {heads_dir}")
         tracker.summary({"calibrate/expected_accepted_draft_tokens": config.tree["expected_accepted_draft_tokens"],
                          **{f"calibrate/head{k}_top1": a for k, a in enumerate(config.calibration["top1"])}})
-    checkpoint.barrier()
+    checkpoint.stop_if_heads_not_written(problem, parts.engine, heads_dir, output_dir)  # collective: a barrier too
     return heads_dir

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.bench.gpu.kernels import random_tree_mask
+from specheads.bench.support import random_tree_mask
 from specheads.bench.support import time_ms, wall_s
 from specheads.serving.decode.generate import generate
 

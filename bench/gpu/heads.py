@@ -1,8 +1,8 @@
 """EAGLE-3 heads trained from nothing on two kinds of data and scored on requests they were not
 trained on: the GPU run of the issue "Heads that carry over to requests they were not trained on"
-(docs/gpu/2026-11-27-plan-broad-heads.md says how it is launched, bench/gpu/heads_run.sh runs it).
+(bench/gpu/README.md says how to run it on a GPU machine of your own).
 
-    python -m specheads.bench.gpu.heads --out OUT --work WORK [--target embedded:smollm2] [--device auto]
+    python -m specheads.bench.gpu.heads --output OUT --work WORK [--target embedded:smollm2] [--device auto]
         [--sizes gpu|tiny] [--budget-s 450] [--arms template,broad] [--phases P,...] [--parts DIR]
         [--conversations N] [--steps N] [--context-from FILE] [--fill-from-templates] [--llama-cpp DIR]
 
@@ -82,7 +82,7 @@ class Sizes:
     budgets: dict = field(default_factory=dict)  # phase -> seconds
 
 
-# One H200 (docs/gpu/h200-2026-11-26-run5-regenerate-and-heads.md): regenerate 12,500 reply tok/s at 512
+# One H200 (docs/results/2026-11-26-h200/run5-regenerate-and-heads.md): regenerate 12,500 reply tok/s at 512
 # rows after ~20 s of loading and capture, ~270 reply tokens a conversation at 256 tokens a reply; a
 # training step of 32 blocks of 1024 0.28 s alone (two arms side by side: 0.56 s a step each), ~35 s of
 # start-up. 1600 conversations an arm: (1600 + 1200) x 270 / 12,500 = 60 s of replies in one run, then
@@ -118,7 +118,7 @@ class HeadsRun:
 
     def __init__(self, args: argparse.Namespace, command: str):
         self.args, self.sizes = args, SIZES[args.sizes]
-        self.work, self.out = Path(args.work).resolve(), Path(args.out).resolve()
+        self.work, self.out = Path(args.work).resolve(), Path(args.output).resolve()
         self.started = time.monotonic()
         self.running: list[subprocess.Popen] = []
         self.arms = [arm for arm in ARMS if arm in args.arms.split(",")]
@@ -280,7 +280,7 @@ class HeadsRun:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="where the report (and the chosen heads, in parts) are written")
+    p.add_argument("--output", required=True, help="where the report (and the chosen heads, in parts) are written")
     p.add_argument("--work", required=True, help="the run's files and state (kept between calls on one machine)")
     p.add_argument("--target", default=SMOLLM2, help="the target (default embedded:smollm2)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")

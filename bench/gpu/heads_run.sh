@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # EAGLE-3 heads for SmolLM2 trained from nothing on template and on broad data, and scored, on a
-# bare GPU machine over two calls (docs/gpu/2026-11-27-plan-broad-heads.md says what each call
-# carries and what each figure is compared against). Run it from the repository root:
+# GPU machine that starts bare for each short session, over two calls (on a machine of your own, run
+# python -m specheads.bench.gpu.heads directly: bench/gpu/README.md). Run it from the repository root:
 #
 #     OUT=<folder for the report> bash bench/gpu/heads_run.sh [gpu_heads options, e.g. --phases score,heads]
 #
@@ -27,7 +27,7 @@ python3 -c "import torch, transformers, specheads.bench.gpu.heads as g; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'from', g.__file__)" \
     || { say "the driver does not import"; exit 1; }
 say "run starts (budget ${BUDGET_S}s, limit ${LIMIT_S}s)"
-timeout -k 60 "$LIMIT_S" python3 -m specheads.bench.gpu.heads --out "$OUT" --work "$WORK/run" \
+timeout -k 60 "$LIMIT_S" python3 -m specheads.bench.gpu.heads --output "$OUT" --work "$WORK/run" \
     --parts "$REPO/.carry/smollm2-wheel" --budget-s "$BUDGET_S" "$@" 2>&1 | tee "$OUT/gpu_heads.log"
 status=${PIPESTATUS[0]}
 say "run ended with status $status"

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from specheads.bench.support import time_ms
+from specheads.bench.support import random_tree_mask, time_ms
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # relative L2, as in the tests
 
@@ -29,15 +29,6 @@ def graph_ms(calls: list, device: torch.device, warmup: int, repeats: int) -> fl
 
     graph, _ = capture(lambda: [call() for call in calls], device, warmup_runs=1)
     return time_ms(graph.replay, device, warmup, repeats) / len(calls)
-
-
-def random_tree_mask(num_tree: int, generator: torch.Generator) -> torch.Tensor:
-    """[T, T] bool ancestor mask (self included) of a random tree; node 0 is the root."""
-    parents = [-1] + [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, num_tree)]
-    mask = torch.eye(num_tree, dtype=torch.bool)
-    for node in range(1, num_tree):  # a parent comes before its children
-        mask[node] |= mask[parents[node]]
-    return mask
 
 
 # --- 1. kernel parity -------------------------------------------------------------------

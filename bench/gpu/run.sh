@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU suite's run on a bare GPU machine (docs/gpu/2026-11-27-plan-gpu-pace.md says how it is
-# launched and what each figure is compared against). Run it from the repository root:
+# The GPU suite's run on a GPU machine that starts bare for each short session (on a machine of your
+# own, run the suite directly: bench/gpu/README.md). Run it from the repository root:
 #
 #     OUT=<folder for the report> bash bench/gpu/run.sh [gpu_suite options, e.g. --sections end_to_end]
 #
@@ -29,7 +29,7 @@ python3 -c "import torch, transformers, triton, specheads.bench.gpu.suite as s; 
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, \
 'from', s.__file__)" || { say "the suite does not import"; exit 1; }
 say "suite starts (budget ${BUDGET_S}s, limit ${LIMIT_S}s)"
-timeout -k 15 "$LIMIT_S" python3 -m specheads.bench.gpu.suite --out "$OUT" --budget-s "$BUDGET_S" \
+timeout -k 15 "$LIMIT_S" python3 -m specheads.bench.gpu.suite --output "$OUT" --budget-s "$BUDGET_S" \
     --compile-cache "$OUT/compile_cache.bin" "$@" 2>&1 | tee "$OUT/gpu_run.log"
 status=${PIPESTATUS[0]}
 say "suite ended with status $status"

@@ -23,8 +23,8 @@ It is written to OUT/gpu_suite.json and OUT/gpu_suite.md after every section, so
 stopped at its time limit keeps what it measured; `--budget-s` skips the sections that would
 start after that many seconds. `--compile-cache FILE` loads inductor's cache artifacts from
 FILE when it exists and writes them there after every section (a second run on a fresh
-machine then compiles from the cache). bench/gpu/run.sh is the device run (docs/gpu/ has its
-plan).
+machine then compiles from the cache). bench/gpu/README.md says how to run it on a GPU machine
+of your own.
 
 It imports torch, triton, transformers and the serving/heads modules that pull no deepspeed,
 fastapi, uvicorn, pydantic, wandb, datasets or gguf (tests/bench/test_gpu_suite.py runs it
@@ -245,7 +245,7 @@ def _save_compile_cache(path: Path | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m specheads.bench.gpu.suite", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_suite.json and gpu_suite.md")
+    parser.add_argument("--output", required=True, type=Path, help="folder for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (implied by --device cpu)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "peak_hbm_bytes_per_s": ctx.peak_bw, "command": " ".join(["python -m specheads.bench.gpu.suite", *argv]),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "compile_cache": _load_compile_cache(args.compile_cache)}
     report = {"schema": "specheads.gpu_suite/2", "meta": meta, "goals": [], "sections": {}}
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.output.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     for name in names:
         if args.budget_s is not None and time.perf_counter() - begin > args.budget_s:
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         meta["seconds"] = time.perf_counter() - begin
         report["goals"] = goals(report, ctx)
-        atomic.write_json(args.out / "gpu_suite.json", report)  # after every section: a killed run keeps the rest
-        atomic.write_text(args.out / "gpu_suite.md", format_markdown(report))
+        atomic.write_json(args.output / "gpu_suite.json", report)  # after every section: a killed run keeps the rest
+        atomic.write_text(args.output / "gpu_suite.md", format_markdown(report))
     for goal in report["goals"]:
         print(f"[gpu_suite] goal {_cell(goal['met']):>3}: {goal['goal']}: {_cell(goal['value'])} ({goal['target']})",
               flush=True)

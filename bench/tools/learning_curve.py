@@ -2,7 +2,7 @@
 how much data their own model needs.
 
     python -m specheads.bench.tools.learning_curve --point 100000=runs/lc-100k/heads:runs/lc-100k/bench.json \
-        --point 300000=runs/lc-300k/heads:runs/lc-300k/bench.json ... [--depths 3] [--out curve.png] \
+        --point 300000=runs/lc-300k/heads:runs/lc-300k/bench.json ... [--depths 3] [--output curve.png] \
         [--series NAME --point ...] [--eval-prompts FILE --target T [--limit N] [--max-new-tokens N] [--by-category]
         [--device auto|cpu|cuda] [--batch-size N]]
 
@@ -13,7 +13,7 @@ directory: held-out top-1 accuracy per draft depth (the calibration training wri
 candidate is the target's own next token, given the target's own previous tokens). From the
 bench report: tau on its prompts (serving/decode/stats.alpha_tau, as the bench computes it)
 of the first engine-heads method at the heads directory's own tree. Prints a markdown table
-and, with --out, draws both against TOKENS on a log axis with matplotlib (bench/plot.py's
+and, with --output, draws both against TOKENS on a log axis with matplotlib (bench/plot.py's
 object API, written atomically).
 
 Each run's held-out split is its own (a share of its own data), so points trained on
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --eval-prompts: also depth-1 top-1 per prompt category, overall and where the target "
                         "is sure of its token, and over slices by prompt length, reply position and copying (a second "
                         "table)")
-    p.add_argument("--out", help="write the PNG here")
+    p.add_argument("--output", metavar="PNG", help="write the PNG here")
     args = p.parse_args(argv)
     if args.depths < 1:
         p.error(f"--depths must be >= 1, got {args.depths}")
@@ -381,11 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.by_category:
         print()
         print(format_categories(points))
-    if args.out:
+    if args.output:
         from specheads.heads import atomic
 
-        atomic.write_bytes(args.out, render(points, args.depths))
-        print(f"learning curve: wrote {args.out}")
+        atomic.write_bytes(args.output, render(points, args.depths))
+        print(f"learning curve: wrote {args.output}")
     return 0
 
 

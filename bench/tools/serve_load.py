@@ -2,7 +2,7 @@
 concurrencies, with speculation on and off (the per-request `speculate` switch, one server).
 
     python -m specheads.bench.tools.serve_load --target embedded:tiny --heads runs/demo/heads \\
-        [--concurrency 1,4,16] [--requests 16] [--max-tokens 64] [--torch-threads 1] [--lookup N] [--json OUT.json]
+        [--concurrency 1,4,16] [--requests 16] [--max-tokens 64] [--torch-threads 1] [--lookup-num-tokens N] [--output-json OUT.json]
     python -m specheads.bench.tools.serve_load --url http://127.0.0.1:8000 --model NAME ...   # a running server
 
 Without --url the script starts `specheads serve` as a subprocess on a free port (so the
@@ -32,7 +32,7 @@ import time
 
 import httpx
 
-from specheads.bench.support import free_port
+from specheads.bench.support import free_port, metric_samples
 from specheads.serving.decode.stats import alpha_tau
 
 
@@ -108,12 +108,7 @@ def scrape_spec_counters(url: str, api_key: str | None) -> dict[str, float]:
     """The server's speculative-decoding counters (to difference around one level)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in SPEC_COUNTERS:
-            values[name] = float(value)
-    return values
+    return {name: value for name, labels, value in metric_samples(text) if name in SPEC_COUNTERS}
 
 
 def add_acceptance(row: dict, before: dict[str, float], after: dict[str, float]) -> dict:
@@ -131,8 +126,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         command += ["--heads", args.heads]
     if args.torch_threads is not None:
         command += ["--torch-threads", str(args.torch_threads)]
-    if args.lookup is not None:
-        command += ["--lookup-num-tokens", str(args.lookup)]
+    if args.lookup_num_tokens is not None:
+        command += ["--lookup-num-tokens", str(args.lookup_num_tokens)]
     process = subprocess.Popen(command, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -176,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=16, help="the started server's batch size")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="the started server's torch threads (1 avoids OpenMP oversubscription on a busy machine)")
-    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+    parser.add_argument("--lookup-num-tokens", type=int, default=None, metavar="N",
                         help="the started server's --lookup-num-tokens (default: what the heads directory stores; "
                              "0: off)")
-    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--output-json", default=None, metavar="PATH", help="write the rows here")
     args = parser.parse_args(argv)
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -210,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             process.send_signal(signal.SIGTERM)
             process.wait(60)
     print(format_table(rows))
-    if args.json:
+    if args.output_json:
         from specheads.heads import atomic
 
-        atomic.write_json(args.json, {"schema": "specheads.serve_load/1", "max_tokens": args.max_tokens, "rows": rows})
+        atomic.write_json(args.output_json, {"schema": "specheads.serve_load/1", "max_tokens": args.max_tokens, "rows": rows})
     return 0
 
 

@@ -61,6 +61,7 @@ from pathlib import Path
 from specheads.heads import atomic
 from specheads.heads.artefacts import model_card
 from specheads.heads.artefacts.heads_dir import read_heads_config, resolve_heads_dir
+from specheads.heads.artefacts.llama_cpp_serve import DRAFT_NAME, INFO_NAME, TARGET_NAME
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp with EAGLE-3 support
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
@@ -70,15 +71,9 @@ SOURCE_ENTRY = "llama.cpp/source-llama-cpp-python-0.3.36"  # under the specheads
 CONVERTER = "convert_hf_to_gguf.py"
 EAGLE3_MARKER = "LlamaForCausalLMEagle3"  # the converter's EAGLE-3 registration
 EAGLE3_SOURCES = ("conversion/llama.py", CONVERTER)  # where the marker lives (newer, older layouts)
-DRAFT_NAME, TARGET_NAME, INFO_NAME = "heads.gguf", "target.gguf", "llama_cpp_export.json"
 OUTTYPES = ("f32", "bf16", "f16")
 DRAFT_ARCH = "eagle3"
 PRE_TOKENIZER_UNKNOWN = "BPE pre-tokenizer was not recognized"
-EAGLE3_SPEC_TYPE = "draft-eagle3"  # llama-server's --spec-type for an EAGLE-3 heads GGUF
-# The draft that serve commands recommend (this export's, the model card's): the best of eleven
-# llama-server settings with GPU-trained heads on 2 cores (docs/results/2026-11-26-llama-cpp.md);
-# the bench's defaults stay llama.cpp's own
-SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN = 8, 0.8
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 # Runs convert_hf_to_gguf.py with TextModel.get_vocab_base_pre returning argv[2]. The vendored
@@ -142,23 +137,6 @@ def export_llama_cpp(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     return Path(out_dir)
 
 
-def draft_args(heads_gguf: str | os.PathLike, draft_max: int, draft_p_min: float = 0.0) -> list[str]:
-    """llama-server's flags to draft with an EAGLE-3 heads GGUF: up to draft_max tokens a step,
-    and (draft_p_min > 0) only while the draft's top probability is at least draft_p_min."""
-    check_draft(draft_max, draft_p_min)
-    args = ["-md", str(heads_gguf), "--spec-type", EAGLE3_SPEC_TYPE, "--spec-draft-n-max", str(draft_max)]
-    return args + (["--spec-draft-p-min", f"{draft_p_min:g}"] if draft_p_min > 0 else [])
-
-
-def check_draft(draft_max: int, draft_p_min: float) -> None:
-    """A one-line error for a draft length or probability floor llama-server cannot take."""
-    if draft_max < 1:
-        raise ValueError(f"--llama-cpp-draft-max (llama-server's --spec-draft-n-max) must be >= 1, got {draft_max}")
-    if not 0.0 <= draft_p_min <= 1.0:
-        raise ValueError(f"--llama-cpp-draft-p-min (llama-server's --spec-draft-p-min) must be in [0, 1], "
-                         f"got {draft_p_min}")
-
-
 def check_target_dir(target_dir: str | os.PathLike) -> Path:
     """A local HF directory the converter reads (config.json, a tokenizer, weights), or a one-line error."""
     path = Path(target_dir).expanduser()
@@ -194,7 +172,8 @@ def run_converter(converter: Path, model_dir: Path, outfile: Path, outtype: str,
                             "pre-tokenizer hash is not in get_vocab_base_pre); pass --pre-tokenizer NAME, e.g. "
                             "gpt-2 for a byte-level BPE with GPT-2's regex")
     if "No module named 'sentencepiece'" in result.stdout:
-        raise LlamaCppError("llama.cpp's converter needs sentencepiece: pip install 'specheads[llama-cpp]'")
+        raise LlamaCppError("llama.cpp's converter needs sentencepiece: pip install sentencepiece (in a clone of specheads: "
+                            "pip install -e '.[llama-cpp]')")
     raise LlamaCppError(f"llama.cpp's converter failed on {str(model_dir)!r} (exit {result.returncode}): "
                         f"{_last_error(result.stdout)}")
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from specheads.heads import atomic
 from specheads.heads.artefacts import model_card
+from specheads.heads.artefacts.hub import hub_snapshot
 from specheads.heads.target.adapter import TargetIdentity, _looks_like_hub_id
 
 FORMAT_NAME = "specheads"
@@ -200,41 +201,11 @@ def save_heads(directory: str | os.PathLike, heads: nn.Module, config: HeadsConf
 
 
 def resolve_heads_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = HUB_FILES) -> Path:
-    """Where the heads that `name_or_path` names are on disk. A local path is used as it is (a
-    local path wins over a Hub id). Otherwise a Hub repo id (`org/name`) is fetched with
-    huggingface_hub's snapshot_download (only `files`), which answers from the Hub cache first
-    (HF_HOME / HF_HUB_CACHE) and asks the Hub nothing under HF_HUB_OFFLINE=1. A name that is
-    neither fails with one line naming it and what was tried."""
-    path = Path(name_or_path).expanduser()
-    name = str(name_or_path)
-    if path.exists() or not _looks_like_hub_id(name):
-        return path
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-
-    tried = f"heads {name!r}: no local directory of that name, and"
-    try:
-        return Path(snapshot_download(name, allow_patterns=list(files), library_name="specheads"))
-    except HFValidationError as err:
-        raise FileNotFoundError(f"{tried} it is not a Hub repo id either ({_first_line(err)})") from None
-    except LocalEntryNotFoundError:
-        if constants.is_offline_mode():
-            raise FileNotFoundError(f"{tried} the Hub cache ({constants.HF_HUB_CACHE}) has no snapshot of the Hub repo "
-                                    f"{name!r}; offline (HF_HUB_OFFLINE is set), so the Hub was not asked: download "
-                                    f"it once with network access (`hf download {name}`) or pass a local "
-                                    "directory") from None
-        raise FileNotFoundError(f"{tried} the Hub repo {name!r} is neither in the Hub cache "
-                                f"({constants.HF_HUB_CACHE}) nor reachable (no network?)") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise FileNotFoundError(f"{tried} the Hub has no model repo {name!r} that this account can read (a private "
-                                "or gated repo needs `hf auth login`)") from None
-    except HfHubHTTPError as err:
-        raise FileNotFoundError(f"{tried} fetching the Hub repo {name!r} failed: {_first_line(err)}") from None
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    """Where the heads that `name_or_path` names are on disk: a local path as it is, a Hub repo
+    id (`org/name`) as the snapshot of its `files` (heads/artefacts/hub.py: the Hub cache first, nothing
+    asked under HF_HUB_OFFLINE=1). A name that is neither fails with one line naming it and
+    what was tried."""
+    return hub_snapshot(name_or_path, files, "heads")
 
 
 def read_heads_config(directory: str | os.PathLike) -> HeadsConfig:

@@ -26,7 +26,7 @@ The runtimes' flags were checked against their own code:
     to num-steps + 1 when topk is 1. SGLang loads one-layer EAGLE-3 drafts only.
   - llama.cpp as vendored in llama-cpp-python 0.3.36 (the one heads/artefacts/export_llama_cpp.py
     converts with): common/arg.cpp -md, --spec-type draft-eagle3, --spec-draft-n-max,
-    --spec-draft-p-min; the flags come from export_llama_cpp.draft_args.
+    --spec-draft-p-min; the flags come from llama_cpp_serve.draft_args.
   - Medusa layouts: the loaders named in heads/artefacts/export_medusa.py (TGI's get_model reads
     medusa_num_heads and base_model_name_or_path; TensorRT-LLM's
     examples/medusa/convert_checkpoint.py takes --medusa_model_dir and --num_medusa_heads;
@@ -51,7 +51,11 @@ CARD_NAME = "README.md"
 LAYOUTS = ("specheads", "eagle3", "medusa", "vllm-medusa", "llama.cpp")
 KIND_NAMES = {"medusa": "Medusa", "eagle3": "EAGLE-3", "eagle": "EAGLE-1/2"}
 TARGET_PLACEHOLDER = "TARGET_HF_DIR"  # for engines that cannot take the recorded target name
-UNKNOWN_LICENSE = "other"
+# The licenses of the targets specheads ships recipes for (their Hub model cards' `license`), used
+# when the target's own card is not on disk; keys in lower case
+KNOWN_LICENSES = {"meta-llama/llama-3.1-8b-instruct": "llama3.1", "meta-llama/llama-3.3-70b-instruct": "llama3.3",
+                  "qwen/qwen3-8b": "apache-2.0", "huggingfacetb/smollm2-135m-instruct": "apache-2.0",
+                  "embedded:smollm2": "apache-2.0"}
 
 
 def write_card(directory: str | os.PathLike, config, layout: str = "specheads",
@@ -59,7 +63,7 @@ def write_card(directory: str | os.PathLike, config, layout: str = "specheads",
     """Write DIR/README.md for `config` (a HeadsConfig) in `layout`, atomically, after the
     directory's other files. `published`: the path the commands name when DIR is a staging
     directory (default DIR). A llama.cpp card serves DIR's target.gguf when DIR has one."""
-    from specheads.heads.artefacts.export_llama_cpp import TARGET_NAME
+    from specheads.heads.artefacts.llama_cpp_serve import TARGET_NAME
 
     path = Path(directory) / CARD_NAME
     target_gguf = (Path(directory) / TARGET_NAME).is_file()
@@ -85,7 +89,7 @@ def _header(config, layout: str) -> str:
     from huggingface_hub import ModelCardData
 
     target = config.target.name_or_path
-    license_fields = target_license(target) or {"license": UNKNOWN_LICENSE}
+    license_fields = target_license(target) or _license_link(target)
     tags = ["specheads", "speculative-decoding", config.kind] + (["gguf"] if layout == "llama.cpp" else [])
     data = (config.training or {}).get("data")
     metadata = ModelCardData(library_name="specheads", base_model=target if _is_hub_id(target) else None,
@@ -97,10 +101,21 @@ def _is_hub_id(name: str) -> bool:
     return bool(name) and _looks_like_hub_id(name) and not Path(name).expanduser().exists()
 
 
+def _license_link(target: str) -> dict:
+    """The header's license when the target's is not known: a Hub target's card is where it is
+    (the Hub's `other` needs a name and a link); anything else gets no license field (the body
+    says to set one) rather than an `other` that names nothing."""
+    if not _is_hub_id(target):
+        return {}
+    return {"license": "other", "license_name": f"{target.split('/')[1].lower()}-license",
+            "license_link": f"https://huggingface.co/{target}"}
+
+
 def target_license(name_or_path: str) -> dict | None:
     """{"license": ..., and license_name / license_link when given} from the target's own model
     card: a local directory's README.md, or a Hub id's README.md in the local Hub cache (never
-    downloaded). None when neither is on disk or it names no license."""
+    downloaded); else the license of a target specheads ships a recipe for (KNOWN_LICENSES).
+    None when none of these names one."""
     import yaml
     from huggingface_hub import metadata_load, try_to_load_from_cache
 
@@ -109,7 +124,8 @@ def target_license(name_or_path: str) -> dict | None:
         cached = try_to_load_from_cache(name_or_path, CARD_NAME)
         readme = Path(cached) if isinstance(cached, str) else readme
     if not readme.is_file():
-        return None
+        known = KNOWN_LICENSES.get(str(name_or_path).lower())
+        return {"license": known} if known else None
     try:
         metadata = metadata_load(readme) or {}
     except (ValueError, OSError, yaml.YAMLError):  # a README without a parsable YAML header
@@ -278,6 +294,13 @@ def _engine_target(config) -> str:
     return TARGET_PLACEHOLDER if name.startswith("embedded:") or name.endswith(".gguf") or not name else name
 
 
+def _target_model_dir(config) -> str:
+    """llama.cpp's converter reads the target from a local directory: a Hub id's snapshot path,
+    as `hf download` prints it."""
+    target = _engine_target(config)
+    return f'"$(hf download {_q(target)})"' if _is_hub_id(target) else _q(target)
+
+
 def _vllm(config, model: str, method: str, num_tokens: int) -> str:
     spec = json.dumps({"method": method, "model": model, "num_speculative_tokens": num_tokens})
     return f"vllm serve {_q(_engine_target(config))} --speculative-config {_q(spec)}"
@@ -291,8 +314,8 @@ def _sglang(config, model: str) -> str:
 
 
 def _llama_server(gguf_dir: str, with_target: bool = True) -> str:
-    from specheads.heads.artefacts.export_llama_cpp import (DRAFT_NAME, SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, TARGET_NAME,
-                                                            draft_args)
+    from specheads.heads.artefacts.llama_cpp_serve import (DRAFT_NAME, SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN, TARGET_NAME,
+                                                           draft_args)
 
     target = f"{gguf_dir}/{TARGET_NAME}" if with_target else "TARGET.gguf"
     draft = " ".join(_q(arg) for arg in draft_args(f"{gguf_dir}/{DRAFT_NAME}", SERVE_DRAFT_MAX, SERVE_DRAFT_P_MIN))
@@ -327,7 +350,7 @@ def _eagle_commands(config, directory: str, layout: str) -> dict[str, str]:
                                  + _llama_server(gguf_dir))
     else:
         commands["llama.cpp"] = (f"python convert_hf_to_gguf.py {_q(directory)} --target-model-dir "
-                                 f"{_q(_engine_target(config))} --outfile heads.gguf --outtype bf16\n"
+                                 f"{_target_model_dir(config)} --outfile heads.gguf --outtype bf16\n"
                                  + _llama_server(".", with_target=False))
     return commands
 
@@ -390,6 +413,8 @@ def _license_note(config) -> str:
     if found:
         return (f"## License\n\n`{found['license']}`, the target's: the heads are trained on "
                 f"`{config.target.name_or_path}`'s outputs. Check that it fits how you share them.")
+    where = (f" The header links the target's page ({_license_link(config.target.name_or_path)['license_link']}) "
+             "for it." if _is_hub_id(config.target.name_or_path) else "")
     return ("## License\n\nNot recorded: the target's model card was not on disk when this card was written. The "
             "heads are trained on the target's outputs, so its license applies; set `license` in the header above "
-            "before publishing.")
+            f"before publishing.{where}")

@@ -6,7 +6,7 @@ else, some 90 small torch ops a layer (RMSNorm alone is seven, RoPE nine) and th
 `nn.Module` calls, hooks and keyword plumbing around them. The linear layers already run
 packed (heads/target/cpu_layout.py); the rest is overhead that a CPU pays per op, not per byte.
 `FusedDecoder` runs the same computation with fewer, larger ops (the step: 10.3-10.8 ms;
-this VM's timings move by 10-20% between runs):
+docs/results/2026-11-26-cpu-forward.md has the figures):
 
 - q, k and v are one packed linear layer, and so are gate and up (their weights concatenated
   once, at build, into oneDNN's layout; the separate packed copies are dropped, so memory

@@ -15,7 +15,7 @@ the drafters or the accept rule:
   not use oneDNN's blocked layout. `PackedLinear` holds the weight reordered once, at load,
   into oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`) and multiplies with
   `_linear_pointwise`. Measured on SmolLM2-135M, 2 cores, one forward after a 128-token prefix
-  (README "Speed on a CPU"): fp32 39 -> 23 ms at T=1, 60 -> 27 ms at T=8; bf16 20.6 -> 15.8 ms
+  (docs/results/2026-11-26-cpu-forward.md): fp32 39 -> 23 ms at T=1, 60 -> 27 ms at T=8; bf16 20.6 -> 15.8 ms
   at T=1, 24.2 -> 19.4 ms at T=8.
 - grouped attention (`grouped_attention_forward`, registered with transformers as
   "specheads_cpu"): with a mask and more than one query token, transformers' SDPA path copies
@@ -331,7 +331,9 @@ def packed_for_inference(module: nn.Module) -> nn.Module:
     and buffers are the original's (shared, not copied), so it costs only the packed weights; the
     original keeps its `nn.Linear`s and trains as before. Weights changed after the copy are not
     seen by its packed layers: build it from final weights. SmolLM2's EAGLE-3 head, bf16: a
-    depth-1 draft 1.0 -> 0.9 ms, depth 3 2.6 -> 2.1 ms (`bench/step_costs.py`)."""
+    depth-1 draft 1.0 -> 0.9 ms, depth 3 2.6 -> 2.1 ms (`bench/step_costs.py`); end to end (3-node tree,
+    6 MT-bench prompts x 96 tokens, three interleaved runs each) 117.7 against 115.8 tok/s, within
+    run-to-run noise."""
     from specheads.heads.target import cpu_gemm
 
     shared = {id(tensor): tensor for tensor in itertools.chain(module.parameters(), module.buffers())}

@@ -12,7 +12,7 @@ batch size, as EMAs in `StepCosts` (kept by the decoder, so later requests reuse
   cost of a T = 1 step, timed by `probe_steps` plain steps when none was yet). Before a
   window that was too slow makes it fall back, the plain cost is timed again (`probe_steps`
   plain steps; not with fixed costs) and the window judged against that: a machine that
-  slowed down since the plain cost was timed slows plain decoding too (on a busy 2-core VM,
+  slowed down since the plain cost was timed slows plain decoding too (on a busy shared machine,
   a stale plain cost made 1 of 40 SmolLM2 requests fall back: its window's 31.7 tokens/s at
   tau 1.62 judged against 35.9 timed earlier). After `retry_after` plain steps it
   speculates again for another window: text often turns predictable later.

@@ -189,7 +189,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                          "imported; use impl='torch' on the CPU")
-    from specheads.serving.kernels.custom_op import tree_attention_
+    try:
+        from specheads.serving.kernels.custom_op import tree_attention_
+    except ModuleNotFoundError as err:  # triton is a dependency on Linux only (pyproject.toml)
+        raise ValueError(f"impl='triton' needs triton ({err}; it has Linux wheels only); use impl='torch'") from err
 
     packed = _as_packed_mask(tree_mask).to(q.device)
     packed = (packed[None] if packed.dim() == 2 else packed).contiguous()  # [B|1, T, W]

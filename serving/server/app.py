@@ -105,15 +105,19 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def _tokenize_prompts(state: ServerState, req) -> list[list[int]]:
     tokenizer = state.tokenizer
     if isinstance(req, ChatCompletionRequest):
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions or start the "
-                                "server with --chat-template FILE", param="messages", code="no_chat_template")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions, send chat_template, "
+                                "or start the server with --chat-template FILE", param="messages",
+                           code="no_chat_template")
+        messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+        template = {} if req.chat_template is None else {"chat_template": req.chat_template}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                 **(req.chat_template_kwargs or {}))
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=req.continue_final_message, tokenize=False,
+                                                 **template, **(req.chat_template_kwargs or {}))
         except Exception as err:  # noqa: BLE001 - template errors are the request's fault (roles, order)
-            raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(400, f"the chat template rejected these messages: {err}", param=param) from err
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise APIError(400, "the messages are empty after applying the chat template", param="messages")
@@ -167,9 +171,20 @@ def _echo_text(state: ServerState, req, index: int, ids: list[int]) -> str | Non
     return prompt if isinstance(prompt, str) else state.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def _sampling_fields(state: ServerState, req) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k): the request's, else the target's generation_config defaults
+    (state.default_sampling), else 1, 1 and off, as vLLM fills them."""
+    defaults = state.default_sampling
+    temperature = req.temperature if req.temperature is not None else defaults.get("temperature", 1.0)
+    top_p = req.top_p if req.top_p is not None else defaults.get("top_p", 1.0)
+    top_k = req.top_k if req.top_k is not None else defaults.get("top_k", 0)
+    return float(temperature), float(top_p), int(top_k)
+
+
 def _build_choices(state: ServerState, req, prompts: list[list[int]]) -> list[Choice]:
     eos = None if req.ignore_eos else state.eos_token_id
     num_logprobs = _num_logprobs(req)
+    temperature, top_p, top_k = _sampling_fields(state, req)
     choices = []
     for p, ids in enumerate(prompts):
         max_new = _max_tokens(state, req, len(ids))
@@ -177,10 +192,9 @@ def _build_choices(state: ServerState, req, prompts: list[list[int]]) -> list[Ch
         for j in range(req.n):
             index = p * req.n + j
             sampling = None
-            if req.temperature > 0:
+            if temperature > 0:
                 seed = None if req.seed is None else (req.seed + index) % (MAX_SEED + 1)
-                sampling = SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
-                                          top_k=req.top_k, seed=seed)
+                sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
             request = SequenceRequest(input_ids=list(ids), max_new_tokens=max_new, eos_token_id=eos,
                                       sampling=sampling, speculate=req.speculate, logprobs=num_logprobs,
                                       prompt_logprobs=echo is not None and num_logprobs is not None)
@@ -233,7 +247,7 @@ async def _handle(state: ServerState, request: Request, chat: bool):
     choices = _build_choices(state, req, prompts)
     meta = ResponseMeta(chat=chat, model=config.model_name, num_choices=len(choices),
                         prompt_tokens=sum(len(p) for p in prompts), include_usage=req.include_usage,
-                        logprobs=_num_logprobs(req) is not None)
+                        logprobs=_num_logprobs(req) is not None, reasoning_parser=config.reasoning_parser)
     job = Job(choices, asyncio.get_running_loop(), config.request_timeout_s)
     if state.cut_off:  # it got past the middleware before the shutdown and its grace period ended
         raise APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
@@ -340,7 +354,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def model_card() -> dict:
         return {"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "specheads",
-                "max_model_len": state.max_model_len or None}
+                "root": state.config.model_root or state.config.model_name, "max_model_len": state.max_model_len or None}
 
     @app.get("/v1/models")
     async def models():

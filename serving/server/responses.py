@@ -7,7 +7,9 @@ usage chunk with no choices, then `data: [DONE]`. With logprobs asked, each choi
 chunk choice) carries the `logprobs` of its tokens (of the tokens since the last chunk) in
 OpenAI's shapes (serving/server/logprobs.py); otherwise `logprobs` is null. Speculation
 stats are an extension: `speculation` on each finished choice and, summed over choices, on
-the response (the non-streaming body, or the usage chunk).
+the response (the non-streaming body, or the usage chunk). With a reasoning parser
+(serving/server/reasoning.py), a chat message carries `reasoning_content` beside `content`
+(null when it did not reason), and a stream's deltas carry either.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from specheads.serving.decode.stats import alpha_tau
 from specheads.serving.server.logprobs import ScoredToken, chat_logprobs, completion_logprobs
+from specheads.serving.server.reasoning import ReasoningStream, split_reasoning
 from specheads.serving.server.worker import Event
 
 
@@ -31,6 +34,7 @@ class ResponseMeta:
     prompt_tokens: int  # summed over the request's distinct prompts
     include_usage: bool = False
     logprobs: bool = False  # the request asked for logprobs
+    reasoning_parser: str | None = None  # chat: split reasoning_content off (serving/server/reasoning.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -94,7 +98,7 @@ class Collector:
         for index in range(meta.num_choices):
             choice: dict = {"index": index}
             if meta.chat:
-                choice["message"] = {"role": "assistant", "content": self.texts[index]}
+                choice["message"] = self.message(index)
             else:
                 choice["text"] = self.texts[index]
             choice.update({"logprobs": self.logprobs(index, self.scores[index], 0),
@@ -104,6 +108,13 @@ class Collector:
                 "created": meta.created, "model": meta.model, "choices": choices,
                 "usage": _usage(meta, sum(self.tokens)),
                 "speculation": aggregate_speculation([s for s in self.stats if s is not None])}
+
+    def message(self, index: int) -> dict:
+        """Choice index's chat message: its text, split by the reasoning parser if there is one."""
+        if self.meta.reasoning_parser is None:
+            return {"role": "assistant", "content": self.texts[index]}
+        reasoning, content = split_reasoning(self.texts[index], self.meta.reasoning_parser)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
 
     def logprobs(self, index: int, scores: list[ScoredToken], text_offset: int) -> dict | None:
         """Choice index's `logprobs` object for these scores (completions: the first at
@@ -127,6 +138,8 @@ class ChunkWriter:
     def __init__(self, meta: ResponseMeta):
         self.meta = meta
         self.collector = Collector(meta, keep_scores=False)
+        parser = meta.reasoning_parser if meta.chat else None
+        self.reasoning = [ReasoningStream(parser) for _ in range(meta.num_choices)] if parser else None
 
     def _chunk(self, choices: list[dict]) -> dict:
         meta = self.meta
@@ -137,11 +150,13 @@ class ChunkWriter:
         return chunk
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                scores: list[ScoredToken] | None = None) -> dict:
+                scores: list[ScoredToken] | None = None, reasoning: str | None = None) -> dict:
         collector = self.collector
         logprobs = None if scores is None else collector.logprobs(index, scores, collector.next_offset[index])
         if self.meta.chat:
             delta: dict = {"role": "assistant"} if role else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -155,13 +170,25 @@ class ChunkWriter:
 
     def event(self, event: Event) -> list[str]:
         self.collector.add(event)
+        reasoning, text = self._split(event)
         if event.kind == "delta":
-            return [sse(self._chunk([self._choice(event.index, event.text, None, scores=event.logprobs)]))] \
-                if event.text else []
-        text = event.text if (event.text or not self.meta.chat) else None
-        choice = self._choice(event.index, text, event.finish_reason, scores=event.logprobs)
+            return [sse(self._chunk([self._choice(event.index, text, None, scores=event.logprobs,
+                                                  reasoning=reasoning)]))] if text or reasoning else []
+        text = text if (text or not self.meta.chat) else None
+        choice = self._choice(event.index, text, event.finish_reason, scores=event.logprobs, reasoning=reasoning)
         choice["speculation"] = event.stats
         return [sse(self._chunk([choice]))]
+
+    def _split(self, event: Event) -> tuple[str, str]:
+        """An event's text -> (reasoning, content) to send now (all content without a parser)."""
+        if self.reasoning is None:
+            return "", event.text
+        stream = self.reasoning[event.index]
+        reasoning, content = stream.feed(event.text)
+        if event.kind == "finish":
+            held_reasoning, held_content = stream.flush()
+            reasoning, content = reasoning + held_reasoning, content + held_content
+        return reasoning, content
 
     def end(self) -> list[str]:
         lines = []

@@ -10,8 +10,14 @@ strict (no "5" for 5, no true for 1). What clients send beyond that is taken as 
 - OpenAI and vLLM fields that this engine does not implement (`UNSUPPORTED`, and the
   penalties) pass at the value that changes nothing and get a 400 otherwise, since ignoring
   them would change the output unseen.
+- temperature, top_p and top_k left unset take the target's generation_config.json values
+  (the server's `default_sampling`), as vLLM does by default; serving/server/app.py applies them.
 Extension fields (vLLM's names where vLLM has one): `top_k`, `speculate` (false: plain
-decoding for this request) and `ignore_eos`.
+decoding for this request) and `ignore_eos`; on chat requests, the fields vLLM passes to the
+chat template: `add_generation_prompt`, `continue_final_message`, `chat_template` and
+`chat_template_kwargs`. Chat messages carry tool-call history (an assistant's `tool_calls`,
+a tool reply's `tool_call_id`), a `name`, and an earlier reply's reasoning
+(`reasoning_content`, or vLLM's newer `reasoning`), all handed to the template.
 """
 
 from __future__ import annotations
@@ -63,9 +69,9 @@ class _Sampling(_Strict):
     """Fields shared by completions and chat completions."""
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension; 0 or -1 = off
+    temperature: float | None = None  # None: the target's generation_config, else 1
+    top_p: float | None = None  # None: the target's generation_config, else 1
+    top_k: int | None = None  # extension; 0 or -1 = off; None: the target's generation_config, else off
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
@@ -85,20 +91,22 @@ class _Sampling(_Strict):
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, value):
-        if not math.isfinite(value) or value < 0:
+        if value is not None and (not math.isfinite(value) or value < 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {value}")
         return value
 
     @field_validator("top_p")
     @classmethod
     def _top_p(cls, value):
-        if not (math.isfinite(value) and 0 < value <= 1):
+        if value is not None and not (math.isfinite(value) and 0 < value <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {value}")
         return value
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value):
+        if value is None:
+            return None
         if value < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {value}")
         return max(value, 0)
@@ -221,10 +229,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | None = None  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's reply: the call it answers
+    reasoning_content: str | None = None  # an earlier reply's reasoning (SGLang's, vLLM's older name)
+    reasoning: str | None = None  # the same (vLLM's newer name)
 
     def text(self) -> str:
         if self.content is None:
@@ -232,6 +255,33 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self, index: int) -> dict:
+        """The message as chat templates read it (vLLM's shape): tool calls' arguments parsed
+        into objects, as HF templates expect; fields the message did not set left out."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call, f"messages[{index}].tool_calls[{j}]")
+                                     for j, call in enumerate(self.tool_calls)]
+        return message
+
+
+def _template_call(call: ToolCall, where: str) -> dict:
+    arguments = call.function.arguments
+    try:
+        parsed = json.loads(arguments) if arguments else {}
+    except ValueError as err:
+        raise APIError(400, f"{where}.function.arguments is not JSON ({err}); send the arguments object as JSON "
+                            "text", param=f"{where}.function.arguments", code="invalid_value") from err
+    out = {"type": call.type, "function": {"name": call.function.name, "arguments": parsed}}
+    return out if call.id is None else {"id": call.id, **out}
 
 
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
@@ -246,6 +296,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     # variables for the chat template (vLLM's field), e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # end the prompt with the assistant's turn opening
+    continue_final_message: bool = False  # continue the last (assistant) message instead
+    chat_template: str | None = None  # a Jinja template for this request instead of the server's
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -267,6 +320,16 @@ class ChatCompletionRequest(_Sampling):
         if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
         return _num_logprobs(value, info)
+
+    @model_validator(mode="after")
+    def _template_flags(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, so it needs add_generation_prompt "
+                             "set to false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError(f"continue_final_message continues an assistant message, but the last message is the "
+                             f"{self.messages[-1].role}'s")
+        return self
 
     @model_validator(mode="after")
     def _one_max(self):
@@ -397,6 +460,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "min_p": (0.0,), "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],), "use_beam_search": (False,),
     "prompt_logprobs": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "truncate_prompt_tokens": (), "allowed_token_ids": (),
 }
 
 

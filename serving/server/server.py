@@ -10,7 +10,8 @@ uvicorn would cancel them instead, answering a plain-text 500 or cutting a strea
 still does so CUTOFF_MARGIN_S later for a response that cannot be sent (a client that stopped
 reading). `serve` then returns, so `specheads serve` exits 0 after SIGTERM or Ctrl-C (uvicorn
 alone would re-raise the signal: exit status 143, or a KeyboardInterrupt); a second Ctrl-C
-skips the wait.
+skips the wait. A model that fails to load stops `serve` the same way, and its state says so
+(`specheads serve` then exits non-zero).
 """
 
 from __future__ import annotations
@@ -88,11 +89,14 @@ def make_server(config: ServeConfig, loader: Callable[[], tuple], *, host: str =
 
 
 def serve(config: ServeConfig, loader: Callable[[], tuple], *, host: str = "127.0.0.1", port: int = 8000,
-          graceful_timeout_s: float = 30.0, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM (blocking); returns once drained (module doc)."""
-    server, _ = make_server(config, loader, host=host, port=port, graceful_timeout_s=graceful_timeout_s,
-                            log_level=log_level)
+          graceful_timeout_s: float = 30.0, log_level: str = "info") -> ServerState:
+    """Serve until SIGINT/SIGTERM, or until the model fails to load (blocking); returns the
+    state once drained (module doc): its status is "failed" when the model did not load."""
+    server, state = make_server(config, loader, host=host, port=port, graceful_timeout_s=graceful_timeout_s,
+                                log_level=log_level)
+    state.on_failed = lambda: setattr(server, "should_exit", True)
     server.run()
+    return state
 
 
 class ServerThread:

@@ -30,7 +30,7 @@ REPO = Path(gpu_heads.__file__).resolve().parents[2]
 def run_driver(tmp_path: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                SPECHEADS_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "specheads.bench.gpu.heads", "--out", str(tmp_path / "out"),
+    return subprocess.run([sys.executable, "-m", "specheads.bench.gpu.heads", "--output", str(tmp_path / "out"),
                            "--work", str(tmp_path / "work"), *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -143,7 +143,7 @@ def test_a_phase_without_time_for_it_is_skipped(tmp_path):
 def test_training_gives_way_when_the_call_is_short(tmp_path):
     """The phases before training keep their budgets in a call shorter than all the budgets:
     training keeps back only its start-up and fewest steps, and takes what is left."""
-    args = gpu_heads.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget-s", "400"])
+    args = gpu_heads.parse_args(["--output", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget-s", "400"])
     run = gpu_heads.HeadsRun(args, "test")
     for phase in ("preflight", "template_prompts"):  # the first call's
         run.state["phases"][phase] = {"status": "done"}
@@ -163,7 +163,7 @@ def test_the_training_overrides_make_a_valid_recipe(tmp_path, sizes):
     from specheads.train import shipped_recipes
     from specheads.training.config import load_recipe
 
-    args = gpu_heads.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--sizes", sizes])
+    args = gpu_heads.parse_args(["--output", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--sizes", sizes])
     argv = phases.train_argv(gpu_heads.HeadsRun(args, "test"), "broad", 123)
     assert argv[3:6] == ["train", phases.RECIPE, "--profile"]
     recipe = load_recipe(shipped_recipes()[phases.RECIPE], [argv[i + 1] for i, a in enumerate(argv) if a == "--set"],
@@ -269,7 +269,7 @@ def test_the_whole_run_on_the_tiny_target(tmp_path):
     args = ("--target", "embedded:tiny", "--sizes", "tiny", "--device", "cpu", "--budget-s", "3000",
             "--fill-from-templates", "--context-from", str(texts))
     env_cache = os.environ.get("SPECHEADS_CACHE")  # the tiny target's build, shared with the other tests
-    proc = subprocess.run([sys.executable, "-m", "specheads.bench.gpu.heads", "--out", str(tmp_path / "out"),
+    proc = subprocess.run([sys.executable, "-m", "specheads.bench.gpu.heads", "--output", str(tmp_path / "out"),
                            "--work", str(tmp_path / "work"), *args],
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
                                    **({"SPECHEADS_CACHE": env_cache} if env_cache else {})),
@@ -307,7 +307,7 @@ def test_the_whole_run_on_the_tiny_target(tmp_path):
         assert section in markdown
     assert [g["arm"] for g in state["goals"]].count("broad") == len(report.GOALS)
 
-    again = subprocess.run([sys.executable, "-m", "specheads.bench.gpu.heads", "--out", str(out), "--work", str(work),
+    again = subprocess.run([sys.executable, "-m", "specheads.bench.gpu.heads", "--output", str(out), "--work", str(work),
                             *args], capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert again.returncode == 0 and " starts (" not in again.stdout  # everything was done: nothing runs

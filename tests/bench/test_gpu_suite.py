@@ -61,7 +61,7 @@ def run_hidden(*args: str, timeout: int) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def suite_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-suite")
-    proc = run_hidden("specheads.bench.gpu.suite", "--out", str(out), "--device", "cpu", "--tiny",
+    proc = run_hidden("specheads.bench.gpu.suite", "--output", str(out), "--device", "cpu", "--tiny",
                       "--compile-cache", str(out / "compile_cache.bin"), timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "gpu_suite.json").read_text())
@@ -253,7 +253,7 @@ def test_kernel_groups(name, group):
 
 
 def test_a_budget_skips_the_sections_left(tmp_path):
-    proc = run_hidden("specheads.bench.gpu.suite", "--out", str(tmp_path), "--device", "cpu", "--budget-s", "0",
+    proc = run_hidden("specheads.bench.gpu.suite", "--output", str(tmp_path), "--device", "cpu", "--budget-s", "0",
                       "--sections", "profile,gemm", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_suite.json").read_text())

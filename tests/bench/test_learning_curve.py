@@ -43,7 +43,7 @@ def test_curve_reads_calibration_and_the_own_tree_tau(tmp_path, capsys):
     large = _heads_dir(tmp_path, target, "large", [0.7, 0.5, 0.3])
     out = tmp_path / "curve.png"
     assert learning_curve.main(["--point", f"1000000={large}:{_bench(tmp_path / 'l.json', 2.5)}",
-                                "--point", f"100000={small}", "--out", str(out)]) == 0
+                                "--point", f"100000={small}", "--output", str(out)]) == 0
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| 1")]
     assert rows == ["| 100,000 | 0.400 | 0.200 | 0.100 | - |", "| 1,000,000 | 0.700 | 0.500 | 0.300 | 2.50 |"]
@@ -132,7 +132,7 @@ def test_the_cli_scores_every_point_on_one_fixed_set_per_series(tmp_path, capsys
     assert learning_curve.main(["--series", "1 epoch", "--point", f"1000={small}", "--series", "3 epochs",
                                 "--point", f"3000={large}", "--point", f"1000={small}", "--eval-prompts",
                                 str(prompts), "--target", str(directory), "--limit", "2", "--max-new-tokens", "6",
-                                "--dtype", "float32", "--out", str(out)]) == 0
+                                "--dtype", "float32", "--output", str(out)]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert [(r[0], r[1]) for r in rows] == [("| 1 epoch", "1,000"), ("| 3 epochs", "1,000"),
                                                 ("| 3 epochs", "3,000")]

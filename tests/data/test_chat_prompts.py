@@ -1,5 +1,5 @@
 """The locally built chat prompts (data/chat_prompts.py): deterministic, distinct, partly
-multi-turn, and disjoint from the evaluation sets (MT-bench ships in bench/prompts;
+multi-turn, and disjoint from the evaluation sets (MT-bench ships in prompts/;
 Spec-Bench is read from ../shared/data when it is there)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from specheads.data.chat_prompts import SLOTS, build_prompts, max_prompts, norma
 from conftest import REPO
 
 ROOT = REPO  # the repository
-EVAL_SETS = [ROOT / "bench" / "prompts" / "mt_bench_question.jsonl",
+EVAL_SETS = [ROOT / "prompts" / "mt_bench_question.jsonl",
              ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"]
 NUM = 6000  # the issue asks for >= 5,000 distinct first turns
 

@@ -322,6 +322,8 @@ def test_regenerate_refuses_a_thinking_mode_before_writing_anything(tokenizers, 
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"turns": ["hi"]}) + "\n")
     output = tmp_path / "out.jsonl"
+    (tmp_path / "no-model").mkdir()  # a target that passes the name checks and never loads
+    (tmp_path / "no-model" / "config.json").write_text("{}")
     argv = ["data", "regenerate", "--target", str(tmp_path / "no-model"), "--input", str(source), "--output",
             str(output), "--tokenizer", tokenizers("smollm2").name_or_path]
     assert data_cli.run(parser.parse_args(argv + ["--thinking", "on"])) == 2

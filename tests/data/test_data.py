@@ -338,6 +338,26 @@ def test_regenerate_cli_and_its_user_errors(chat_tok, target_512, tmp_path, caps
     assert "--device cuda:7: torch sees" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["regenerate", "cache", "store"])
+def test_a_missing_input_is_refused_before_any_target_is_built(command, tmp_path, monkeypatch, capsys):
+    """embedded:tiny takes minutes to build on a slow machine the first time: a mistyped --input
+    must not wait for it."""
+    from specheads.cli import main
+    from specheads.data import tiny_target
+
+    def build(*args, **kwargs):
+        raise AssertionError("the target was built before --input was checked")
+
+    monkeypatch.setattr(tiny_target, "build_tiny_target", build)
+    monkeypatch.setattr(tiny_target.gguf, "smollm2_target", build)
+    missing = tmp_path / "sharegpt.jsonl"
+    extra = {"regenerate": [], "cache": ["--taps", "1"], "store": []}[command]
+    assert main(["data", command, "--target", "embedded:tiny", "--input", str(missing), "--output",
+                 str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"data source {str(missing)!r} does not exist" in err
+
+
 # ---------------------------------------------------------------------------- feature cache
 
 @pytest.fixture(scope="module")

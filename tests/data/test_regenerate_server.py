@@ -151,10 +151,14 @@ def test_one_server_writes_every_record_in_order_with_the_conversation_so_far(se
     lines = lines_of(reference)
     assert [line["index"] for line in lines] == [i for i in range(36) if i not in (5, 9)]
     assert "36/36 records done, 34 written" in out
+    rejects_file = Path(out.rsplit("refused records and why: ", 1)[1])
+    rejects = [json.loads(line) for line in rejects_file.read_text().splitlines()]
+    assert [(r["index"], r["turn"], r["status"]) for r in rejects] == [(9, 1, 400)]
+    assert "maximum context length" in rejects[0]["reason"]
     assert "skipped 2 ('messages' has no assistant turn: 1, longer than the server's context: 1)" in out
     num_turns = re.search(r"(\d+) assistant turns generated", out)[1]  # one request each
     assert f"; server requests: {num_turns} ok, 0 retried (http://127.0.0.1:" in out
-    assert out.endswith("; records failed: 0")
+    assert "; records refused: 1; records failed: 0; refused records and why: " in out
     source = records()
     by_index = {line["index"]: line["messages"] for line in lines}
     # A chat record: each assistant turn is the reply to the ORIGINAL turns before it.
@@ -211,7 +215,7 @@ def test_a_run_whose_server_dies_stops_at_the_failed_record_and_a_rerun_resumes(
 
     def run():
         result["run"] = regenerate_with_servers([servers["c"]], str(source), str(output), max_new_tokens=12,
-                                                batch_size=4, concurrency=2, max_retries=2, backoff_s=0.05,
+                                                batch_size=4, concurrency=2, retry_minutes=0.02, backoff_s=0.05,
                                                 log=lambda _: None, progress_bar=False)
 
     thread = threading.Thread(target=run)
@@ -243,8 +247,8 @@ def test_an_unreachable_server_fails_with_one_line_naming_it(tmp_path, source, c
     url = f"http://127.0.0.1:{free_port()}"
     output = tmp_path / "out.jsonl"
     assert cli(["--server", url, "--input", str(source), "--output", str(output)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no --server answered" in err and url in err
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the progress bars
+    assert len(errors) == 1 and "no --server answered" in errors[0] and url in errors[0]
     assert not output.exists()
 
 
@@ -284,11 +288,172 @@ def test_sampled_requests_get_their_own_reproducible_seeds():
     from specheads.data.remote_replies import Sampling
 
     greedy = Sampling()
-    assert greedy.request_fields(3, 1) == {"temperature": 0.0} and greedy.as_progress() == {}
+    assert greedy.request_fields(3, 1) == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                           "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                           "frequency_penalty": 0.0}
+    assert greedy.as_progress() == {}
     sampled = Sampling(temperature=0.7, top_p=0.9, seed=1)
     fields = sampled.request_fields(3, 1)
-    assert fields["temperature"] == 0.7 and fields["top_p"] == 0.9 and "top_k" not in fields
+    assert fields["temperature"] == 0.7 and fields["top_p"] == 0.9 and fields["top_k"] == -1  # off: -1, never 0
     assert fields["seed"] == Sampling(temperature=0.7, top_p=0.9, seed=1).request_fields(3, 1)["seed"]
     assert len({sampled.request_fields(r, t)["seed"] for r in range(20) for t in range(3)}) == 60
     assert Sampling(temperature=1.0, top_k=5).request_fields(0, 0)["top_k"] == 5
     assert "seed" not in Sampling(temperature=1.0).request_fields(0, 0)
+
+
+# ---------------------------------------------------------------------------- against a server that fills fields
+
+FILLING = {"repetition_penalty": 1.8, "top_k": 20, "temperature": 0.7, "top_p": 0.8}  # Qwen3-like, a strong penalty
+
+
+@pytest.fixture(scope="module")
+def filling(tmp_path_factory):
+    """(a vLLM-like server whose target's generation_config.json carries FILLING, the target's
+    directory, a small input): tests/data/vllm_like_server.py, in this process."""
+    from transformers import GenerationConfig
+
+    from vllm_like_server import VllmLikeServer
+
+    target_dir = make_tiny_model("llama", tmp_path_factory.mktemp("filling") / "target", vocab_size=512)
+    make_tokenizer(target_dir)
+    config = GenerationConfig.from_pretrained(target_dir)
+    config.update(do_sample=True, **FILLING)
+    config.save_pretrained(target_dir)
+    source = target_dir.parent / "in.jsonl"
+    small = [records()[i] for i in (0, 1, 2, 3, 4, 6, 8)]
+    source.write_text("".join(json.dumps(record) + "\n" for record in small))
+    with VllmLikeServer(target_dir) as server:
+        yield server, target_dir, source
+
+
+def quiet(**kwargs) -> dict:
+    return dict(log=lambda _: None, progress_bar=False, max_new_tokens=10, batch_size=4, **kwargs)
+
+
+def test_replies_through_a_server_that_fills_omitted_fields_are_the_targets_own(filling, tmp_path):
+    from specheads.data.openai_wire import NEUTRAL_SAMPLING
+    from specheads.data.regenerate import regenerate
+    from specheads.data.remote_replies import regenerate_with_servers
+
+    server, target_dir, source = filling
+    own = tmp_path / "own.jsonl"  # the target's own greedy replies: the local engine, fp32
+    regenerate(str(target_dir), str(source), str(own), dtype="float32", **quiet())
+    served = tmp_path / "served.jsonl"
+    server.bodies.clear()
+    regenerate_with_servers([server.url], str(source), str(served), **quiet())
+    assert served.read_bytes() == own.read_bytes()
+    assert server.bodies and all(body.items() >= {**NEUTRAL_SAMPLING, "temperature": 0.0}.items()
+                                 for body in server.bodies)
+    # the check can fail: left to the server, the fields change the replies
+    asked = server.bodies[:4]
+    old_way = [server.reply({"model": server.name, "messages": body["messages"], "max_tokens": 10, "temperature": 0})
+               for body in asked]
+    neutral = [server.reply(body) for body in asked]
+    assert any(a[1]["choices"][0]["message"] != b[1]["choices"][0]["message"] for a, b in zip(old_way, neutral))
+
+
+def test_a_refused_record_goes_to_the_rejects_file_and_the_run_goes_on(filling, tmp_path):
+    from specheads.data.regenerate import rejects_path
+    from specheads.data.remote_replies import regenerate_with_servers
+
+    server, _, source = filling
+    output = tmp_path / "out.jsonl"
+    refused_text = records()[1]["conversations"][0]["value"]  # the input's second record
+    server.refuse = {refused_text: (400, "the chat template raised: roles must alternate")}
+    try:
+        run = regenerate_with_servers([server.url], str(source), str(output), **quiet())
+    finally:
+        server.refuse = {}
+    assert [line["index"] for line in lines_of(output.read_bytes())] == [0, 2, 3, 4, 5, 6]
+    assert [json.loads(line) for line in rejects_path(output).read_text().splitlines()] == [
+        {"index": 1, "turn": 1, "status": 400, "reason": "the chat template raised: roles must alternate"}]
+    assert run.progress.skipped == {"refused by the server (HTTP 400)": 1} and run.requests.num_refused == 1
+    assert run.summary().endswith(f"records refused: 1; records failed: 0; refused records and why: "
+                                  f"{rejects_path(output)}")
+
+
+def test_a_run_whose_every_request_is_refused_stops_in_one_line(filling, tmp_path, capsys):
+    server, _, source = filling
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"turns": [f"question {i}"]}) + "\n" for i in range(12)))
+    server.refuse = {"question": (400, "unknown field 'min_p'")}
+    try:
+        status = cli(["--server", server.url, "--input", str(many), "--output", str(tmp_path / "out.jsonl")])
+    finally:
+        server.refuse = {}
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the progress bars
+    assert status == 2 and len(errors) == 1 and errors[0].startswith("specheads data regenerate: error: server ")
+    assert "unknown field 'min_p'" in errors[0] and "were all refused and none answered" in errors[0]
+
+
+def test_retries_outlast_a_restart_of_the_only_server(filling, tmp_path):
+    from specheads.data.remote_replies import regenerate_with_servers
+
+    server, _, source = filling
+    output = tmp_path / "out.jsonl"
+    failures = iter(range(6))  # the first 6 chat requests find the server restarting (503)
+    reply = server.reply
+
+    def restarting(body):
+        return (503, {"error": {"message": "restarting"}}) if next(failures, None) is not None else reply(body)
+
+    server.reply = restarting
+    try:
+        run = regenerate_with_servers([server.url], str(source), str(output), backoff_s=0.02, retry_minutes=0.5,
+                                      **quiet())
+    finally:
+        server.reply = reply
+    assert not run.requests.failed_records and run.requests.num_retried == 6 and run.progress.next_record == 7
+    # a server that stays down past the budget: the run stops at the first record, for the next run
+    server.reply = lambda body: (503, {"error": {"message": "restarting"}})
+    started = time.monotonic()
+    try:
+        run = regenerate_with_servers([server.url], str(source), str(tmp_path / "down.jsonl"), backoff_s=0.02,
+                                      retry_minutes=0.01, **quiet())
+    finally:
+        server.reply = reply
+    assert 0.6 <= time.monotonic() - started < 60  # the budget, not 10 minutes
+    assert min(run.requests.failed_records) == 0 == run.progress.next_record
+    assert "HTTP 503: restarting" in run.summary()
+
+
+def test_backoff_doubles_with_jitter_and_honours_retry_after():
+    import random
+
+    from specheads.data.remote_replies import MAX_BACKOFF_S, backoff_delay
+
+    rng = random.Random(0)
+    delays = [backoff_delay(3, 1.0, rng) for _ in range(200)]  # 4 s, half of it jitter
+    assert 2.0 <= min(delays) < 2.2 and 3.8 < max(delays) <= 4.0 and len(set(delays)) == 200
+    assert all(MAX_BACKOFF_S / 2 <= backoff_delay(30, 1.0, rng) <= MAX_BACKOFF_S for _ in range(20))
+    assert backoff_delay(1, 1.0, rng, retry_after=7.0) == 7.0
+
+
+def test_a_resume_against_another_model_is_refused_in_one_line(filling, tmp_path, capsys):
+    from specheads.data.regenerate import regenerate
+    from specheads.data.remote_replies import regenerate_with_servers
+
+    server, target_dir, source = filling
+    output = tmp_path / "out.jsonl"
+    regenerate_with_servers([server.url], str(source), str(output), max_batches=1, **quiet())
+    name, root = server.name, server.root
+    server.root = "/models/Qwen3-8B"
+    try:
+        assert cli(["--server", server.url, "--input", str(source), "--output", str(output), "--batch-size", "4",
+                    "--max-new-tokens", "10"]) == 2
+    finally:
+        server.root = root
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+    assert f"holds replies of target {root!r} served as {name!r}, but this run's come from target " \
+           f"'/models/Qwen3-8B' served as {name!r}" in err
+    server.name = "tiny-renamed"
+    try:
+        assert cli(["--server", server.url, "--input", str(source), "--output", str(output), "--batch-size", "4",
+                    "--max-new-tokens", "10"]) == 2
+    finally:
+        server.name = name
+    assert "served as 'tiny-renamed'" in capsys.readouterr().err
+    # the same target made locally resumes it (one target, whoever decodes it)
+    progress = regenerate(str(target_dir), str(source), str(output), dtype="float32", **quiet())
+    assert progress.next_record == 7 and progress.target == root

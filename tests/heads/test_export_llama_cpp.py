@@ -152,7 +152,8 @@ def test_cli_errors_are_one_line(tiny_target_dir, tmp_path, capsys):
     assert "too old" in capsys.readouterr().err
     assert run_cli(["export", str(tmp_path / "heads"), "--format", "llama.cpp", "--output", str(tmp_path / "o"),
                     "--target", str(tmp_path / "no-such-dir"), "--llama-cpp", str(tmp_path / "old")]) == 2
-    assert "local HF directory" in capsys.readouterr().err
+    assert f"target {str(tmp_path / 'no-such-dir')!r} does not exist: expected a local model directory" in \
+        capsys.readouterr().err
 
 
 def test_parser_lists_the_format():

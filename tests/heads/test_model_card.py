@@ -70,6 +70,9 @@ def test_eagle3_card_header_and_body(tmp_path):
     assert meta["library_name"] == "specheads" and meta["base_model"] == "org/tiny-target"
     assert {"specheads", "speculative-decoding", "eagle3"} <= set(meta["tags"])
     assert meta["license"] == "other" and meta["datasets"] == ["org/chat-data"]
+    # the Hub's `other` names the license and links it: here the target's page, where its license is
+    assert meta["license_name"] == "tiny-target-license"
+    assert meta["license_link"] == "https://huggingface.co/org/tiny-target"
     for expected in ("`org/tiny-target`", "EAGLE-3", "1 decoder layer(s)", "tap layer(s) 1, 2, 3",
                      f"draft vocab {DRAFT_VOCAB} of {VOCAB}", "123,456 tokens with loss",
                      "200 steps x 4,096 tokens = 819,200 tokens processed", "org/chat-data (held-out)",
@@ -180,6 +183,24 @@ def test_the_targets_license_is_taken_from_its_card_on_disk(tmp_path):
     meta, body = split_card(model_card.card_text(local, tmp_path / "heads"))
     assert meta["license"] == "apache-2.0" and "base_model" not in meta  # a local path is no Hub id
     assert "`apache-2.0`, the target's" in body
+
+
+def test_a_shipped_recipes_target_has_its_license_and_an_unknown_local_one_none(tmp_path):
+    config = eagle3_heads(tmp_path / "heads")
+    llama = dataclasses.replace(config, target=dataclasses.replace(TARGET,
+                                                                   name_or_path="meta-llama/Llama-3.1-8B-Instruct"))
+    meta, body = split_card(model_card.card_text(llama, tmp_path / "heads"))
+    assert meta["license"] == "llama3.1" and "license_name" not in meta and "`llama3.1`, the target's" in body
+    local = dataclasses.replace(config, target=dataclasses.replace(TARGET, name_or_path=str(tmp_path / "mine")))
+    meta, body = split_card(model_card.card_text(local, tmp_path / "heads"))
+    assert "license" not in meta and "set `license`" in body  # never an `other` that names nothing
+
+
+def test_the_eagle3_layouts_llama_cpp_command_downloads_a_hub_target(tmp_path):
+    eagle3_heads(tmp_path / "heads")
+    out = export_heads(tmp_path / "heads", "eagle3", tmp_path / "out")
+    body = split_card((out / "README.md").read_text())[1]
+    assert '--target-model-dir "$(hf download org/tiny-target)"' in body  # the converter reads a local directory
 
 
 def test_tune_rewrites_the_card_and_refuses_a_hub_id(tmp_path):

@@ -94,6 +94,31 @@ def test_enospc_in_a_checkpoint_is_one_line_and_loses_nothing(tiny_llama_dir, wa
     assert "library_name: specheads" in card and "tokens with loss" in card
 
 
+def test_enospc_writing_the_final_heads_is_one_line_and_a_rerun_writes_them(tiny_llama_dir, walks_file,
+                                                                           straight_heads, tmp_path, monkeypatch,
+                                                                           capsys):
+    from safetensors import SafetensorError
+
+    from specheads.heads.artefacts import heads_dir
+
+    recipe, run = write_recipe(tmp_path, tiny_llama_dir, walks_file, tmp_path / "run"), tmp_path / "run"
+
+    def full_disk(tensors, filename, metadata=None):  # what safetensors raises when the disk fills
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(heads_dir, "save_file", full_disk)
+    assert main([str(recipe)]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"specheads train: error: disk full: the heads directory {run / 'heads'} ran out of disk "
+                           "space while being written")
+    assert "the final checkpoint step-00000020 is kept" in line and "re-run the same command" in line
+    assert not (run / "heads").exists() and not list(run.glob(".heads.tmp-*"))
+    monkeypatch.undo()
+    assert main([str(recipe)]) == 0  # from the final checkpoint: calibration and the heads only
+    resumed = load_file(str(run / "heads" / "model.safetensors"))
+    assert all(torch.equal(resumed[name], straight_heads[name]) for name in straight_heads)
+
+
 def test_torchs_unexpected_pos_on_a_full_disk_is_disk_full(tiny_llama_dir, walks_file, straight_heads, tmp_path,
                                                            monkeypatch, capsys):
     recipe, run = write_recipe(tmp_path, tiny_llama_dir, walks_file, tmp_path / "run"), tmp_path / "run"

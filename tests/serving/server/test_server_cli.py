@@ -150,3 +150,23 @@ def test_each_server_metrics_has_its_own_registry():
     assert twos["specheads_spec_decode_num_accepted_tokens_total"] == 0
     assert twos["specheads_spec_decode_acceptance_rate"] == 0
     assert not [family.name for family in REGISTRY.collect() if family.name.startswith("specheads_")]
+
+
+def test_serve_exits_non_zero_when_the_target_does_not_load(tmp_path, capsys):
+    """vLLM exits when its model does not load; so does `specheads serve`, in one line, rather than
+    listening on with /health failing."""
+    from conftest import make_tiny_model
+    from specheads.cli import main
+
+    assert main(["serve", "--target", str(tmp_path / "nowhere"), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"target {str(tmp_path / 'nowhere')!r} does not exist" in err  # before listening
+    broken = make_tiny_model("llama", tmp_path / "broken")
+    (broken / "model.safetensors").unlink()  # config.json passes the name check; loading fails in the server
+    started = time.monotonic()
+    assert main(["serve", "--target", str(broken), "--port", str(free_port()), "--device", "cpu",
+                 "--log-level", "critical"]) == 2
+    assert time.monotonic() - started < 60
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("specheads serve: error: the model did not load, so the server "
+                                                     "stopped: OSError:"), errors
