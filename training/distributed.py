@@ -12,8 +12,10 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -40,9 +42,37 @@ def init_distributed() -> Dist:
     from deepspeed.accelerator import get_accelerator
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    build_comm_op()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                verbose=False)
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+
+
+def build_comm_op() -> None:
+    """DeepSpeed's shared-memory comm op (CPU ranks), built here before DeepSpeed asks for it.
+
+    DeepSpeed compiles it on a machine's first run (about a minute) behind torch's FileBaton: a
+    `lock` file in the build directory that its holder removes when done. A run killed during the
+    build leaves the file, and every later run on the machine waits for it forever. Built here
+    under a lock the OS releases when its holder dies, any baton found is one left behind, since
+    every run of ours builds under that lock (DeepSpeed then reuses the loaded op): it is removed,
+    saying so in one line. Ranks started together build once and the others wait and load it."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from filelock import FileLock
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return  # DeepSpeed does not build it either
+    build_dir = Path(_get_build_directory(builder.name, verbose=False))
+    with FileLock(str(build_dir) + ".specheads.lock"):
+        baton = build_dir / "lock"
+        if baton.exists():
+            print(f"specheads: removed {baton}, left by a build of DeepSpeed's {builder.name} op that was "
+                  "stopped before it finished", file=sys.stderr)
+            baton.unlink(missing_ok=True)
+        builder.load(verbose=False)
 
 
 def train_device() -> str:

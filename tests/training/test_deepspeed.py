@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -201,3 +202,23 @@ def test_sigterm_stops_both_ranks_after_the_same_step_with_a_checkpoint(setup, u
     resumed = load_file(str(output_dir / "heads" / "model.safetensors"))
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_a_comm_op_build_killed_midway_does_not_stop_later_runs():
+    """DeepSpeed's CPU comm op builds behind a lock file that a killed build leaves behind; the
+    next run waited on it forever. The run clears it, says so, and loads the op."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    baton = build_dir / "lock"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    baton.touch()  # what a build killed between taking the lock and finishing leaves
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from specheads.training.distributed import build_comm_op; "
+                               "build_comm_op()"], capture_output=True, text=True, timeout=900)
+    finally:
+        left = baton.exists()
+        baton.unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {baton}" in proc.stderr
+    assert not left
