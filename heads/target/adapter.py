@@ -25,17 +25,17 @@ from torch import nn
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-AUTO = "auto"  # the device's fast dtype (heads/target/cpu_layout.auto_dtype)
+AUTO = "auto"  # the device's fast dtype (heads/target/cpu_decoder.auto_dtype)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", config=None) -> torch.dtype:
     """A dtype name (DTYPES, or "auto": the fast dtype of `device`) -> torch.dtype. config: the
-    model's config when it loads for inference (heads/target/cpu_layout.auto_dtype; see
+    model's config when it loads for inference (heads/target/cpu_decoder.auto_dtype; see
     `inference_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == AUTO:
-        from specheads.heads.target.cpu_layout import auto_dtype
+        from specheads.heads.target.cpu_decoder import auto_dtype
 
         return auto_dtype(device, config)
     if dtype not in DTYPES:

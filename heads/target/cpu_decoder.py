@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.target import cpu_gemm, cpu_gemv, cpu_kernels
+from specheads.heads.target import cpu_gemm, cpu_gemv, cpu_kernels, cpu_layout
 from specheads.heads.target.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -209,6 +209,25 @@ def config_reason(config, architecture: str | None = None) -> str | None:
     if name == "MistralForCausalLM" and getattr(config, "sliding_window", None) is not None:
         return "it uses sliding-window attention"
     return None
+
+
+def auto_dtype(device: str | torch.device, config=None) -> torch.dtype:
+    """The fast dtype of `device` (module docstring): bf16 on CUDA and on CPUs with native bf16.
+    On another CPU, fp32, except for a model loaded for inference (config: its config) whose
+    linear layers heads/target/cpu_gemm.py's kernel runs (a C compiler, AVX2 and FMA, an
+    architecture this module fuses): bf16 weights, computed in fp32, half the
+    bytes a token reads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type != "cpu":
+        return torch.float32
+    if cpu_layout.cpu_has_native_bf16():
+        return torch.bfloat16
+    if config is not None and torch.backends.mkldnn.is_available():
+        if config_reason(config) is None and cpu_gemm.available():
+            return torch.bfloat16
+    return torch.float32
 
 
 def layer_linears(layer: nn.Module) -> list[nn.Module]:

@@ -4,7 +4,8 @@ attention over the KV heads.
 Three decisions, all made here and applied behind the target adapter (heads/target/adapter.py), never in
 the drafters or the accept rule:
 
-- dtype "auto": bf16 on a CPU with native bf16 arithmetic (AVX512-BF16 or AMX) and on a CUDA GPU.
+- dtype "auto" (decided in heads/target/cpu_decoder.py's `auto_dtype`, which knows what the fused
+  forward runs): bf16 on a CPU with native bf16 arithmetic (AVX512-BF16 or AMX) and on a CUDA GPU.
   On any other CPU, torch's bf16 is emulated and slower than fp32, so training and the model's
   own forward take fp32; an inference load of a model the fused forward runs takes bf16 there
   too, its linear layers in heads/target/cpu_gemm.py's AVX2 kernel (bf16 weights, fp32 sums).
@@ -83,27 +84,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def auto_dtype(device: str | torch.device, config=None) -> torch.dtype:
-    """The fast dtype of `device` (module docstring): bf16 on CUDA and on CPUs with native bf16.
-    On another CPU, fp32, except for a model loaded for inference (config: its config) whose
-    linear layers heads/target/cpu_gemm.py's kernel runs (a C compiler, AVX2 and FMA, an
-    architecture heads/target/cpu_decoder.py fuses): bf16 weights, computed in fp32, half the
-    bytes a token reads."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16
-    if device.type != "cpu":
-        return torch.float32
-    if cpu_has_native_bf16():
-        return torch.bfloat16
-    if config is not None and torch.backends.mkldnn.is_available():
-        from specheads.heads.target import cpu_decoder, cpu_gemm
-
-        if cpu_decoder.config_reason(config) is None and cpu_gemm.available():
-            return torch.bfloat16
-    return torch.float32
 
 
 def packing_pays(dtype: torch.dtype, device: str | torch.device) -> bool:

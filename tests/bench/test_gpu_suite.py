@@ -84,6 +84,7 @@ def test_the_launcher_really_hides_the_missing_packages():
 
 
 
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_every_section_runs_without_error(suite_run):
     report, _, stdout = suite_run
     assert list(report["sections"]) == list(gpu_suite.SECTIONS)
@@ -98,6 +99,7 @@ def test_every_section_runs_without_error(suite_run):
     assert stdout.count("[gpu_suite] goal ") == len(report["goals"])
 
 
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_step_times_compare_both_forwards_beside_their_bytes(suite_run):
     result = suite_run[0]["sections"]["step_time"]["result"]
     tiny = gpu_suite.TINY
@@ -116,6 +118,7 @@ def test_step_times_compare_both_forwards_beside_their_bytes(suite_run):
     assert result["compile_s"][model_name] > 0  # the compiled forward compiled in this process
 
 
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_end_to_end_on_peaked_targets(suite_run):
     result = suite_run[0]["sections"]["end_to_end"]["result"]
     rows, tiny = result["rows"], gpu_suite.TINY
@@ -136,6 +139,7 @@ def test_end_to_end_on_peaked_targets(suite_run):
     assert summary["tries"][-1]["decided_share"] == summary["decided_share"]
 
 
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_lossless_with_everything_on(suite_run):
     result = suite_run[0]["sections"]["lossless"]["result"]
     assert result["lossless"] is True
@@ -147,6 +151,7 @@ def test_lossless_with_everything_on(suite_run):
     assert {"plain+kernel+graphs+compiled", "eagle3-random+kernel+graphs+compiled", "plain+graphs"} <= set(fp32)
 
 
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_kernel_sections(suite_run):
     sections = {name: record["result"] for name, record in suite_run[0]["sections"].items()}
     parity = sections["parity"]
@@ -156,6 +161,7 @@ def test_kernel_sections(suite_run):
     assert all(row["ms"] > 0 and "error" not in row for row in speed)
 
 
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_profile_gemm_and_autotune_sections(suite_run):
     sections = {name: record["result"] for name, record in suite_run[0]["sections"].items()}
     profile = sections["profile"]
@@ -177,6 +183,7 @@ def test_profile_gemm_and_autotune_sections(suite_run):
     assert {row["forward"] for row in autotune["rows"]} == {"compiled", "autotuned"} == set(autotune["compile_s"])
 
 
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_report_leads_with_the_goals(suite_run):
     report, markdown, _ = suite_run
     assert markdown.index("## goals") < markdown.index("| section | ok |")

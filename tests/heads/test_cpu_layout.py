@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from specheads.heads.target import cpu_gemm, cpu_layout
-from specheads.heads.target.cpu_layout import PackedLinear, auto_dtype, pack_linears
+from specheads.heads.target.cpu_decoder import auto_dtype
+from specheads.heads.target.cpu_layout import PackedLinear, pack_linears
 from specheads.heads.target.adapter import TargetAdapter, resolve_dtype
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

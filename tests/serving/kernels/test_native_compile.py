@@ -37,6 +37,7 @@ def compiled_rows() -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # compiles 72 kernels for sm80/sm90 (about 2 minutes); -m slow runs it
 @pytest.mark.parametrize("sm,dtype,head_dim,num_tree", native.cases(),
                          ids=lambda c: native.DTYPE_NAMES[c] if isinstance(c, torch.dtype) else str(c))
 def test_kernels_compile_for_the_gpu_and_fit_its_sm(compiled_rows, sm, dtype, head_dim, num_tree):
