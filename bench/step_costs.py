@@ -94,14 +94,15 @@ def _interpolate(table: dict[int, float], x: int) -> float:
     return table[low] + slope * (x - low)
 
 
-def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, float]:
-    """ms of one verify forward of T chain tokens (a 4-D mask, as for a tree) per T."""
-    target, cache = decoder.target, state.cache
+def verify_costs(decoder, cache, root: int, prefix_len: int, trees: list[int], repeats: int) -> dict[int, float]:
+    """ms of one verify forward of T chain tokens (a 4-D mask, as for a tree) per T, after the
+    prefix_len positions the cache holds."""
+    target = decoder.target
     costs = {}
     for num_nodes in trees:
-        tokens_1T = torch.full((1, num_nodes), int(state.root), dtype=torch.long, device=target.device)
+        tokens_1T = torch.full((1, num_nodes), root, dtype=torch.long, device=target.device)
         mask = cache.attention_mask(torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=target.device).tril())
-        positions = (torch.arange(num_nodes, device=target.device) + state.prefix_len)[None]
+        positions = (torch.arange(num_nodes, device=target.device) + prefix_len)[None]
         with torch.inference_mode():
             costs[num_nodes] = time_ms(lambda: target(tokens_1T, decoder.tap_layers, attention_mask=mask,
                                                       position_ids=positions, past_key_values=cache,
@@ -111,8 +112,9 @@ def verify_costs(decoder, state, trees: list[int], repeats: int) -> dict[int, fl
 
 def draft_costs(target, heads, tap_layers: list[int] | None, prompt_1P: torch.Tensor, depths: list[int],
                 repeats: int) -> dict[int, float]:
-    """ms of one chain draft of each depth by `heads`, in steady state (EAGLE: one head run per
-    level over one new committed position; Medusa: one call of every head)."""
+    """ms of one chain draft of each depth by `heads`, in steady state, with what the drafter
+    does after the step's accept (EAGLE: one head run per level, then the head's run over the
+    step's accepted positions; Medusa: one call of every head)."""
     from specheads.serving.decode.cache import TreeStaticCache
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.steps import prefill
@@ -122,13 +124,19 @@ def draft_costs(target, heads, tap_layers: list[int] | None, prompt_1P: torch.Te
     for depth in depths:
         decoder = SpeculativeDecoder(target, heads, DraftTree.chain(depth), tap_layers=tap_layers)
         with torch.inference_mode():
-            state = prefill(target, prompt_1P, decoder.tap_layers,
-                            TreeStaticCache(target.config, max_cache_len=prompt_1P.shape[1] + 128))
-            head_kv = decoder.drafter.new_cache(1, prompt_1P.shape[1] + 128)
-            decoder.drafter.draft([state], [0], head_kv)  # an EAGLE head's first run covers the whole prompt
-            # Steady state: one new committed position per step (a step that accepted nothing).
-            state.hidden, state.next_tokens = state.hidden[-1:], state.next_tokens[-1:]
-            costs[depth] = time_ms(lambda: decoder.drafter.draft([state], [0], head_kv), target.device, 1, repeats)
+            max_cache_len = prompt_1P.shape[1] + 128
+            cache = TreeStaticCache(target.config, max_cache_len=max_cache_len, device=target.device)
+            prefilled = prefill(target, prompt_1P, decoder.tap_layers, cache)
+            drafter = decoder.drafter.attach(cache, max_cache_len)
+            drafter.start(0, prefilled)  # an EAGLE head runs over the prompt when the sequence joins
+            lens_1 = cache.lengths.device_lens[:1]
+            draft = (slice(0, 1), prefilled.root, lens_1, max_cache_len)
+            # what the step's accept hands the drafter: a step that accepted nothing (the root alone)
+            taps_1TX = prefilled.taps[-1:][None].expand(1, depth + 1, -1)
+            path_1W = torch.zeros(1, depth + 1, dtype=torch.long, device=target.device)
+            observe = (slice(0, 1), taps_1TX, path_1W, lens_1.new_ones(1), path_1W, lens_1, max_cache_len)
+            costs[depth] = time_ms(lambda: (drafter.draft(*draft), drafter.observe(*observe)), target.device, 1,
+                                   repeats)
     return costs
 
 
@@ -151,9 +159,9 @@ def measure_step_costs(target, heads=None, heads_config=None, *, prefix: int = 3
     generator = torch.Generator().manual_seed(0)
     prompt_1P = torch.randint(10, target.vocab_size, (1, prefix), generator=generator).to(target.device)
     with torch.inference_mode():
-        state = prefill(target, prompt_1P, plain.tap_layers,
-                        TreeStaticCache(target.config, max_cache_len=prefix + max(trees) + 8))
-    verify = verify_costs(plain, state, list(trees), repeats)
+        cache = TreeStaticCache(target.config, max_cache_len=prefix + max(trees) + 8, device=target.device)
+        root = int(prefill(target, prompt_1P, plain.tap_layers, cache).root)
+    verify = verify_costs(plain, cache, root, prefix, list(trees), repeats)
     draft, kind = {}, None
     if heads is not None:
         kind = "eagle" if is_eagle(heads) else "medusa"

@@ -49,11 +49,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, rope_theta: float, input_size: int):
         super().__init__()
@@ -68,22 +63,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
         # Computed here, never loaded: a plain fp32 tensor, not a buffer, so no loader can leave
         # it uninitialised (see docs/architecture.md, "Pitfalls"), no dtype cast rounds it, and it is not part
-        # of any state dict or checkpoint. rope() moves it to the input's device.
+        # of any state dict or checkpoint. It moves with the module (`_apply`), so forward() reads it
+        # where the weights are: no copy per call.
         self.inv_freq = 1.0 / (rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
 
-    def rope(self, x_BhTD: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
-        inv_freq = self.inv_freq.to(x_BhTD.device)
-        freqs_BTd = position_ids_BT.float()[..., None] * inv_freq  # [B, T, D/2]
-        emb_B1TD = torch.cat([freqs_BTd, freqs_BTd], dim=-1)[:, None]
-        cos, sin = emb_B1TD.cos().to(x_BhTD.dtype), emb_B1TD.sin().to(x_BhTD.dtype)
-        return x_BhTD * cos + rotate_half(x_BhTD) * sin
+    def _apply(self, fn, recurse=True):
+        """Module.to / cuda / cpu / half ...: inv_freq follows the weights' device, in fp32."""
+        module = super()._apply(fn, recurse)
+        self.inv_freq = self.inv_freq.to(fn(torch.empty(0)).device)
+        return module
 
     def forward(self, x_BTI, position_ids_BT, past_kv, mask_B1TS):
         batch, seq = x_BTI.shape[:2]
         q = self.q_proj(x_BTI).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BTI).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BTI).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.rope(q, position_ids_BT), self.rope(k, position_ids_BT)  # [B, Hq|Hkv, T, D]
+        # RoPE on q and k [B, Hq|Hkv, T, D]: x * cos + rotate_half(x) * sin
+        freqs_BTd = position_ids_BT.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb_B1TD = torch.cat([freqs_BTd, freqs_BTd], dim=-1)[:, None]
+        cos, sin = emb_B1TD.cos().to(q.dtype), emb_B1TD.sin().to(q.dtype)
+        half = self.head_dim // 2
+        q, k = (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin for x in (q, k))
         if past_kv is None:
             keys, values = k, v
         elif isinstance(past_kv, tuple):
@@ -107,17 +107,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _Layer(nn.Module):
-    """What every head layer does after its attention input: attention added to the residual
-    stream, then the SwiGLU MLP of the post-attention norm (subclasses own the modules)."""
-
-    def attend(self, residual_BTH, x_BTI, position_ids_BT, past_kv, mask_B1TS):
-        attn, new_kv = self.self_attn(x_BTI, position_ids_BT, past_kv, mask_B1TS)
-        h = residual_BTH + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), new_kv
-
-
-class MidLayer(_Layer):
+class MidLayer(nn.Module):
     """EAGLE-3's first layer: attention over [embedding ; feature], residual stream the feature."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, eps):
@@ -130,10 +120,12 @@ class MidLayer(_Layer):
 
     def forward(self, embeds_BTH, feature_BTH, position_ids_BT, past_kv, mask_B1TS):
         x_BT2H = torch.cat([self.input_layernorm(embeds_BTH), self.hidden_norm(feature_BTH)], dim=-1)
-        return self.attend(feature_BTH, x_BT2H, position_ids_BT, past_kv, mask_B1TS)
+        attn, new_kv = self.self_attn(x_BT2H, position_ids_BT, past_kv, mask_B1TS)
+        h = feature_BTH + attn  # attention added to the residual stream, then the SwiGLU MLP
+        return h + self.mlp(self.post_attention_layernorm(h)), new_kv
 
 
-class DecoderLayer(_Layer):
+class DecoderLayer(nn.Module):
     """A further layer of a multi-layer head: a plain pre-norm Llama layer over h."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, eps):
@@ -144,7 +136,9 @@ class DecoderLayer(_Layer):
         self.mlp = MLP(hidden_size, intermediate_size)
 
     def forward(self, h_BTH, position_ids_BT, past_kv, mask_B1TS):
-        return self.attend(h_BTH, self.input_layernorm(h_BTH), position_ids_BT, past_kv, mask_B1TS)
+        attn, new_kv = self.self_attn(self.input_layernorm(h_BTH), position_ids_BT, past_kv, mask_B1TS)
+        h = h_BTH + attn  # as MidLayer's, over h alone
+        return h + self.mlp(self.post_attention_layernorm(h)), new_kv
 
 
 def next_token_embeddings(embeddings: nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -223,7 +217,7 @@ class Eagle3Head(nn.Module):
 
         past_kv: (keys, values) [L, B, Hkv, S, D] the rows may also attend to, mask [B, 1, T, S+T]
         bool (True = attend); or a cache whose `layers` each take this call's keys and values
-        (`update(k, v) -> (keys, values)` to attend to, as serving/decode/eagle.py `HeadKV`'s), mask
+        (`update(k, v) -> (keys, values)` to attend to, as serving/decode/eagle.py `HeadWrite`'s), mask
         [B, 1, T, its keys]. Without a mask the T rows attend causally to each other only.
         """
         if mask_B1TS is None:

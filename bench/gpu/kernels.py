@@ -321,6 +321,74 @@ def section_kernel_speed(ctx) -> dict:
                      "launcher's own with half and twice its prefix splits, at the longest prefix"}
 
 
+def _launched_resources(ctx, sm: int, dtype: torch.dtype, head_dim: int, num_tree: int) -> list:
+    """Both kernels of one case launched on this GPU at the launcher's plan for native.LAYER
+    (real tensors), and read back from the kernel this machine's Triton compiled: registers,
+    spilled registers (as `stack`: any is a spill) and shared memory -> native.Resources rows."""
+    from specheads.serving.kernels import native, triton_kernel
+
+    layer, batch = native.LAYER, native.LAYER["batch"]
+    prefix_len, make = layer["prefix_len"], dict(device=ctx.device, dtype=dtype)
+    q = torch.randn(batch, num_tree, layer["num_q_heads"], head_dim, **make).transpose(1, 2)
+    k, v = (torch.randn(batch, layer["num_kv_heads"], prefix_len + num_tree, head_dim, **make) for _ in range(2))
+    packed = torch.zeros(1, num_tree, -(-num_tree // 32), device=ctx.device, dtype=torch.int32)
+    prefix_lens = torch.full((batch,), prefix_len, device=ctx.device, dtype=torch.long)
+    out = torch.empty_like(q)
+    launch_plan = triton_kernel.plan(batch, layer["num_q_heads"], layer["num_kv_heads"], num_tree, head_dim, dtype,
+                                     prefix_len, sm, triton_kernel.device_sm(ctx.device)[1])
+    rows = []
+    for call in triton_kernel.kernel_calls(q, k, v, packed, prefix_lens, prefix_len, head_dim ** -0.5, out,
+                                           launch_plan):
+        compiled = call.kernel[call.grid](*call.args, **call.meta)
+        compiled._init_handles()
+        blocks = " ".join(f"{name.removeprefix('BLOCK_')}{value}" for name, value in call.meta.items()
+                          if name.startswith("BLOCK_"))
+        rows.append(native.Resources(kernel=call.name, sm=sm, num_tree=num_tree, dtype=native.DTYPE_NAMES[dtype],
+                                     head_dim=head_dim, blocks=blocks, num_warps=compiled.metadata.num_warps,
+                                     num_stages=compiled.metadata.num_stages, registers=compiled.n_regs,
+                                     stack=compiled.n_spills, shared=compiled.metadata.shared))
+    return rows
+
+
+def section_block_sizes(ctx) -> dict:
+    """The tree kernel's launch configurations (serving/kernels/triton_kernel.py launch_config:
+    tables picked with another Triton and torch) compiled by this machine's Triton for its own
+    SM, and checked as tests/serving/kernels/test_native_compile.py checks them (native.problems:
+    the shared memory fits, nothing spills, one SM holds the split programs the split rule
+    counts on), for ctx.block_cases. On a GPU the kernels are launched on a representative layer
+    and read back from what its Triton compiled; elsewhere (--tiny on a CPU) they are compiled
+    for sm_90 by serving/kernels/native.py, in a subprocess without TRITON_INTERPRET."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    from specheads.serving.kernels import native, triton_kernel
+
+    dtypes, head_dims, trees = ctx.block_cases
+    if ctx.device.type == "cuda":
+        sm = triton_kernel.device_sm(ctx.device)[0]
+        found = [row for dtype in dtypes for head_dim in head_dims for num_tree in trees
+                 for row in _launched_resources(ctx, sm, dtype, head_dim, num_tree)]
+        rows = [dict(dataclasses.asdict(row), problems=native.problems(row)) for row in found]
+    else:
+        sm = 90
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        argv = ["--json", "--check", "--sms", str(sm), "--dtypes", ",".join(native.DTYPE_NAMES[d] for d in dtypes),
+                "--head-dims", ",".join(map(str, head_dims)), "--trees", ",".join(map(str, trees))]
+        proc = subprocess.run([sys.executable, "-m", "specheads.serving.kernels.native", *argv], env=env,
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            return {"rows": [{"error": (proc.stdout + proc.stderr).strip()[-2000:]}], "fits": None,
+                    "triton": triton.__version__, "sm": sm}
+        rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"rows": rows, "fits": all(not row["problems"] for row in rows), "triton": triton.__version__, "sm": sm,
+            "how": "launched on this GPU and read back" if ctx.device.type == "cuda" else "compiled for sm_90 (ptxas)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m specheads.bench.gpu.kernels --compile-report`: the kernels' static resources per
     SM, dtype and head dim, compiled natively with no GPU (serving/kernels/native.py)."""

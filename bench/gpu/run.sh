@@ -4,6 +4,9 @@
 #
 #     OUT=<folder for the report> bash bench/gpu/run.sh [gpu_suite options, e.g. --sections end_to_end]
 #
+# The trained_heads section needs the real target and its trained heads on the machine:
+# `--trained-target embedded:smollm2 --trained-heads DIR` (without them it reports itself skipped).
+#
 # It installs the wheels carried in .whl/ (the transformers version the project tests with; the
 # machine's torch, triton and the rest stay), puts the repository on the path as the `specheads`
 # package (pyproject's package-dir, as links), and runs `python -m specheads.bench.gpu.suite`,

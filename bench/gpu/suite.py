@@ -1,18 +1,28 @@
 """The GPU suite: what this project measures and checks on a GPU, in one run of about 8 minutes.
 
-Sections, in the order they run (the figures the GPU work must reach first), each a function
-returning its own figures (one that raises records its error; the others still run):
+Sections, in the order they run (lossless first, so that a slow compile later cannot skip it;
+then the figures the GPU work must reach), each a function returning its own figures (one that
+raises records its error; the others still run):
+- lossless (bench/gpu/engine.py): fp32 greedy of every engine, everything on included, against
+  HF greedy on a tiny random Llama.
+- block_sizes (bench/gpu/kernels.py): the tree kernel's launch configurations compiled by this
+  machine's own Triton for its SM: no spill, the shared memory fits, the residency the split
+  rule counts on.
 - step_time (bench/gpu/steps.py): Llama-3.1-8B- and SmolLM2-shaped bf16 targets, decode and
   verify steps (T = 16/32/64) as CUDA-graph replays over the static-shape cache with the tree
   kernel, batch 1/8/32, the model's own forward against the compiled GPU decoder, each beside
   the weight-read floor.
 - kernel_speed (bench/gpu/kernels.py): the Triton tree-attention kernel against SDPA (% of HBM).
-- end_to_end (bench/gpu/engine.py): tokens/s on peaked random targets (greedy decided beyond
-  bf16 rounding) of both shapes at batch 1/8/32: HF greedy, the engine's plain decoding and
-  oracle-drafted decoding, graphs and kernel on; speedups against the engine's plain decoding
-  with graphs; bf16 outputs against HF's, every difference scored as near-tie or not.
-- lossless (bench/gpu/engine.py): fp32 greedy of every engine, everything on included, against
-  HF greedy on a tiny random Llama.
+- end_to_end (bench/gpu/engine.py): decode tokens/s (prefill timed apart) at 4k context on
+  peaked random targets (greedy decided beyond bf16 rounding) of both shapes at batch 1/8/32,
+  beside the weight-read floor: HF greedy, the engine's plain decoding, oracle-drafted (Medusa)
+  and random-EAGLE-3-drafted decoding, graphs and kernel on, every engine's warm steps under
+  torch.cuda's sync debug mode "error" (any sync but the step's declared read fails the run);
+  speedups against the engine's plain decoding with graphs; bf16 outputs against HF's, every
+  difference scored as near-tie or not.
+- trained_heads (bench/gpu/trained.py): the real SmolLM2 with its trained EAGLE-3 heads
+  (`--trained-target`, `--trained-heads`): bf16 exactness against HF's bf16 greedy (every
+  difference at an fp32 near-tie), and batch-1 speed against graphed plain decoding.
 - profile (bench/gpu/steps.py): where a graphed 8B decode step's kernel time goes.
 - parity (bench/gpu/kernels.py): the kernel against its PyTorch reference.
 - gemm, autotune_step (bench/gpu/steps.py): cuBLAS against inductor's autotuned GEMMs at 1-64
@@ -49,8 +59,9 @@ import torch
 
 from specheads.heads import atomic
 from specheads.bench.gpu.engine import free_device_memory, section_end_to_end, section_lossless
-from specheads.bench.gpu.kernels import section_kernel_speed, section_parity
+from specheads.bench.gpu.kernels import section_block_sizes, section_kernel_speed, section_parity
 from specheads.bench.gpu.steps import section_autotune_step, section_gemm, section_profile, section_step_time
+from specheads.bench.gpu.trained import section_trained_heads
 
 PEAK_HBM = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))  # bytes/s
 # tests/serving/kernels/test_tree_attention.py PARITY_CASES: (B, Hkv, group, T, S, D).
@@ -73,25 +84,31 @@ FULL = dict(parity_cases=PARITY_CASES + [(1, 8, 4, 64, 1024, 128)],
             lossless_model=dict(LLAMA_TINY, hidden_size=128, num_hidden_layers=4, vocab_size=512),
             lossless_prompts=8, lossless_new=32, bf16_new=64,
             e2e_models={"llama-8b-shape": LLAMA_8B, "smollm2-shape": SMOLLM2_SHAPE}, e2e_batches=(1, 8, 32),
-            e2e_prompts=4, e2e_prompt_len=128, e2e_new=64, peak_prompts=4, peak_new=32,
-            profile_steps=10, profile_top=15, gemm_rows=(1, 16, 64))
+            e2e_prompts=4, e2e_prompt_len=4096, e2e_new=64, peak_prompts=4, peak_new=32,
+            profile_steps=10, profile_top=15, gemm_rows=(1, 16, 64),
+            block_cases=((torch.bfloat16, torch.float32), (64, 128), (1, 16, 64)),
+            trained_prompts=16, trained_new=128)
 TINY = dict(parity_cases=PARITY_CASES[:4] + [(1, 8, 4, 4, 40, 128)],
             layer=(8, 2, 32), speed_trees=(1, 4), speed_prefixes=(32,), warmup=0, repeats=1, inner=1, eager_repeats=1,
             rotate_bytes=0, gpu_decoder="compile", autotune_mode="compile", gemm_compile_mode="default",
             step_models=(("tiny", LLAMA_TINY, 32),), step_batches=(1, 2), verify_trees=(4,),
             lossless_model=LLAMA_TINY, lossless_prompts=2, lossless_new=8, bf16_new=8,
             e2e_models={"tiny": LLAMA_TINY}, e2e_batches=(1, 2), e2e_prompts=2, e2e_prompt_len=8, e2e_new=8,
-            peak_prompts=2, peak_new=8, profile_steps=2, profile_top=5, gemm_rows=(1, 4))
+            peak_prompts=2, peak_new=8, profile_steps=2, profile_top=5, gemm_rows=(1, 4),
+            block_cases=((torch.bfloat16,), (64,), (1,)), trained_prompts=2, trained_new=8)
 
 
 def peak_bandwidth(device_name: str) -> float | None:
     return next((peak for fragment, peak in PEAK_HBM if fragment.lower() in device_name.lower()), None)
 
 
-def make_context(device: torch.device, tiny: bool, **overrides) -> SimpleNamespace:
-    """The sections' one argument: the device, its name and peak bandwidth, the FULL or TINY shapes."""
+def make_context(device: torch.device, tiny: bool, trained_target: str | None = None,
+                 trained_heads: str | None = None, **overrides) -> SimpleNamespace:
+    """The sections' one argument: the device, its name and peak bandwidth, the FULL or TINY
+    shapes, and the trained heads' target and directory (bench/gpu/trained.py)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    return SimpleNamespace(device=device, device_name=name, peak_bw=peak_bandwidth(name),
+    return SimpleNamespace(device=device, device_name=name, peak_bw=peak_bandwidth(name), tiny=tiny,
+                           trained_target=trained_target, trained_heads=trained_heads,
                            **dict(TINY if tiny else FULL, **overrides))
 
 
@@ -149,21 +166,35 @@ def goals(report: dict, ctx) -> list[dict]:
               and row.get("T", 0) <= 16]
     kernel = None if not kernel or None in kernel else min(kernel)
     lossless = ((report["sections"].get("lossless") or {}).get("result") or {}).get("lossless")
+    blocks = (report["sections"].get("block_sizes") or {}).get("result") or {}
+    e2e = report["sections"].get("end_to_end") or {}
+    strict = [row.get("strict_syncs") for row in _rows(report, "end_to_end") if row["method"] != "hf-greedy"]
+    syncs = None if not e2e.get("ok") or not strict or not all(strict) else True
+    trained = (report["sections"].get("trained_heads") or {}).get("result") or {}
     found = [_goal(f"{big}: plain decode step (compiled, graphed), share of the weight-read floor", fraction,
                    ">= 0.75", None if fraction is None else fraction >= 0.75),
              _goal(f"{big}: verify at T={max(ctx.verify_trees)} in decode steps", ratio, "<= 1.15",
                    None if ratio is None else ratio <= 1.15),
              _goal(f"tree kernel at S={max(ctx.speed_prefixes)}, T <= 16, % of HBM (least)", kernel, ">= 60",
                    None if kernel is None else kernel >= 60),
-             _goal("fp32 greedy lossless, everything on", lossless, "true", lossless)]
+             _goal("fp32 greedy lossless, everything on", lossless, "true", lossless),
+             _goal(f"tree kernel block sizes fit on this machine's Triton {blocks.get('triton', '')}",
+                   blocks.get("fits"), "true", blocks.get("fits")),
+             _goal("warm engine steps: no sync but the declared read (sync debug mode 'error')", syncs, "true",
+                   syncs),
+             _goal("trained EAGLE-3 heads, bf16: every difference from HF bf16 greedy at an fp32 near-tie",
+                   trained.get("near_ties_only"), "true", trained.get("near_ties_only")),
+             _goal("trained EAGLE-3 heads, batch 1, vs plain decoding with graphs", trained.get("speedup"),
+                   ">= 1.3x", None if trained.get("speedup") is None else trained["speedup"] >= 1.3)]
     for model in ctx.e2e_models:
         found += _end_to_end_goals(report, model)
     return found
 
 
 # --- running and reporting --------------------------------------------------------------
-SECTIONS = {"step_time": section_step_time, "kernel_speed": section_kernel_speed, "end_to_end": section_end_to_end,
-            "lossless": section_lossless, "profile": section_profile, "parity": section_parity,
+SECTIONS = {"lossless": section_lossless, "block_sizes": section_block_sizes, "step_time": section_step_time,
+            "kernel_speed": section_kernel_speed, "end_to_end": section_end_to_end,
+            "trained_heads": section_trained_heads, "profile": section_profile, "parity": section_parity,
             "gemm": section_gemm, "autotune_step": section_autotune_step}  # the order they run in
 
 
@@ -253,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-decoder", default=None, choices=["compile", "max-autotune", "eager"],
                         help="the GPU decoder's mode for the 'compiled' forward (default: compile)")
     parser.add_argument("--compile-cache", type=Path, default=None, help="inductor cache artifacts to load and save")
+    parser.add_argument("--trained-target", default=None,
+                        help="the target the trained heads are for (e.g. embedded:smollm2), for trained_heads")
+    parser.add_argument("--trained-heads", default=None, help="a heads directory of EAGLE-3 heads trained on it")
     args = parser.parse_args(argv)
     names = [name for name in args.sections.split(",") if name]
     if set(names) - set(SECTIONS):
@@ -264,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     tiny = args.tiny or device.type == "cpu"
-    ctx = make_context(device, tiny, **({"gpu_decoder": args.gpu_decoder} if args.gpu_decoder else {}))
+    ctx = make_context(device, tiny, args.trained_target, args.trained_heads,
+                       **({"gpu_decoder": args.gpu_decoder} if args.gpu_decoder else {}))
     meta = {"device_name": ctx.device_name, "device": str(device), "tiny": tiny, "gpu_decoder": ctx.gpu_decoder,
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "cuda": torch.version.cuda, "triton_interpret": os.environ.get("TRITON_INTERPRET"),

@@ -7,14 +7,20 @@ views of one buffer [L, 2, B, kv_heads, max_cache_len, D], allocated once on the
 reallocated, so that moving entries (a commit, a row swap) is one copy for the whole model.
 `max_cache_len` must cover the longest context plus the largest tree a verify step writes.
 
-Lengths. The cache keeps one committed length per sequence, `seq_lens` [B] (a device
-tensor, plus a host copy so that no step needs a device sync). A forward writes its T new
-entries at [seq_lens[b], seq_lens[b] + T) in every layer and leaves them *pending*: they
-are attended to by that forward but not counted as committed. Then exactly one of
+Lengths. The cache keeps one committed length per sequence twice: on the buffers' device
+(`lengths.device_lens` [B], what a decode step reads and advances) and on the host
+(`seq_lens`, what sizes the dynamic shapes and the capacity check without a device read).
+A forward writes its T new entries at [seq_lens[b], seq_lens[b] + T) in every layer and
+leaves them *pending*: they are attended to by that forward but not counted as committed.
+Then exactly one of
 - `commit()` keeps all T pending entries in order (prefill, plain one-token decoding);
-- `commit(accepted_node_indices)` gathers the accepted tree nodes (offsets into the
-  pending entries, path order, root first) to [seq_lens[b], seq_lens[b] + A) with an
-  in-place index_copy on the buffers, then seq_lens[b] += A;
+- `commit(accepted_node_indices)` with host indices gathers the accepted tree nodes
+  (offsets into the pending entries, path order, root first) to [seq_lens[b], seq_lens[b] + A)
+  (a prefill of several prompts; its index tensors are built on the host);
+- `commit_accepted(path, num_nodes)`, a decode step's: the paths and counts are device
+  tensors, the gather has a fixed shape and the device lengths advance by a tensor add, so
+  nothing travels from the host; the host copy advances later, from the step's one read
+  (`count_committed`);
 - nothing: the next forward overwrites the pending entries (they are dropped).
 `crop(n)` shortens the committed length (n >= 0: keep n positions; n < 0: remove -n, the
 transformers 5 convention). Entries past the committed length are dead data, never read
@@ -63,9 +69,9 @@ INDEX_PUT_ROWS = 4
 class _Lengths:
     """Committed lengths shared by all layers of one cache, and the last forward's T."""
 
-    def __init__(self, batch_size: int):
+    def __init__(self, batch_size: int, device: torch.device | None):
         self.host = [0] * batch_size  # [B] python ints, no device sync to read
-        self.device_lens = torch.zeros(batch_size, dtype=torch.long)  # [B], moved to the buffers' device
+        self.device_lens = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] on the buffers' device
         self.num_pending = 0  # T written by the last forward, not yet committed
         self.start, self.stop = 0, batch_size  # the active rows [start, stop) (see TreeStaticCache.set_rows)
 
@@ -126,7 +132,7 @@ class TreeStaticLayer(CacheLayerMixin):
         keys, values = self.storage.layer_views(self.index, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys, self.values = keys, values
-        if self.lengths.device_lens.device != key_states.device:
+        if self.lengths.device_lens.device != key_states.device:  # a cache built without its device
             self.lengths.device_lens = self.lengths.device_lens.to(key_states.device)
         self.is_initialized = True
 
@@ -139,35 +145,34 @@ class TreeStaticLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, stop = self.lengths.start, self.lengths.stop
+        lengths = self.lengths
+        start, stop = lengths.start, lengths.stop
+        active = lengths.host[start:stop]  # host lengths: read without a device sync
         if key_states.shape[0] != stop - start:
             raise ValueError(f"the cache's active rows are [{start}, {stop}) ({stop - start} sequences), "
                              f"got key states for batch size {key_states.shape[0]}")
         keys, values = self.keys[start:stop], self.values[start:stop]  # views
         num_new = key_states.shape[-2]
-        needed = max(self.lengths.active) + num_new
-        # Host ints only: no device sync. Skipped while compiling, where reading them would
-        # guard (and recompile) on every length; the caller then checks capacity itself.
-        if needed > self.max_cache_len and not torch.compiler.is_compiling():
+        # Host ints only: no device sync. Not read with static shapes (a compiled step would guard,
+        # and recompile, on every length): the engine sizes every request to the cache then.
+        needed = self.max_cache_len if self.static_shape else max(active) + num_new
+        if needed > self.max_cache_len:
             raise ValueError(f"TreeStaticCache overflow: {needed} positions needed (committed "
-                             f"{max(self.lengths.active)} + {num_new} new) but max_cache_len is "
+                             f"{max(active)} + {num_new} new) but max_cache_len is "
                              f"{self.max_cache_len}; build the cache with a larger max_cache_len")
         cache_kwargs = args[0] if args and isinstance(args[0], dict) else kwargs.get("cache_kwargs") or {}
         slots_BT = cache_kwargs.get("cache_position")
-        if slots_BT is None and not self.static_shape and len(self.lengths.active) < INDEX_PUT_ROWS:
+        if slots_BT is None and not self.static_shape and len(active) < INDEX_PUT_ROWS:
             # Eager path, few rows: one slice copy per row at its host-known length (an index_put
             # per layer costs more than the rest of a small model's decode step on a CPU).
-            for row, length in enumerate(self.lengths.active):
+            for row, length in enumerate(active):
                 keys[row, :, length:length + num_new] = key_states[row]
                 values[row, :, length:length + num_new] = value_states[row]
             self.lengths.num_pending = num_new
             return keys[:, :, :needed], values[:, :, :needed]
-        if slots_BT is None and not self.static_shape:  # many rows: one index_put from the host lengths
-            slots_BT = torch.tensor(self.lengths.active, device=self.device)[:, None] \
-                + torch.arange(num_new, device=self.device)
-        elif slots_BT is None:  # static shapes (graph capture): positions from the device lengths
-            slots_BT = self.lengths.active_device[:, None] + torch.arange(num_new, device=self.device)
-        slots_BT = slots_BT.to(self.device).expand(key_states.shape[0], num_new)
+        if slots_BT is None:  # many rows, or static shapes: one index_put at the device lengths
+            slots_BT = lengths.device_lens[start:stop, None] + torch.arange(num_new, device=self.device)
+        slots_BT = slots_BT.expand(key_states.shape[0], num_new)
         batch_B1 = torch.arange(key_states.shape[0], device=self.device)[:, None]
         # Advanced indices on dims 0 and 2 put their broadcast [B, T] first: values are [B, T, H, D].
         keys[batch_B1, :, slots_BT] = key_states.transpose(1, 2)
@@ -214,10 +219,12 @@ class TreeStaticCache(Cache):
 
     config: the target's model config. max_cache_len: longest context + largest tree.
     batch_size: number of sequences B. static_shape: return the whole buffers from `update`
-    (fixed shapes, for CUDA graphs) instead of views of the used prefix.
+    (fixed shapes, for CUDA graphs) instead of views of the used prefix. device: where the
+    lengths live from the start (default: moved to the buffers' device on the first forward).
     """
 
-    def __init__(self, config, max_cache_len: int, batch_size: int = 1, static_shape: bool = False):
+    def __init__(self, config, max_cache_len: int, batch_size: int = 1, static_shape: bool = False,
+                 device: torch.device | str | None = None):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = text_config.num_hidden_layers
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
@@ -230,9 +237,9 @@ class TreeStaticCache(Cache):
             raise ValueError(f"max_cache_len and batch_size must be >= 1, got {max_cache_len} and {batch_size}")
         self.max_cache_len = max_cache_len
         self.static_shape = static_shape
-        self.lengths = _Lengths(batch_size)
+        self.lengths = _Lengths(batch_size, device)
         self.storage = _Storage(len(layer_types), batch_size, max_cache_len)
-        self.followers: list[torch.Tensor] = []  # other [L', 2, B, ...] buffers whose rows move with these
+        self.followers: list[tuple[torch.Tensor, int]] = []  # (tensor, its row dim): rows that move with these
         super().__init__(layers=[TreeStaticLayer(max_cache_len, self.lengths, static_shape, self.storage, index)
                                  for index in range(len(layer_types))])
 
@@ -261,11 +268,16 @@ class TreeStaticCache(Cache):
         index 0). A scheduler prefills one new sequence alone in its row, then decodes the
         rows [0, n) together. pending_written: the caller wrote the same number of pending
         entries into every new active row (one forward per row), to be committed together."""
-        if not 0 <= start < stop <= self.capacity:
-            raise ValueError(f"rows [{start}, {stop}) are outside the cache's {self.capacity} rows")
+        if not 0 <= start < stop <= len(self.lengths.host):
+            raise ValueError(f"rows [{start}, {stop}) are outside the cache's {len(self.lengths.host)} rows")
         if self.lengths.num_pending and not pending_written:
             raise ValueError("set_rows between a forward and its commit would drop the pending entries")
         self.lengths.start, self.lengths.stop = start, stop
+
+    def drop_pending(self) -> None:
+        """Forget the last forward's pending entries (a step that failed after its forward): the
+        next forward overwrites them."""
+        self.lengths.num_pending = 0
 
     def reset_row(self, row: int) -> None:
         """Empty one row (a new sequence takes it); its buffers are not cleared (dead data is masked)."""
@@ -276,40 +288,50 @@ class TreeStaticCache(Cache):
         another's context); later entries become dead data."""
         if not 0 <= length <= self.lengths.host[row]:
             raise ValueError(f"row {row} holds {self.lengths.host[row]} positions; cannot keep {length}")
-        self.lengths.host[row] = length
-        self._sync_device_lens()
+        self._set_length(row, length)
 
     def swap_rows(self, a: int, b: int) -> None:
-        """Exchange the sequences of rows a and b (a scheduler reorders its batch)."""
+        """Exchange the sequences of rows a and b (a scheduler reorders its batch), followers too."""
         length = max(self.lengths.host[a], self.lengths.host[b])
-        for buffer in self._buffers():
-            row_a = buffer[:, :, a, :, :length].clone()
-            buffer[:, :, a, :, :length] = buffer[:, :, b, :, :length]
-            buffer[:, :, b, :, :length] = row_a
-        self.lengths.host[a], self.lengths.host[b] = self.lengths.host[b], self.lengths.host[a]
-        self._sync_device_lens()
+        for buffer, dim in self._row_buffers():
+            row_a, row_b = self._row(buffer, dim, a, length), self._row(buffer, dim, b, length)
+            saved = row_a.clone()
+            row_a.copy_(row_b)
+            row_b.copy_(saved)
+        length_a, length_b = self.lengths.host[a], self.lengths.host[b]
+        self._set_length(a, length_b)
+        self._set_length(b, length_a)
 
     def move_row(self, src: int, dst: int) -> None:
-        """Move sequence src into row dst (dst's sequence is dropped): keeps the active rows
-        contiguous when a sequence leaves a batch."""
+        """Move sequence src into row dst (dst's sequence is dropped), followers too: keeps the
+        active rows contiguous when a sequence leaves a batch."""
         length = self.lengths.host[src]
-        for buffer in self._buffers():
-            buffer[:, :, dst, :, :length] = buffer[:, :, src, :, :length]
-        self.lengths.host[dst] = length
-        self.lengths.host[src] = 0
-        self._sync_device_lens()
+        for buffer, dim in self._row_buffers():
+            self._row(buffer, dim, dst, length).copy_(self._row(buffer, dim, src, length))
+        self._set_length(dst, length)
+        self._set_length(src, 0)
 
-    def follow(self, buffer: torch.Tensor) -> None:
-        """Move the rows of another per-row buffer [L', 2, B, H', >= max_cache_len, D'] with this
-        cache's (swap_rows, move_row): an EAGLE head's KV cache (serving/decode/eagle.py `HeadKV`),
-        whose rows hold at most the positions this cache's rows commit."""
-        if buffer.dim() != 6 or buffer.shape[2] != self.capacity or buffer.shape[4] < self.max_cache_len:
-            raise ValueError(f"a follower buffer must be [L, 2, {self.capacity}, H, >= {self.max_cache_len}, D], "
+    def follow(self, buffer: torch.Tensor, dim: int = 2) -> None:
+        """Move the rows (index `dim` = this cache's rows) of another per-row tensor with this
+        cache's (swap_rows, move_row): a drafter's or the decode step's per-row state. A 6-d
+        follower with dim 2 is KV-like, [L', 2, B, H', >= max_cache_len, D'] (an EAGLE head's
+        cache, serving/decode/eagle.py), and moves only the positions its row commits."""
+        if buffer.shape[dim] != self.capacity:
+            raise ValueError(f"a follower needs {self.capacity} rows on dim {dim}, got {tuple(buffer.shape)}")
+        if buffer.dim() == 6 and dim == 2 and buffer.shape[4] < self.max_cache_len:
+            raise ValueError(f"a KV-like follower must be [L, 2, {self.capacity}, H, >= {self.max_cache_len}, D], "
                              f"got {tuple(buffer.shape)}")
-        self.followers.append(buffer)
+        self.followers.append((buffer, dim))
 
-    def _buffers(self) -> list[torch.Tensor]:
-        return ([] if self.storage.buffer is None else [self.storage.buffer]) + self.followers
+    def _row_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        return ([] if self.storage.buffer is None else [(self.storage.buffer, 2)]) + self.followers
+
+    @staticmethod
+    def _row(buffer: torch.Tensor, dim: int, row: int, length: int) -> torch.Tensor:
+        """Row `row` of a row buffer: its first `length` positions where it is KV-like."""
+        if buffer.dim() == 6 and dim == 2:
+            return buffer[:, :, row, :, :length]
+        return buffer.select(dim, row)
 
     def commit(self, accepted_node_indices: torch.Tensor | Sequence | None = None, *,
                num_kept: Sequence[int] | None = None) -> None:
@@ -367,6 +389,30 @@ class TreeStaticCache(Cache):
                 buffer[:, :, rows_M, :, dst_M] = buffer[:, :, rows_M, :, src_M]
         self._sync_device_lens()
 
+    def commit_accepted(self, path_nW: torch.Tensor, num_nodes_n: torch.Tensor) -> None:
+        """A decode step's commit, on the device: each active row keeps its accepted pending
+        entries (path_nW: node offsets into the last forward's entries, root first, padded past
+        the row's num_nodes_n), in path order, right after its committed ones, and its device
+        length advances by num_nodes_n. Every row moves W entries per layer (the padding lands
+        past the new length: dead data), so the shapes are fixed and nothing comes from the
+        host; `count_committed` advances the host lengths once the counts are read."""
+        start, stop = self.lengths.start, self.lengths.stop
+        lens_n = self.lengths.device_lens[start:stop]  # a view: the add below advances device_lens
+        buffer = self.storage.buffer
+        if buffer is not None:
+            rows_n1 = torch.arange(start, stop, device=buffer.device)[:, None]
+            dst_nW = lens_n[:, None] + torch.arange(path_nW.shape[1], device=buffer.device)
+            # advanced indices on dims 2 and 4: every source is read before any entry is written
+            buffer[:, :, rows_n1, :, dst_nW] = buffer[:, :, rows_n1, :, lens_n[:, None] + path_nW]
+        lens_n.add_(num_nodes_n)
+        self.lengths.num_pending = 0
+
+    def count_committed(self, num_nodes: Sequence[int]) -> None:
+        """The host lengths of the active rows advance by what `commit_accepted` kept (read
+        back with the step's tokens)."""
+        for row, count in enumerate(num_nodes, start=self.lengths.start):
+            self.lengths.host[row] += count
+
     def crop(self, max_length: int) -> None:
         """Keep the first max_length committed positions (max_length < 0: remove -max_length)."""
         for batch_index, length in enumerate(self.lengths.host[self.lengths.start:self.lengths.stop],
@@ -382,6 +428,13 @@ class TreeStaticCache(Cache):
         if self.storage.buffer is not None:
             self.storage.buffer.zero_()
 
+    def _set_length(self, row: int, length: int) -> None:
+        """One row's committed length, on the host and on the device (a fill with a scalar
+        argument: no copy from host memory; a captured graph that reads device_lens sees it)."""
+        self.lengths.num_pending = 0
+        self.lengths.host[row] = length
+        self.lengths.device_lens[row].fill_(length)
+
     def _sync_device_lens(self) -> None:
         self.lengths.num_pending = 0
         # In place, so a captured graph that reads device_lens sees the new lengths.
@@ -395,18 +448,19 @@ class TreeStaticCache(Cache):
         [B, T, T] (one per sequence). K = max(seq_lens) + T (dynamic) or max_cache_len (static).
         Every key column outside those is masked, including other sequences' longer prefixes.
         """
+        device = self.lengths.device_lens.device
         if tree_mask_TT is None:
-            tree_mask_TT = torch.ones(num_new, num_new, dtype=torch.bool).tril()
+            tree_mask_TT = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
         num_new = tree_mask_TT.shape[-1]
-        device = self.lengths.device_lens.device if self.is_initialized else tree_mask_TT.device
-        num_keys = self.max_cache_len if self.static_shape else max(self.lengths.active) + num_new
-        lens_B11 = self.lengths.active_device.to(device)[:, None, None]
+        start, stop = self.lengths.start, self.lengths.stop
+        num_keys = self.max_cache_len if self.static_shape else max(self.lengths.host[start:stop]) + num_new
+        lens_B11 = self.lengths.device_lens[start:stop, None, None]
         key_K = torch.arange(num_keys, device=device)
         committed_BTK = (key_K < lens_B11).expand(-1, num_new, -1)
         offset_BK = key_K - lens_B11[:, 0]  # key's offset among the new tokens
         in_tree_BK = (offset_BK >= 0) & (offset_BK < num_new)
         index_BTK = offset_BK.clamp(0, num_new - 1)[:, None].expand(-1, num_new, -1)
-        tree_BTT = tree_mask_TT.to(device).expand(index_BTK.shape[0], num_new, num_new)
+        tree_BTT = tree_mask_TT.expand(index_BTK.shape[0], num_new, num_new)
         tree_BTK = tree_BTT.gather(-1, index_BTK)
         return (committed_BTK | (tree_BTK & in_tree_BK[:, None])).unsqueeze(1)
 
@@ -414,4 +468,4 @@ class TreeStaticCache(Cache):
         """[B, T] positions of the new tokens: committed length + offset (depth for a tree);
         offsets [T] (shared) or [B, T]."""
         offsets = position_offsets_T if position_offsets_T.dim() == 2 else position_offsets_T[None]
-        return self.lengths.active_device.to(position_offsets_T.device)[:, None] + offsets
+        return self.lengths.device_lens[self.lengths.start:self.lengths.stop, None] + offsets

@@ -64,6 +64,11 @@ class SpeculativeDecoder:
     any device (how the CPU tests check what a graph records, and a way to rule the capture
     out when a GPU run disagrees).
 
+    compile_step: None, or a torch.compile backend ("inductor"; "eager" or "aot_eager" in the
+    CPU tests): the engine's whole warm step (draft, verify, accept, commit) is compiled as one
+    graph per step variant (serving/decode/steps.py `DeviceStep`, `fullgraph=True`); it needs
+    the static-shape cache, so cuda_graphs must be set.
+
     On a packed CPU target (heads/target/cpu_layout.py) the drafters run a copy of the heads whose
     linear layers are packed too (`packed_for_inference`, weights shared): build the decoder
     after the heads' weights are final.
@@ -74,7 +79,7 @@ class SpeculativeDecoder:
                  attn_impl: str = "sdpa", tree_attention_impl: str | None = None,
                  fallback: FallbackPolicy | None = FallbackPolicy(), entropy_threshold: float | None = None,
                  lookup: LookupConfig | None = None, step_costs: StepCosts | None = None,
-                 cuda_graphs: str | None = None, store: StoreDrafter | None = None):
+                 cuda_graphs: str | None = None, store: StoreDrafter | None = None, compile_step: str | None = None):
         if tree is not None and not isinstance(tree, (DraftTree, DynamicTreeConfig)):
             raise TypeError(f"tree must be a DraftTree, a DynamicTreeConfig or None, got {type(tree).__name__}")
         if lookup is not None and not isinstance(lookup, LookupConfig):
@@ -94,6 +99,8 @@ class SpeculativeDecoder:
         if cuda_graphs == "capture" and target.device.type != "cuda":
             raise ValueError(f"cuda_graphs='capture' needs the target on a CUDA device, got {target.device}; "
                              "cuda_graphs='eager' runs the same static-shape verify without capturing")
+        if compile_step is not None and cuda_graphs is None:
+            raise ValueError("compile_step needs the static-shape cache: set cuda_graphs ('eager' or 'capture')")
         if cuda_graphs is not None and target.packed is not None:
             raise ValueError("cuda_graphs needs an unpacked target (a packed CPU target runs its own fused forward); "
                              "load the target without CPU packing")
@@ -130,17 +137,18 @@ class SpeculativeDecoder:
         self.entropy_threshold = entropy_threshold
         self.lookup = lookup
         self.store = store
+        # The chain drafters, in the order their chains hang under the root (serving/decode/draft_batch.py).
         self.chain_sources = [source for source in (NgramLookup(lookup) if lookup is not None else None, store)
                               if source is not None]
         self.max_depth = self.tree.max_depth
         chain_tokens = [source.num_tokens for source in self.chain_sources]
         # The largest tree a step verifies (sizes the cache).
-        self.max_tree_nodes = (dynamic.num_nodes + 1 if dynamic is not None else self.tree.num_nodes) \
-            + sum(chain_tokens)
+        self.max_tree_nodes = (self.drafter.num_nodes if self.drafter is not None else 1) + sum(chain_tokens)
         # The sampled accept's uniforms per row and step (serving/decode/accept.py accept_rejection):
         # the deepest and widest tree this decoder drafts, its chains included.
         widest = dynamic.top_k if dynamic is not None else self.tree.max_children
         self.uniform_shape = (max([self.max_depth] + chain_tokens), widest + len(chain_tokens))
+        self.compile_step = compile_step
         self.fallback = fallback
         self.step_costs = step_costs if step_costs is not None else StepCosts()
         self.attn_impl = attn_impl
@@ -152,12 +160,6 @@ class SpeculativeDecoder:
         """Whether requests draft at all (heads, chain sources, or both), unless they opt out."""
         return self.drafter is not None or bool(self.chain_sources)
 
-    @property
-    def drafts_from_head_cache(self) -> bool:
-        """Whether the drafter keeps its own cache over every committed position (EAGLE), so a
-        sequence cannot start from positions another one cached; Medusa reads only the last
-        position's hidden state."""
-        return self.drafter is not None and self.drafter.keeps_head_cache
 
 
 def _default_eagle_taps(heads: nn.Module, target: TargetAdapter) -> list[int]:

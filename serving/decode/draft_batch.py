@@ -1,29 +1,27 @@
-"""One decode step's drafts for the whole batch, on the target's device: `DraftBatch`.
-
-Every drafter (Medusa heads, EAGLE heads with a static or an EAGLE-2 tree) returns one for
-the rows it drafts; the engine pads in the rows that do not draft (their root alone), adds
-the chains of the chain sources (n-gram lookup, the reply store: `with_chains`), verifies it
-in one forward and accepts from it
-(serving/decode/accept.py). The accept step reads nothing back to the host: every field it
-needs is a device tensor and every shape is known on the host, so a whole step costs one
-device-to-host copy (the accepted tokens) and can be captured.
+"""One decode step's drafts for the whole batch, on the target's device (`DraftBatch`), and
+the one protocol every proposer of draft tokens follows (`Drafter`).
 
 A row is one sequence's tree. Node 0 is its root, the token the target already chose; its
 draft nodes follow, every parent before its children. Rows are padded to one node count T
-with *invalid* nodes (`valid` False): padding, or a node a drafter left out this step
-(Medusa's AdaEDL depth cut, an EAGLE-2 candidate that AdaEDL stopped). An invalid node is
-verified like the others but never accepted, and never anyone's child.
+with *invalid* nodes (`valid` False): padding, or a node left out this step (Medusa's AdaEDL
+depth cut, an EAGLE-2 candidate that AdaEDL stopped, a lookup chain with no match, the heads'
+nodes of a row whose chain goes alone, every draft node of a row that does not draft). An
+invalid node is verified like the others but never accepted, and never anyone's child. Every
+field is a device tensor and every shape is known on the host, so the accept step
+(serving/decode/accept.py) reads nothing back.
 
-Node order among siblings is the order in which they are tried by the sampled accept rule
-(serving/decode/accept.py): a static tree's rank order, and the chains (lookup's, then the
-store's) after the heads' candidates.
+Each drafter of a step returns its own tree for the rows; `DraftBatch.join` hangs the chain
+sources' trees (n-gram lookup, the reply store) under the root after the heads' nodes, in the
+decoder's order. Node order among siblings is the order in which the sampled accept rule tries
+them: a static tree's rank order, then the chains.
 
-Shape legend: n rows, T nodes (padded), C most children of one node, E chain nodes added to a row.
+Shape legend: n rows, T nodes (padded), C most children of one node, L a chain's tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -40,13 +38,7 @@ class DraftBatch:
     max_depth: int  # the deepest node's depth over all rows (host): accept walks this many levels
     max_children: int  # C, the most children any node may have (host; sizes the sampled accept)
     is_chain: bool = False  # one row whose nodes form a chain: the causal mask is its tree mask
-    heads_drafted: list[bool] | None = None  # [n] the heads drafted the row (None: every row)
-    # [n][S] per row and chain source (with_chains): (first node, length) of its chain, None for none
-    chain_spans: list[list[tuple[int, int] | None]] | None = None
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.tokens.shape[0])
+    alone: torch.Tensor | None = None  # [n] bool (a chain's): the heads' nodes are not needed in the row
 
     @property
     def num_nodes(self) -> int:
@@ -71,7 +63,53 @@ class DraftBatch:
                    depths=torch.zeros(num_rows, 1, dtype=torch.long, device=device),
                    tree_mask=torch.ones(num_rows, 1, 1, dtype=torch.bool, device=device),
                    valid=torch.ones(num_rows, 1, dtype=torch.bool, device=device), max_depth=0, max_children=0,
-                   is_chain=num_rows == 1, heads_drafted=[False] * num_rows)
+                   is_chain=num_rows == 1)
+
+    @classmethod
+    def chain(cls, roots_n: torch.Tensor, tokens_nL: torch.Tensor, valid_nL: torch.Tensor,
+              alone_n: torch.Tensor | None = None) -> "DraftBatch":
+        """Each row's root followed by one chain of L tokens (valid_nL: which of them are drafted;
+        a chain source's tree)."""
+        num_rows, length = tokens_nL.shape
+        device = tokens_nL.device
+        nodes = torch.arange(length + 1, device=device)
+        return cls(tokens=torch.cat([roots_n[:, None], tokens_nL], 1), parents=(nodes - 1).expand(num_rows, -1),
+                   depths=nodes.expand(num_rows, -1),
+                   tree_mask=torch.ones(length + 1, length + 1, dtype=torch.bool, device=device).tril()
+                   .expand(num_rows, -1, -1),
+                   valid=torch.cat([valid_nL.new_ones(num_rows, 1), valid_nL], 1), max_depth=int(length),
+                   max_children=1, is_chain=num_rows == 1, alone=alone_n)
+
+    def join(self, branches: list["DraftBatch"]) -> "DraftBatch":
+        """This tree (the heads', or the roots alone) with each branch's draft nodes hung under
+        the same root after it, in order. A row that a branch marks `alone` keeps none of this
+        tree's draft nodes (its chain is verified alone; the heads' candidates are not needed)."""
+        if not branches:
+            return self
+        valid = self.valid
+        for branch in branches:
+            if branch.alone is not None and self.num_nodes > 1:
+                valid = valid & ~(branch.alone[:, None] & (self.depths > 0))
+        tokens, parents, depths, valids = [self.tokens], [self.parents], [self.depths], [valid]
+        num_rows, total = self.tokens.shape[0], self.num_nodes + sum(b.num_nodes - 1 for b in branches)
+        mask = torch.zeros(num_rows, total, total, dtype=torch.bool, device=self.tokens.device)
+        mask[:, :self.num_nodes, :self.num_nodes] = self.tree_mask
+        offset = self.num_nodes
+        for branch in branches:
+            size = branch.num_nodes - 1
+            kids = branch.parents[:, 1:]
+            tokens.append(branch.tokens[:, 1:])
+            parents.append(torch.where(kids > 0, kids + offset - 1, kids))
+            depths.append(branch.depths[:, 1:])
+            valids.append(branch.valid[:, 1:])
+            mask[:, offset:offset + size, 0] = branch.tree_mask[:, 1:, 0]
+            mask[:, offset:offset + size, offset:offset + size] = branch.tree_mask[:, 1:, 1:]
+            offset += size
+        return DraftBatch(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), depths=torch.cat(depths, 1),
+                          tree_mask=mask, valid=torch.cat(valids, 1),
+                          max_depth=max([self.max_depth] + [b.max_depth for b in branches]),
+                          max_children=self.max_children + len(branches),
+                          is_chain=self.is_chain and self.num_nodes == 1 and len(branches) == 1 and branches[0].is_chain)
 
     def padded(self, num_nodes: int) -> "DraftBatch":
         """The same rows with invalid padding nodes up to num_nodes (>= T): a padding node
@@ -81,91 +119,16 @@ class DraftBatch:
             raise ValueError(f"cannot pad {self.num_nodes} nodes to {num_nodes}")
         if pad == 0:
             return self
-        num_rows, device = self.num_rows, self.tokens.device
+        num_rows, device = int(self.tokens.shape[0]), self.tokens.device
         mask = torch.eye(num_nodes, dtype=torch.bool, device=device).repeat(num_rows, 1, 1)
         mask[:, :self.num_nodes, :self.num_nodes] = self.tree_mask
         return replace(self, tokens=_pad(self.tokens, pad, 0), parents=_pad(self.parents, pad, -1),
                        depths=_pad(self.depths, pad, 0), tree_mask=mask, valid=_pad(self.valid, pad, False),
                        is_chain=self.is_chain and num_rows == 1)
 
-    def rows(self, indices: list[int]) -> "DraftBatch":
-        """The given rows, in that order."""
-        index = torch.tensor(indices, dtype=torch.long, device=self.tokens.device)
-        pick = (lambda values: None if values is None else [values[i] for i in indices])
-        return replace(self, tokens=self.tokens.index_select(0, index), parents=self.parents.index_select(0, index),
-                       depths=self.depths.index_select(0, index), tree_mask=self.tree_mask.index_select(0, index),
-                       valid=self.valid.index_select(0, index), is_chain=self.is_chain and len(indices) == 1,
-                       heads_drafted=pick(self.heads_drafted), chain_spans=pick(self.chain_spans))
-
-    @classmethod
-    def merge(cls, base: "DraftBatch", drafted: "DraftBatch | None", rows: list[int]) -> "DraftBatch":
-        """base's rows with `drafted`'s rows in their places (drafted row i -> row rows[i]),
-        padded to the larger node count. base: every row's plain draft (`roots`)."""
-        if drafted is None or not rows:
-            return base
-        if len(rows) == base.num_rows:  # every row drafted, in order
-            return replace(drafted, heads_drafted=[True] * len(rows))
-        num_nodes = drafted.num_nodes
-        merged = base.padded(num_nodes)
-        index = torch.tensor(rows, dtype=torch.long, device=base.tokens.device)
-        for name in ("tokens", "parents", "depths", "tree_mask", "valid"):
-            getattr(merged, name).index_copy_(0, index, getattr(drafted, name))
-        heads_drafted = list(base.heads_drafted)
-        for row in rows:
-            heads_drafted[row] = True
-        return replace(merged, max_depth=drafted.max_depth, max_children=drafted.max_children, is_chain=False,
-                       heads_drafted=heads_drafted)
-
-    def with_chains(self, chains: list[list[list[int]]]) -> "DraftBatch":
-        """Each row's chains (chains[row][source]: target ids, [] for none; serving/decode/lookup.py
-        `ChainSource`) as branches under its root, after its heads' nodes, in source order: the
-        root's last children, so the sampled accept tries them after the heads' candidates. A
-        row's chains follow one another from node T on; a chain that an earlier chain of the row
-        starts with (or repeats) adds no path and is left out. Rows are padded with invalid
-        nodes to the longest row. chain_spans[row][source] records where each chain went."""
-        num_rows, num_base, device = self.num_rows, self.num_nodes, self.tokens.device
-        spans: list[list[tuple[int, int] | None]] = []
-        rows: list[list[tuple[int, int, int, int]]] = []  # (token, parent, depth, chain) per added node
-        for row_chains in chains:
-            row_spans, nodes, kept = [], [], []
-            for chain in row_chains:
-                if not chain or any(earlier[:len(chain)] == chain for earlier in kept):
-                    row_spans.append(None)
-                    continue
-                first = num_base + len(nodes)
-                nodes += [(token, first + step - 1 if step else 0, step + 1, len(kept))
-                          for step, token in enumerate(chain)]
-                row_spans.append((first, len(chain)))
-                kept.append(list(chain))
-            spans.append(row_spans)
-            rows.append(nodes)
-        width = max(len(nodes) for nodes in rows)
-        if width == 0:
-            return self
-        num_nodes = num_base + width
-        # padding: token 0, no parent, depth 0, a chain of its own (it sees only itself)
-        table = torch.tensor([[list(node) for node in nodes]
-                              + [[0, -1, 0, -1 - pad] for pad in range(width - len(nodes))] for nodes in rows],
-                             dtype=torch.long, device=device)  # [n, E, 4]
-        tokens_nE, parents_nE, depths_nE, chain_nE = table.unbind(-1)
-        valid_nE = parents_nE >= 0
-        mask = torch.zeros(num_rows, num_nodes, num_nodes, dtype=torch.bool, device=device)
-        mask[:, :num_base, :num_base] = self.tree_mask
-        mask[:, num_base:, 0] = valid_nE
-        # a chain node attends to its own chain's nodes up to its depth (its ancestors and itself)
-        mask[:, num_base:, num_base:] = (chain_nE[:, :, None] == chain_nE[:, None, :]) \
-            & (depths_nE[:, None, :] <= depths_nE[:, :, None])
-        most_chains = max(sum(span is not None for span in row_spans) for row_spans in spans)
-        return replace(
-            self, tokens=torch.cat([self.tokens, tokens_nE], 1), parents=torch.cat([self.parents, parents_nE], 1),
-            depths=torch.cat([self.depths, depths_nE], 1), tree_mask=mask, valid=torch.cat([self.valid, valid_nE], 1),
-            max_depth=max(self.max_depth, max(len(chain) for row_chains in chains for chain in row_chains)),
-            max_children=self.max_children + most_chains,
-            is_chain=self.is_chain and num_base == 1 and most_chains == 1, chain_spans=spans)
-
     def children(self) -> torch.Tensor:
         """[n, T, C] long: each node's valid children in node order, padded with -1."""
-        num_rows, num_nodes, width = self.num_rows, self.num_nodes, self.max_children
+        num_rows, num_nodes, width = int(self.tokens.shape[0]), self.num_nodes, self.max_children
         device = self.tokens.device
         nodes_T = torch.arange(num_nodes, device=device)
         is_child_nTT = (self.parents[:, None, :] == nodes_T[None, :, None]) & self.valid[:, None, :]  # [n, parent, child]
@@ -177,3 +140,47 @@ class DraftBatch:
 
 def _pad(values_nT: torch.Tensor, pad: int, fill) -> torch.Tensor:
     return torch.cat([values_nT, values_nT.new_full((values_nT.shape[0], pad), fill)], 1)
+
+
+class Drafter(Protocol):
+    """What the decode step (serving/decode/steps.py `DeviceStep`) asks of every proposer of
+    draft tokens: the heads (serving/decode/medusa.py, eagle.py: a tree) and the chain sources
+    (n-gram lookup, serving/decode/lookup.py; the reply store, serving/decode/store.py: one
+    chain). The step never branches on the kind.
+
+    A decoder's drafter is shared by its engines; `attach` gives each engine its own copy,
+    which keeps the per-sequence state in tensors with one row per engine row that move with
+    the cache's rows (`TreeStaticCache.follow`). `draft` and `observe` run inside the warm
+    step: tensor operations on the target's device, no host data, no read (they may be
+    compiled). `prepare` is the host's part before a step. `start` runs when a sequence joins.
+    """
+
+    name: str  # "heads", or a chain source's name (serving/decode/stats.py CHAIN_SOURCES)
+    num_nodes: int  # nodes of its tree, root included (sizes the cache and the step's tree)
+    max_depth: int  # its deepest node
+    max_children: int  # the most children of one of its nodes
+    num_notes: int  # k, the values per row its observe sends to the host (0: none)
+    lookahead: int  # its state at a position reads the tokens up to this many positions after it
+
+    def attach(self, cache, max_cache_len: int) -> "Drafter":
+        """A copy of this drafter for one engine: per-row state for the cache's rows, on the
+        target's device, following the cache's rows (the models and tree plans are shared)."""
+
+    def start(self, row: int, prefilled) -> torch.Tensor | None:
+        """A sequence took row `row` (its prefill: serving/decode/steps.py `Prefilled`) -> its
+        first note for the host ([k] long, read with the prefill's token), or None."""
+
+    def prepare(self, seqs: list, drafting: list[bool]) -> list[int]:
+        """On the host, before a step: for each sequence (its `notes` hold what this drafter's
+        last `observe` sent back), 0: nothing to propose, 1: a proposal, 2: a proposal that
+        goes alone (the heads' draft is not needed for it). `drafting`: which of them draft."""
+
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+        """The rows' trees under their roots [n]; lens_n: their committed lengths (device);
+        key_bound: the positions an attention over a row's cache may need (a host bound)."""
+
+    def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
+                emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> torch.Tensor | None:
+        """What the step accepted (before the commit): the verify's taps at every node, each row's
+        accepted path, count and emitted tokens; lens_n the committed lengths before it. Writes
+        the drafter's state for the next step -> notes for the host [n, k] long, or None."""

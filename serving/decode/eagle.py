@@ -1,13 +1,22 @@
 """EAGLE drafting (EAGLE-3, or EAGLE-1/2 heads): a static tree, or an EAGLE-2 tree drafted
-anew every step, both through one level loop, for every drafted row of a batch at once.
+anew every step, both through one level loop, for every row of a batch at once; both are
+serving/decode/draft_batch.py `Drafter`s.
 
-Each step first runs the head over each row's positions committed since its head last ran
-(row p reads the target's taps at p and the token at p+1; `commit_new_rows`), writing them
-into the head's KV cache (`HeadKV`, one row per engine row: committed positions only);
-the last one predicts depth 1. Then one head forward per depth d >= 1 (`_Levels.run`) runs
-that depth's nodes of every row: a node reads its own token's embedding and its parent's
-output feature, sits at position S-1+d, and attends to its row's committed positions plus
-its draft ancestors. Draft ids are mapped to target ids through the head's d2t.
+Per-row state, on the target's device, following the cache's rows: the head's own KV cache
+(`kv_BHMD`, one row per engine row) over every committed position of the row, and the head's
+output feature at the row's last committed position (`feature_BH`: the one that predicts
+depth 1). Row p of the head reads the target's taps at p and the token at p+1.
+- `start` (a sequence joins): the head runs over the positions its prefill ran.
+- `observe` (after a step's accept, before its commit): the head runs over each row's
+  accepted nodes (their taps, the token after each), written at the positions they are
+  committed to, so the head's cache is always as long as the target's. Every row runs W
+  nodes (the accept's path width); those past a row's count land past its new length, dead
+  data. So the shapes are fixed whether or not the row drafted this step.
+- `draft`: one head forward per depth d >= 1 (`_level`) runs that depth's nodes of every
+  row: a node reads its own token's embedding and its parent's output feature, sits at
+  position S-1+d, and attends to its row's committed positions plus its draft ancestors
+  (written into the head cache's slots after the committed ones: dead data after the step).
+  Draft ids are mapped to target ids through the head's d2t.
 
 - `StaticEagleDrafter`: the tree is fixed; a node at depth d and rank r takes the r-th top
   candidate of its parent.
@@ -19,21 +28,20 @@ its draft ancestors. Draft ids are mapped to target ids through the head's d2t.
     node (the parent) first, so the kept set is closed under ancestors.
   - AdaEDL (`entropy_threshold`): a node whose acceptance bound (serving/decode/sampling.py
     `acceptance_bound`) falls below the threshold gets no children; depth 1 is always drafted.
+  An EAGLE-2 tree keeps a fixed size, num_nodes + 1; a candidate stopped by AdaEDL is an
+  invalid node of it.
 
-Both have one entry point, `draft(states, rows, head_kv) -> DraftBatch` (serving/decode/
-draft_batch.py): the rows' drafted trees as device tensors; `new_cache` makes the engine's
-`HeadKV`. The head receives a `HeadWrite` as its past: each layer writes its new keys and
-values into the rows' slots and attends to them under the caller's mask, so the head runs once
-per draft level for the whole batch. The decode states are not changed. Nothing reads the device back: an EAGLE-2 tree
-keeps a fixed size, num_nodes + 1, and a candidate stopped by AdaEDL is an invalid node of it.
+The head receives a `HeadWrite` as its past: each layer writes its new keys and values into
+the rows' slots and attends to the first `key_bound` slots under the caller's mask.
 
-Shape legend: m drafted rows, S committed positions, A positions since the head last ran, H
-hidden, Vd draft vocab, R ranks used, k top_k, n nodes of one depth, N drafted candidates (or
-tree nodes run so far), T tree nodes (root included), K attended head cache slots.
+Shape legend: n rows, S committed positions, H hidden, nH taps, Vd draft vocab, R ranks
+used, k top_k, N drafted candidates (or tree nodes run so far), T tree nodes (root
+included), W accepted path width, K attended head cache slots.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -44,34 +52,6 @@ from specheads.serving.decode.sampling import acceptance_bound
 from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig, TreePlan
 
 
-class HeadKV:
-    """An EAGLE head's keys and values for every row of one engine, [Lh, 2, B, Hkv, M, D]: a
-    follower of the engine's TreeStaticCache (serving/decode/cache.py `follow`: its rows swap
-    and move with the target's). Row b holds the head's keys and values of its sequence's
-    committed positions [0, C_b), C_b = the sequence's prefix_len less the rows its head has
-    not run yet (the A rows of its decode state's `hidden`): the lengths live in the decode
-    states, not here. A draft writes its new rows at [C_b, C_b + A) and its tree nodes after
-    them (dead data after the step, overwritten by the next one)."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, batch_size: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.num_slots = num_slots
-        self.buffer = torch.zeros(num_layers, 2, batch_size, num_kv_heads, num_slots, head_dim, dtype=dtype,
-                                  device=device)  # [Lh, 2, B, Hkv, M, D]
-
-    def write(self, rows: list[int], slots_mT: torch.Tensor, num_keys: int) -> "HeadWrite":
-        """What Eagle3Head.step takes as its past for one call: each layer writes the rows'
-        (engine rows, ascending) T new keys and values at slots [m, T] and attends to their
-        first num_keys slots (a view when the rows are contiguous)."""
-        if num_keys > self.num_slots:
-            raise ValueError(f"a draft needs {num_keys} head cache slots, more than the {self.num_slots} allocated")
-        rows_m = torch.tensor(rows, device=self.buffer.device)
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        select = slice(rows[0], rows[0] + len(rows)) if contiguous else rows_m
-        return HeadWrite([_LayerWrite(self.buffer[layer], rows_m[:, None], select, slots_mT, num_keys)
-                          for layer in range(self.buffer.shape[0])])
-
-
 @dataclass
 class HeadWrite:
     layers: list  # one _LayerWrite per head layer
@@ -79,115 +59,114 @@ class HeadWrite:
 
 @dataclass
 class _LayerWrite:
-    kv_2BHMD: torch.Tensor  # this layer's keys and values in the buffer
-    rows_m1: torch.Tensor
-    select: object  # the rows, as a slice (contiguous: views) or an index tensor
-    slots_mT: torch.Tensor
-    num_keys: int
+    kv_2BHMD: torch.Tensor  # this layer's keys and values in the head cache
+    rows: slice  # the engine rows
+    slots_nT: torch.Tensor  # where each new row's key and value go
+    num_keys: int  # the slots attended to
 
-    def update(self, keys_mHTD: torch.Tensor, values_mHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new keys and values -> the rows' keys and values [m, Hkv, K, D]."""
+    def update(self, keys_nHTD: torch.Tensor, values_nHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new keys and values -> the rows' keys and values [n, Hkv, K, D]."""
         out = []
-        for buffer_BHMD, new_mHTD in zip(self.kv_2BHMD, (keys_mHTD, values_mHTD)):
-            # advanced indices on dims 0 and 2 put their broadcast [m, T] first: values are [m, T, Hkv, D]
-            buffer_BHMD[self.rows_m1, :, self.slots_mT] = new_mHTD.transpose(1, 2).to(buffer_BHMD.dtype)
-            out.append(buffer_BHMD[self.select, :, :self.num_keys])
+        index_n1 = torch.arange(keys_nHTD.shape[0], device=keys_nHTD.device)[:, None]
+        for buffer_BHMD, new_nHTD in zip(self.kv_2BHMD, (keys_nHTD, values_nHTD)):
+            rows_nHMD = buffer_BHMD[self.rows]
+            # advanced indices on dims 0 and 2 put their broadcast [n, T] first: values are [n, T, Hkv, D]
+            rows_nHMD[index_n1, :, self.slots_nT] = new_nHTD.transpose(1, 2).to(buffer_BHMD.dtype)
+            out.append(rows_nHMD[:, :, :self.num_keys])
         return out[0], out[1]
 
 
-# Positions a row's head has not run yet: at most the tree's depth + 1 in a decode step (more
-# after a step the head sat out), a whole prompt after a prefill. Rows with at most this many run
-# together, padded to the longest; a row with more (a new prompt) runs alone.
-BATCHED_NEW_ROWS = 64
+class _EagleDrafter:
+    """The per-row state, `start`, `observe` and the head forward both EAGLE drafters share
+    (module doc)."""
 
+    name = "heads"
+    num_notes = 0
+    lookahead = 1  # the head's row p reads the token at p + 1
 
-def new_head_cache(head: nn.Module, batch_size: int, max_cache_len: int) -> HeadKV:
-    """The head's cache for an engine of batch_size rows of max_cache_len positions (each
-    row's committed positions, plus room for padded new rows or a tree after them)."""
-    attention = head.midlayer.self_attn
-    return HeadKV(head.num_layers, attention.num_kv_heads, attention.head_dim, batch_size,
-                  max_cache_len + BATCHED_NEW_ROWS, head.lm_head.weight.dtype, head.d2t.device)
+    def __init__(self, head: nn.Module, embeddings: nn.Module):
+        self.head, self.embeddings = head, embeddings
+        self.draft_to_target = head.draft_to_target()  # [Vd]
+        self.kv_BHMD: torch.Tensor | None = None  # [Lh, 2, B, Hkv, M, D] the head's cache
+        self.feature_BH: torch.Tensor | None = None  # [B, H] its output feature at each row's last position
 
+    def attach(self, cache, max_cache_len: int) -> "_EagleDrafter":
+        head, attention = self.head, self.head.midlayer.self_attn
+        dtype, device = head.lm_head.weight.dtype, head.d2t.device
+        attached = copy.copy(self)
+        attached.kv_BHMD = torch.zeros(head.num_layers, 2, cache.capacity, attention.num_kv_heads, max_cache_len,
+                                       attention.head_dim, dtype=dtype, device=device)
+        attached.feature_BH = torch.zeros(cache.capacity, head.hidden_size, dtype=dtype, device=device)
+        cache.follow(attached.kv_BHMD, 2)
+        cache.follow(attached.feature_BH, 0)
+        return attached
 
-def commit_new_rows(head: nn.Module, embeddings: nn.Module, head_kv: HeadKV, states: list,
-                    rows: list[int]) -> torch.Tensor:
-    """Run the head over each state's positions its head has not run yet (its `hidden` rows:
-    row p reads the target's taps at p and the token at p+1), written into its row of head_kv
-    -> each row's last output feature [m, 1, H]. Rows with at most BATCHED_NEW_ROWS such
-    positions run in one call, padded to the longest; each other row runs alone."""
-    counts = [int(state.hidden.shape[0]) for state in states]
-    few = [i for i, count in enumerate(counts) if count <= BATCHED_NEW_ROWS]
-    groups = ([few] if few else []) + [[i] for i, count in enumerate(counts) if count > BATCHED_NEW_ROWS]
-    dtype, device = head.lm_head.weight.dtype, states[0].hidden.device
-    features: list = [None] * len(states)
-    for group in groups:
-        width = max(counts[i] for i in group)
-        hidden = torch.stack([torch.nn.functional.pad(states[i].hidden, (0, 0, 0, width - counts[i]))
-                              for i in group]).to(dtype)  # [g, A, nH]
-        tokens = torch.stack([torch.nn.functional.pad(states[i].next_tokens, (0, width - counts[i]))
-                              for i in group])  # [g, A]
-        starts = [states[i].prefix_len - counts[i] for i in group]
-        positions_gA = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)
-        num_keys = max(starts) + width
-        mask_gAK = torch.arange(num_keys, device=device)[None, None] <= positions_gA[:, :, None]  # committed + causal
-        feature = head.fuse(hidden)
-        out, _ = head.step(embeddings(tokens).to(feature.dtype), feature, positions_gA,
-                           head_kv.write([rows[i] for i in group], positions_gA, num_keys), mask_gAK[:, None])
-        last = torch.tensor([counts[i] - 1 for i in group], device=device)
-        for i, feature_H in zip(group, out[torch.arange(len(group), device=device), last]):
-            features[i] = feature_H
-    return torch.stack(features)[:, None]
+    @torch.no_grad()
+    def start(self, row: int, prefilled) -> None:
+        """Run the head over the positions the prefill ran (row p: taps at p, token p+1)."""
+        prompt_P, begin = prefilled.prompt_P, prefilled.start
+        length = int(prompt_P.shape[0])
+        next_tokens = torch.cat([prompt_P[begin + 1:], prefilled.root])[None]  # [1, A]
+        positions = torch.arange(begin, length, device=prompt_P.device)[None]
+        mask = torch.arange(length, device=prompt_P.device)[None, None] <= positions[:, :, None]
+        out = self._run(slice(row, row + 1), next_tokens, self.head.fuse(prefilled.taps[None].to(self.feature_BH.dtype)),
+                        positions, mask, length)
+        self.feature_BH[row] = out[0, -1]
 
+    @torch.no_grad()
+    def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
+                emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> None:
+        """Run the head over each row's accepted nodes at the positions they commit to."""
+        width = int(path_nW.shape[1])
+        taps_nWX = taps_nTX.gather(1, path_nW[:, :, None].expand(-1, -1, taps_nTX.shape[-1]))
+        positions_nW = lens_n[:, None] + torch.arange(width, device=lens_n.device)
+        mask_nWK = torch.arange(key_bound, device=lens_n.device)[None, None] <= positions_nW[:, :, None]
+        out = self._run(rows, emitted_nW, self.head.fuse(taps_nWX.to(self.feature_BH.dtype)), positions_nW,
+                        mask_nWK, key_bound)
+        self.feature_BH[rows] = out.gather(1, (num_nodes_n - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
 
-class _Levels:
-    """The head forwards of one step's draft levels for m rows: each call runs one depth's n
-    nodes of every row after the row's committed positions and the tree nodes run so far,
-    whose keys and values go to the head cache's slots after the committed ones."""
+    def _level(self, rows: slice, lens_n: torch.Tensor, depth: int, num_run: int, tokens_nd: torch.Tensor,
+               parent_features_ndH: torch.Tensor, ancestors_ndN: torch.Tensor, key_bound: int) -> torch.Tensor:
+        """One draft depth's nodes (target ids [n, d], their parents' features [n, d, H], which of
+        the num_run tree nodes run before them plus themselves they attend to [n, d, N]) -> their
+        output features [n, d, H]. They go to the head cache's slots after the committed ones
+        and the tree nodes run before them."""
+        num_rows, num_nodes = tokens_nd.shape
+        device = tokens_nd.device
+        num_tree = num_run + num_nodes
+        positions_nd = (lens_n - 1 + depth)[:, None].expand(num_rows, num_nodes)
+        slots_nd = lens_n[:, None] + num_run + torch.arange(num_nodes, device=device)
+        key_K = torch.arange(key_bound, device=device)
+        offset_nK = key_K[None] - lens_n[:, None]  # a key's place among the tree nodes
+        in_tree_nK = (offset_nK >= 0) & (offset_nK < num_tree)
+        index_ndK = offset_nK.clamp(0, num_tree - 1)[:, None].expand(num_rows, num_nodes, key_bound)
+        tree_ndK = ancestors_ndN.gather(2, index_ndK) & in_tree_nK[:, None]
+        mask_ndK = (key_K[None, None] < lens_n[:, None, None]) | tree_ndK
+        return self._run(rows, tokens_nd, parent_features_ndH, positions_nd, mask_ndK, key_bound, slots_nd)
 
-    def __init__(self, head: nn.Module, embeddings: nn.Module, head_kv: HeadKV, states: list, rows: list[int]):
-        self.head, self.embeddings, self.head_kv, self.rows = head, embeddings, head_kv, rows
-        committed = [state.prefix_len for state in states]
-        self.committed_m = torch.tensor(committed, device=states[0].hidden.device)
-        self.max_committed = max(committed)
-        self.num_tree = 0  # tree nodes of each row run so far
-
-    def run(self, depth: int, tokens_mn: torch.Tensor, parent_features_mnH: torch.Tensor,
-            ancestors_mnN: torch.Tensor) -> torch.Tensor:
-        """Nodes at `depth` (target ids [m, n], their parents' features [m, n, H], which of the
-        tree nodes run so far plus themselves they attend to [m, n, N]) -> their output features
-        [m, n, H]."""
-        num_rows, num_nodes = tokens_mn.shape
-        device = parent_features_mnH.device
-        num_tree = self.num_tree + num_nodes
-        embeds = self.embeddings(tokens_mn).to(parent_features_mnH.dtype)
-        positions_mn = (self.committed_m - 1 + depth)[:, None].expand(num_rows, num_nodes)
-        slots_mn = self.committed_m[:, None] + self.num_tree + torch.arange(num_nodes, device=device)
-        num_keys = self.max_committed + num_tree
-        key_K = torch.arange(num_keys, device=device)
-        offset_mK = key_K[None] - self.committed_m[:, None]  # a key's place among the tree nodes
-        in_tree_mK = (offset_mK >= 0) & (offset_mK < num_tree)
-        index_mnK = offset_mK.clamp(0, num_tree - 1)[:, None].expand(num_rows, num_nodes, num_keys)
-        tree_mnK = ancestors_mnN.gather(2, index_mnK) & in_tree_mK[:, None]
-        mask_mnK = (key_K[None, None] < self.committed_m[:, None, None]) | tree_mnK
-        out, _ = self.head.step(embeds, parent_features_mnH, positions_mn,
-                                self.head_kv.write(self.rows, slots_mn, num_keys), mask_mnK[:, None])
-        self.num_tree = num_tree
+    def _run(self, rows: slice, tokens_nT: torch.Tensor, features_nTH: torch.Tensor, positions_nT: torch.Tensor,
+             mask_nTK: torch.Tensor, num_keys: int, slots_nT: torch.Tensor | None = None) -> torch.Tensor:
+        """One head forward over T new rows per sequence (written at slots, default their
+        positions; attending to num_keys slots under the mask) -> output features [n, T, H]."""
+        slots_nT = positions_nT if slots_nT is None else slots_nT
+        past = HeadWrite([_LayerWrite(kv, rows, slots_nT, num_keys) for kv in self.kv_BHMD])
+        embeds = self.embeddings(tokens_nT).to(features_nTH.dtype)
+        out, _ = self.head.step(embeds, features_nTH, positions_nT, past, mask_nTK[:, None])
         return out
 
 
-class StaticEagleDrafter:
+class StaticEagleDrafter(_EagleDrafter):
     """A fixed tree, drafted level by level (module doc)."""
-
-    keeps_head_cache = True  # its head's KV cache covers every committed position
 
     def __init__(self, head: nn.Module, embeddings: nn.Module, tree: DraftTree):
         if tree.max_depth == 0:
             raise ValueError("an EAGLE drafter needs a tree with draft nodes")
-        self.head, self.embeddings, self.tree = head, embeddings, tree
+        super().__init__(head, embeddings)
+        self.tree = tree
+        self.num_nodes, self.max_depth, self.max_children = tree.num_nodes, tree.max_depth, tree.max_children
         self.num_ranks = tree.max_rank + 1
         device = head.d2t.device
         self.plan = TreePlan(tree, device)
-        self.draft_to_target = head.draft_to_target()  # [Vd]
         depths, parents = tree.depths.tolist(), tree.parents.tolist()
         local = {0: 0}  # node -> index within its level
         self.levels = []  # per depth d >= 1: (parent local index [n_d], rank [n_d], mask rows [n_d, N_d])
@@ -199,22 +178,22 @@ class StaticEagleDrafter:
             mask = tree.tree_mask[nodes][:, 1:nodes[-1] + 1].to(device)  # [n_d, draft nodes up to depth d]
             self.levels.append((parent_local, tree.ranks[nodes].to(device), mask))
 
-    def new_cache(self, batch_size: int, max_cache_len: int) -> HeadKV:
-        return new_head_cache(self.head, batch_size, max_cache_len)
+    def prepare(self, seqs: list, drafting: list[bool]) -> list[int]:
+        return [int(draws) for draws in drafting]
 
     @torch.no_grad()
-    def draft(self, states: list, rows: list[int], head_kv: HeadKV) -> DraftBatch:
-        """The rows' trees (states of engine rows `rows`), one head call per level for all."""
-        features = commit_new_rows(self.head, self.embeddings, head_kv, states, rows)  # [m, 1, H]
-        levels = _Levels(self.head, self.embeddings, head_kv, states, rows)
-        tokens = [torch.cat([state.root for state in states])[:, None]]
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+        """The rows' trees, one head call per level for all."""
+        features = self.feature_BH[rows][:, None]  # [n, 1, H]
+        tokens, num_run = [roots_n[:, None]], 0
         for depth, (parent_local, ranks, mask) in enumerate(self.levels, start=1):
-            candidates = self.head.logits(features).topk(self.num_ranks, dim=-1).indices  # [m, n_{d-1}, R]
-            level_tokens = self.draft_to_target[candidates[:, parent_local, ranks]]  # [m, n_d]
+            candidates = self.head.logits(features).topk(self.num_ranks, dim=-1).indices  # [n, n_{d-1}, R]
+            level_tokens = self.draft_to_target[candidates[:, parent_local, ranks]]  # [n, n_d]
             tokens.append(level_tokens)
             if depth < len(self.levels):  # the last level's features are never read
-                features = levels.run(depth, level_tokens, features[:, parent_local],
-                                      mask.expand(len(states), -1, -1))
+                features = self._level(rows, lens_n, depth, num_run, level_tokens, features[:, parent_local],
+                                       mask.expand(int(roots_n.shape[0]), -1, -1), key_bound)
+                num_run += int(level_tokens.shape[1])
         return DraftBatch.from_plan(self.plan, torch.cat(tokens, 1))
 
 
@@ -230,10 +209,8 @@ class DynamicDraft:
     scores: torch.Tensor  # [m, N+1] float, cumulative draft log-prob; root 0, -inf: stopped by AdaEDL
 
 
-class DynamicEagleDrafter:
+class DynamicEagleDrafter(_EagleDrafter):
     """EAGLE-2 trees (and AdaEDL early stopping), drafted anew every step (module doc)."""
-
-    keeps_head_cache = True  # its head's KV cache covers every committed position
 
     def __init__(self, head: nn.Module, embeddings: nn.Module, config: DynamicTreeConfig):
         if not isinstance(config, DynamicTreeConfig):
@@ -241,11 +218,13 @@ class DynamicEagleDrafter:
         if config.top_k > head.draft_vocab_size:
             raise ValueError(f"tree.dynamic.top_k is {config.top_k} but the head's draft vocab has only "
                              f"{head.draft_vocab_size} tokens")
-        self.head, self.embeddings, self.config = head, embeddings, config
-        self.draft_to_target = head.draft_to_target()  # [Vd]
+        super().__init__(head, embeddings)
+        self.config = config
+        self.num_nodes = min(config.num_nodes, config.max_candidates) + 1  # the rerank keeps a fixed size
+        self.max_depth, self.max_children = config.depth, config.top_k
 
-    def new_cache(self, batch_size: int, max_cache_len: int) -> HeadKV:
-        return new_head_cache(self.head, batch_size, max_cache_len)
+    def prepare(self, seqs: list, drafting: list[bool]) -> list[int]:
+        return [int(draws) for draws in drafting]
 
     def _children(self, logits_mnV: torch.Tensor, parent_scores_mn: torch.Tensor):
         """Top-k children of each row's n nodes -> (draft ids [m, n*k], cumulative log-probs
@@ -258,12 +237,11 @@ class DynamicEagleDrafter:
         return top_ids.reshape(num_rows, -1), scores.reshape(num_rows, -1), ranks.reshape(num_rows, -1)
 
     @torch.no_grad()
-    def expand(self, states: list, rows: list[int], head_kv: HeadKV) -> DynamicDraft:
+    def expand(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DynamicDraft:
         """Every row's candidates, before the rerank."""
         head, config = self.head, self.config
-        top_k, num_rows = config.top_k, len(states)
-        features = commit_new_rows(head, self.embeddings, head_kv, states, rows)  # [m, 1, H]
-        levels = _Levels(head, self.embeddings, head_kv, states, rows)
+        top_k, num_rows = config.top_k, int(roots_n.shape[0])
+        features = self.feature_BH[rows][:, None]  # [m, 1, H]
         device = features.device
         rows_m1 = torch.arange(num_rows, device=device)[:, None]
         zero = torch.zeros(num_rows, 1, device=device)
@@ -275,7 +253,7 @@ class DynamicEagleDrafter:
         frontier_parent = torch.zeros(num_rows, top_k, dtype=torch.long, device=device)  # frontier -> expanded
         max_expanded = (config.depth - 1) * top_k
         ancestors = torch.zeros(num_rows, max_expanded, max_expanded, dtype=torch.bool, device=device)
-        prev_offset, offset = 0, 0  # expanded-row offsets of the previous / current level
+        prev_offset, offset = 0, 0  # expanded-row offsets of the previous / current level (tree nodes run)
         level_k = torch.arange(top_k, device=device)
         for depth in range(1, config.depth):  # a frontier holds k or k*k nodes; stopped ones score -inf
             chosen = scores.topk(top_k, dim=-1).indices  # [m, k], frontier-local
@@ -284,8 +262,8 @@ class DynamicEagleDrafter:
                 ancestors[:, offset:offset + top_k, :offset] = ancestors[rows_m1, prev_offset + parent_local, :offset]
             ancestors[:, offset + level_k, offset + level_k] = True
             parent_features = features[rows_m1, parent_local]  # [m, k, H]
-            features = levels.run(depth, self.draft_to_target[ids.gather(1, chosen)], parent_features,
-                                  ancestors[:, offset:offset + top_k, :offset + top_k])
+            features = self._level(rows, lens_n, depth, offset, self.draft_to_target[ids.gather(1, chosen)],
+                                   parent_features, ancestors[:, offset:offset + top_k, :offset + top_k], key_bound)
             logits = head.logits(features)  # [m, k, Vd]
             parent_scores = scores.gather(1, chosen)
             if config.entropy_threshold is not None:  # AdaEDL: these nodes' children are not drafted
@@ -301,7 +279,7 @@ class DynamicEagleDrafter:
             frontier_parent = level_k.repeat_interleave(top_k).expand(num_rows, -1)
             prev_offset, offset = offset, offset + top_k
         minus_one = torch.full((num_rows, 1), -1, dtype=torch.long, device=device)
-        roots = torch.cat([state.root for state in states])[:, None]
+        roots = roots_n[:, None]
         return DynamicDraft(
             parents=torch.cat([minus_one] + all_parents, 1), ranks=torch.cat([minus_one + 1] + all_ranks, 1),
             depths=torch.cat([minus_one + 1] + all_depths, 1),
@@ -331,9 +309,9 @@ class DynamicEagleDrafter:
                 "valid": torch.isfinite(drafted.scores.gather(1, nodes_mT))}
 
     @torch.no_grad()
-    def draft(self, states: list, rows: list[int], head_kv: HeadKV) -> DraftBatch:
-        """The rows' EAGLE-2 trees (states of engine rows `rows`), expanded together."""
-        tree = self.rerank(self.expand(states, rows, head_kv))
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+        """The rows' EAGLE-2 trees, expanded together."""
+        tree = self.rerank(self.expand(rows, roots_n, lens_n, key_bound))
         return DraftBatch(**tree, max_depth=self.config.depth, max_children=self.config.top_k)
 
 

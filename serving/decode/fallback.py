@@ -151,7 +151,7 @@ class Fallback:
             window = seq.window
             if window.may_fall_back and not window.speculating and window.plain_run >= self.policy.retry_after:
                 window.speculating = True  # try speculating again: the text may have become predictable
-        plain = self._plain_step(batch)
+        plain = bool(self.probe_steps) or (len(batch) > 1 and self._plain_step(batch))
         return [seq.window.speculating and not (plain and seq.window.may_fall_back) for seq in batch]
 
     def observe(self, batch: list, depths: list[int], emitted: list[int | None], num_nodes: int,
@@ -180,18 +180,17 @@ class Fallback:
         if self.probe_steps:
             self.probe_steps -= 1
         for seq, count in zip(batch, emitted):
-            if count is not None:
-                self._decide(seq, len(batch))
+            if count is not None and self.policy is not None and seq.window.steps >= self.policy.warmup_steps:
+                self._decide(seq, len(batch))  # a window ended
 
     def _plain_step(self, batch: list) -> bool:
-        """Whether the sequences that may fall back decode plainly this step: while probing the
-        plain-step cost, or (batch > 1) when speculation is predicted not to pay at this batch
-        size. One speculative step every retry_after keeps the estimate fresh."""
+        """Whether, in a batch of more than one (a single sequence is judged by its window alone)
+        and outside a probe, the sequences that may fall back decode plainly this step: when
+        speculation is predicted not to pay at this batch size. One speculative step every
+        retry_after keeps the estimate fresh."""
         policy = self.policy
-        if self.probe_steps:
-            return True
         size = len(batch)
-        if policy is None or size == 1 or not any(s.window.may_fall_back and s.window.speculating for s in batch):
+        if policy is None or not any(s.window.may_fall_back and s.window.speculating for s in batch):
             return False
         gain = self.costs.predicted_gain(size)
         if gain is None:

@@ -7,9 +7,12 @@ a lie are fatal, the ones after which no step can be trusted:
 - the device is lost: `torch.AcceleratorError` (torch >= 2.8), or a RuntimeError carrying a
   CUDA/HIP, cuBLAS, cuDNN or NCCL failure, an illegal memory access or a device-side
   assert. These poison the device context: every later kernel launch fails too.
-- out of memory after a retry: `EngineBroken`, raised when a verify forward ran out of
-  memory (`torch.OutOfMemoryError` or the host's `MemoryError`), the allocator's cache was
-  emptied and the same forward ran out again.
+- out of memory after a retry: `EngineBroken`, raised when a decode step ran out of memory
+  (`torch.OutOfMemoryError` or the host's `MemoryError`), the allocator's cache was emptied
+  and the same step ran out again.
+- a host sync that torch.cuda's sync debug mode "error" refused (the caller asked that a warm
+  step wait for the device only where it says so: serving/decode/graphs.py `declared_sync`):
+  the step broke that contract for every row.
 
 Everything else is the sequence's own: NaN logits, a drafter bug on one row's hidden
 state, a token id outside the vocabulary, a stop-sequence or detokenizer error. A
@@ -24,6 +27,7 @@ import torch
 
 _DEVICE_LOST = ("CUDA error", "HIP error", "CUBLAS_STATUS", "cuDNN error", "CUDNN_STATUS", "NCCL error",
                 "illegal memory access", "device-side assert", "device lost")
+_SYNC_REFUSED = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("error")
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 
 
@@ -43,18 +47,15 @@ def is_fatal(err: BaseException) -> bool:
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(err, accelerator_error):
         return True
-    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _DEVICE_LOST)
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in _DEVICE_LOST + (_SYNC_REFUSED,))
 
 
-def retry_out_of_memory(call, what: str):
-    """call(); after out of memory, once more with the allocator's cache given back; out of
-    memory again is EngineBroken (fatal). `what` names the call in that error."""
-    try:
-        return call()
-    except OUT_OF_MEMORY:
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+def rerun_out_of_memory(call, what: str):
+    """After `call` ran out of memory once: call() again with the allocator's cache given back;
+    out of memory again is EngineBroken (fatal). `what` names the call in that error."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     try:
         return call()
     except OUT_OF_MEMORY as err:

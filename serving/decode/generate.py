@@ -102,8 +102,7 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
     token ids), that prompt is decoded too, as index len(prompts so far), at once in the row
     the finished sequence leaves: a conversation's next turn. Its prefill runs only what it
     adds to the context that row caches, as far as the new prompt repeats it token for token
-    (BatchEngine.add, `continues`; not when the drafter keeps a head cache, EAGLE's, which
-    would lack it).
+    (BatchEngine.add, `continues`).
     A sequence the engine ends alone (finish_reason "error") raises SequenceFailed: an
     offline job must not keep a reply cut short by a fault. max_prompt_len sizes the KV
     cache (default: the longest of `prompts`); a later prompt longer than that is refused
@@ -131,7 +130,7 @@ def generate_many(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
         prefill_group = max(1, max_batch_size // 8) if decoder.target.device.type == "cuda" else 1
     if not 1 <= prefill_group <= max_batch_size:
         raise ValueError(f"prefill_group must be in [1, max_batch_size={max_batch_size}], got {prefill_group}")
-    continuing = on_result is not None and not decoder.drafts_from_head_cache and prefill_group == 1
+    continuing = on_result is not None and prefill_group == 1
     scheduler = Scheduler(decoder, max_batch_size=max_batch_size,
                           max_cache_len=max_prompt_len + max_new_tokens + decoder.max_tree_nodes,
                           keep_finished=continuing)

@@ -60,7 +60,7 @@ def score_tokens(logits_NV: torch.Tensor, tokens: list[int], num_top: int) -> li
 def step_logprob_rows(logits_nTV: torch.Tensor, path_nA: torch.Tensor, emitted_nA: torch.Tensor,
                       num_top: int) -> torch.Tensor:
     """A verify step's emitted tokens scored on the device, for the step's one copy to the
-    host (serving/decode/accept.py Accepted.to_host): each row's A accepted nodes' rows score
+    host (serving/decode/steps.py DeviceStep.read): each row's A accepted nodes' rows score
     its A emitted tokens (module doc). path and emitted [n, A] (padded past a row's count).
     -> [n, A * (1 + 2K)] float64: per token its logprob, the K top logprobs, the K top ids."""
     vocab = int(logits_nTV.shape[-1])

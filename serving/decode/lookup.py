@@ -17,26 +17,27 @@ sampling (serving/decode/sampling.py) keeps the target's distribution; the chain
 last child, tried after the heads' candidates. The proposal depends only on the tokens, so
 a seed still gives the same output.
 
-`NgramIndex` keeps, per n-gram (n <= max_ngram) of the context, where its most recent
-continuation starts, updated as tokens arrive (O(max_ngram) per token). A proposal copies
-from there; when the copy reaches the end of the context it goes on copying its own output,
-so a loop of period p is drafted for as long as asked (the match just before the suffix is
-exactly p back).
+The lookup runs on the target's device, inside the decode step (serving/decode/draft_batch.py
+`Drafter`): each row's context (prompt, then every emitted token) is a device tensor
+(`history_BM`), extended by `observe` with the tokens a step accepted; the same `observe`
+matches the new context's last n-grams against the whole history (`propose_chains`:
+tensor comparisons, no host data) and keeps the next step's chain. The match length goes to
+the host with the step's tokens, so the host knows before the next step which rows have a
+chain and which go alone without asking the device again. A proposal copies the tokens that
+followed the latest occurrence of the longest matching n-gram (max_ngram down to min_ngram);
+when the copy reaches the end of the context it goes on copying its own output, so a loop of
+period p is drafted for as long as asked (the match just before the suffix is exactly p back).
 
-Chain sources. The engine asks every source of chains the same way (`ChainSource`): n-gram
-lookup (`NgramLookup`, here) and the store of the target's own replies (serving/decode/store.py).
-A source starts a state per sequence from its prompt, and one call per step drafts a chain
-for every sequence that asks; `DraftBatch.with_chains` (serving/decode/draft_batch.py) adds
-each chain as one more branch under the row's root, in the decoder's source order (lookup,
-then store), after the heads' candidates.
-
-Shape legend: T tree nodes of the heads' draft, L lookup tokens, D max depth.
+Shape legend: n rows, B engine rows, M history positions, L chain tokens, T tree nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+
+import torch
+
+from specheads.serving.decode.draft_batch import DraftBatch
 
 
 @dataclass(frozen=True)
@@ -66,77 +67,89 @@ class LookupConfig:
                              f"[{self.min_ngram}, {self.max_ngram}], got {alone!r}")
 
 
-class ChainSource(Protocol):
-    """A drafter of one chain of target ids per sequence, from the tokens alone (no forward).
-    `name` names its DecodeStats counters (serving/decode/stats.py CHAIN_SOURCES); num_tokens
-    is its longest chain (it sizes the cache and the sampled accept's uniforms)."""
-
-    name: str
-    num_tokens: int
-
-    def start(self, prompt: list[int]) -> object:
-        """A new sequence's state, from its prompt's token ids."""
-
-    def draft(self, states: list, outputs: list[list[int]]) -> list[tuple[list[int], bool]]:
-        """One call per step for every sequence that asks: given each one's state and output
-        so far -> each one's chain ([] for none) and whether it goes alone (the heads' draft is
-        skipped for that sequence this step)."""
+def propose_chains(history_nM: torch.Tensor, context_n: torch.Tensor, config: LookupConfig,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's lookup chain from its context history_nM[:context_n] -> (chain [n, L] long,
+    matched [n] long: the matched n-gram's length, 0 for none; the chain is then garbage).
+    A continuation start j (< context_n) matches k tokens when the k tokens before it equal
+    the context's last k; the longest match wins (capped at max_ngram, at least min_ngram),
+    the latest start on a tie. One comparison of every window of max_ngram tokens with the
+    context's last ones (a padded history's `unfold`, no copy) finds every start's match."""
+    num_rows, width = history_nM.shape
+    device, max_ngram = history_nM.device, config.max_ngram
+    back_k = torch.arange(max_ngram, device=device)  # the (k+1)-th last token of the context
+    # windows[j] = the max_ngram tokens before start j (-1 before the history, which no token equals)
+    windows_nJK = torch.nn.functional.pad(history_nM, (max_ngram, 0), value=-1).unfold(1, max_ngram, 1)
+    last_nK = history_nM.gather(1, (context_n[:, None] - 1 - back_k).clamp(min=0))
+    last_nK = torch.where(back_k < context_n[:, None], last_nK, -2)  # a context shorter than max_ngram
+    same_nJK = windows_nJK.flip(-1) == last_nK[:, None, :]  # [n, M+1, K]: k tokens back from each start
+    length_nJ = same_nJK.cumprod(-1).sum(-1)  # the run of matches from the nearest token back
+    start_J = torch.arange(width + 1, device=device)
+    usable_nJ = (start_J < context_n[:, None]) & (length_nJ >= config.min_ngram)
+    best_n = torch.where(usable_nJ, length_nJ * (width + 1) + start_J, -1).argmax(-1)
+    matched_n = (length_nJ * usable_nJ).gather(1, best_n[:, None])[:, 0]
+    period_n1 = (context_n - best_n).clamp(min=1)[:, None]
+    chain_nL = history_nM.gather(1, (best_n[:, None] + torch.arange(config.num_tokens, device=device) % period_n1)
+                                 .clamp(max=width - 1))
+    return chain_nL, matched_n
 
 
 class NgramLookup:
-    """n-gram lookup as a chain source: one `NgramIndex` per sequence."""
+    """n-gram lookup as a chain drafter (module doc), its state one context row per engine row."""
 
     name = "lookup"
+    num_notes = 1  # the next chain's matched length
+    lookahead = 0
+    max_children = 1
 
     def __init__(self, config: LookupConfig):
         self.config = config
-        self.num_tokens = config.num_tokens
+        self.num_tokens = self.max_depth = config.num_tokens
+        self.num_nodes = config.num_tokens + 1
+        self.history_BM: torch.Tensor | None = None  # [B, M] each row's context (prompt + output)
+        self.chain_BL: torch.Tensor | None = None  # [B, L] the next step's chain
+        self.matched_B: torch.Tensor | None = None  # [B] its matched n-gram's length (0: no chain)
 
-    def start(self, prompt: list[int]) -> "NgramIndex":
-        return NgramIndex(self.config, prompt)
+    def attach(self, cache, max_cache_len: int) -> "NgramLookup":
+        device, rows = cache.lengths.device_lens.device, cache.capacity
+        attached = NgramLookup(self.config)
+        attached.history_BM = torch.zeros(rows, max_cache_len + 1, dtype=torch.long, device=device)
+        attached.chain_BL = torch.zeros(rows, self.num_tokens, dtype=torch.long, device=device)
+        attached.matched_B = torch.zeros(rows, dtype=torch.long, device=device)
+        for state in (attached.history_BM, attached.chain_BL, attached.matched_B):
+            cache.follow(state, 0)
+        return attached
 
-    def draft(self, states: list["NgramIndex"], outputs: list[list[int]]) -> list[tuple[list[int], bool]]:
-        return [index.draft(output) for index, output in zip(states, outputs)]
+    def start(self, row: int, prefilled) -> torch.Tensor:
+        length = int(prefilled.prompt_P.shape[0])
+        self.history_BM[row, :length] = prefilled.prompt_P
+        self.history_BM[row, length:length + 1] = prefilled.root
+        context = torch.full((1,), length + 1, dtype=torch.long, device=self.history_BM.device)
+        chain, matched = propose_chains(self.history_BM[row:row + 1, :length + 1], context, self.config)
+        self.chain_BL[row], self.matched_B[row] = chain[0], matched[0]
+        return matched
 
-
-class NgramIndex:
-    """One sequence's context (prompt + output so far) and its n-gram continuation index."""
-
-    def __init__(self, config: LookupConfig, tokens: list[int] | None = None):
-        self.config = config
-        self.num_prompt_tokens = len(tokens or [])
-        self.tokens: list[int] = []
-        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest continuation
-        self.extend(tokens or [])
-
-    def extend(self, new_tokens: list[int]) -> None:
-        tokens, index, max_n = self.tokens, self._next, self.config.max_ngram
-        for token in new_tokens:
-            end = len(tokens)  # the n-grams ending here are now followed by `token`
-            for n in range(1, min(max_n, end) + 1):
-                index[tuple(tokens[end - n:end])] = end
-            tokens.append(int(token))
-
-    def draft(self, output: list[int]) -> tuple[list[int], bool]:
-        """Index the output tokens not seen yet (output = the tokens after the prompt it was
-        built from), then -> (the chain, up to num_tokens tokens; whether it goes alone: its
-        match is at least alone_at_ngram tokens long, so the heads' draft is skipped)."""
-        self.extend(output[len(self.tokens) - self.num_prompt_tokens:])
-        chain, matched = self.propose()
+    def prepare(self, seqs: list, drafting: list[bool]) -> list[int]:
         alone_at = self.config.alone_at_ngram
-        return chain, bool(chain) and alone_at is not None and matched >= alone_at
+        codes = []
+        for seq, draws in zip(seqs, drafting):
+            matched = seq.notes[self.name][0]
+            codes.append(0 if not draws or matched == 0 else 2 if alone_at is not None and matched >= alone_at else 1)
+        return codes
 
-    def propose(self) -> tuple[list[int], int]:
-        """-> (up to num_tokens drafted tokens, the matched n-gram's length); ([], 0) if none."""
-        tokens, config = self.tokens, self.config
-        for n in range(min(config.max_ngram, len(tokens)), config.min_ngram - 1, -1):
-            start = self._next.get(tuple(tokens[-n:]))
-            if start is None:
-                continue
-            context_len = len(tokens)
-            draft: list[int] = []
-            for offset in range(config.num_tokens):
-                position = start + offset
-                draft.append(tokens[position] if position < context_len else draft[position - context_len])
-            return draft, n
-        return [], 0
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+        matched_n = self.matched_B[rows]
+        alone_at = self.config.alone_at_ngram
+        return DraftBatch.chain(roots_n, self.chain_BL[rows], (matched_n > 0)[:, None].expand(-1, self.num_tokens),
+                                None if alone_at is None else matched_n >= alone_at)
+
+    def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
+                emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> torch.Tensor:
+        """Append the emitted tokens to each row's context (past its count: dead data), then
+        look the next chain up -> its matched length [n, 1] for the host."""
+        history_nM = self.history_BM[rows, :key_bound + 1]
+        width = int(emitted_nW.shape[1])
+        history_nM.scatter_(1, lens_n[:, None] + 1 + torch.arange(width, device=lens_n.device), emitted_nW)
+        chain_nL, matched_n = propose_chains(history_nM, lens_n + num_nodes_n + 1, self.config)
+        self.chain_BL[rows], self.matched_B[rows] = chain_nL, matched_n
+        return matched_n[:, None]

@@ -19,6 +19,7 @@ D tree depth.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -48,7 +49,12 @@ def entropy_cut_depths(head_logits_KBV: torch.Tensor, threshold: float, min_dept
 
 
 class MedusaDrafter:
-    keeps_head_cache = False  # reads only the last committed position's final hidden state
+    """Medusa heads as a serving/decode/draft_batch.py `Drafter`: its per-row state is the final
+    hidden state at each row's last committed position."""
+
+    name = "heads"
+    num_notes = 0
+    lookahead = 0
 
     def __init__(self, heads: nn.Module, tree: DraftTree, device: torch.device,
                  entropy_threshold: float | None = None):
@@ -61,6 +67,7 @@ class MedusaDrafter:
         if entropy_threshold is not None and not 0 <= entropy_threshold <= 1:
             raise ValueError(f"entropy_threshold must be in [0, 1], got {entropy_threshold!r}")
         self.heads, self.tree, self.entropy_threshold = heads, tree, entropy_threshold
+        self.num_nodes, self.max_depth, self.max_children = tree.num_nodes, tree.max_depth, tree.max_children
         self.num_ranks = tree.max_rank + 1
         self.plan = TreePlan(tree, device)
         # Heads with a draft vocab (heads/medusa.py token_map) rank draft ids; these map them back.
@@ -68,6 +75,7 @@ class MedusaDrafter:
         self.draft_ids = None if draft_ids is None else draft_ids.to(device)  # [Vd]
         self.head_index = (tree.depths[1:] - 1).to(device)  # [T-1]
         self.rank_index = tree.ranks[1:].to(device)  # [T-1]
+        self.hidden_BH: torch.Tensor | None = None  # per engine row: the final hidden state that chose its root
 
     @torch.no_grad()
     def draft_tokens(self, hidden_BH: torch.Tensor, root_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,18 +91,33 @@ class MedusaDrafter:
             drafted_NB = self.draft_ids[drafted_NB]  # draft ids -> target ids
         return torch.cat([root_B[:, None], drafted_NB.T], dim=1), logits_KBV
 
-    def new_cache(self, batch_size: int, max_cache_len: int) -> None:
-        """Medusa heads keep no cache."""
-        return None
+    def attach(self, cache, max_cache_len: int) -> "MedusaDrafter":
+        attached = copy.copy(self)
+        attached.cache = cache  # the state is allocated by the first start, in the taps' width and dtype
+        return attached
 
-    def draft(self, states: list, rows: list[int] | None = None, head_kv=None) -> DraftBatch:
-        """B sequences in one head call (each reads its last committed final hidden state and
-        its root) -> their drafts; with entropy_threshold, each row's nodes past its cut depth
-        are invalid. rows, head_kv: the drafter interface's (EAGLE's head cache); unused."""
-        tokens_BT, logits_DBV = self.draft_tokens(torch.stack([state.hidden[-1] for state in states]),
-                                                  torch.cat([state.root for state in states]))
-        drafts = DraftBatch.from_plan(self.plan, tokens_BT)
+    def start(self, row: int, prefilled) -> None:
+        if self.hidden_BH is None:
+            self.hidden_BH = prefilled.taps.new_zeros(self.cache.capacity, prefilled.taps.shape[-1])  # [B, H]
+            self.cache.follow(self.hidden_BH, 0)
+        self.hidden_BH[row].copy_(prefilled.taps[-1])
+
+    def prepare(self, seqs: list, drafting: list[bool]) -> list[int]:
+        return [int(draws) for draws in drafting]
+
+    @torch.no_grad()
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+        """The rows' trees in one head call; with entropy_threshold, each row's nodes past its
+        cut depth are invalid."""
+        tokens_nT, logits_DnV = self.draft_tokens(self.hidden_BH[rows], roots_n)
+        drafts = DraftBatch.from_plan(self.plan, tokens_nT)
         if self.entropy_threshold is None:
             return drafts
-        cut_B = entropy_cut_depths(logits_DBV, self.entropy_threshold)
-        return replace(drafts, valid=self.plan.position_offsets[None, :] < cut_B[:, None])
+        cut_n = entropy_cut_depths(logits_DnV, self.entropy_threshold)
+        return replace(drafts, valid=self.plan.position_offsets[None, :] < cut_n[:, None])
+
+    def observe(self, rows: slice, taps_nTH: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
+                emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> None:
+        """Keep the final hidden state at each row's last accepted node (it chose the next root)."""
+        last_n11 = path_nW.gather(1, (num_nodes_n - 1)[:, None])[:, :, None]
+        self.hidden_BH[rows] = taps_nTH.gather(1, last_n11.expand(-1, 1, taps_nTH.shape[-1]))[:, 0]

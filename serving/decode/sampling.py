@@ -1,8 +1,9 @@
 """Sampling: the request's parameters and the target's processed distribution.
 
-This module owns the request's sampling parameters (`SamplingParams`), the target's
-processed distribution (`target_probs` for one set of parameters, `row_probs` for rows with
-their own: temperature, then top-k, then top-p) and inverse-CDF sampling (`sample_rows`).
+This module owns the request's sampling parameters (`SamplingParams`, and `RowSampling`: a
+batch's as device tensors), the target's processed distribution (`target_probs` for one set
+of parameters, `row_probs` for rows with their own: temperature, then top-k, then top-p) and
+inverse-CDF sampling (`sample_rows`).
 It is pure: logits in, probabilities and token ids out. The accept rules that use them
 (greedy, lossless tree rejection sampling, typical acceptance) are
 serving/decode/accept.py's.
@@ -97,6 +98,28 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return generator
 
 
+@dataclass
+class RowSampling:
+    """Each row's sampling parameters as device tensors, for a batch processed in one go (the
+    decode step keeps them per engine row: serving/decode/steps.py), and the host facts that
+    pick the code to run (fixed while the batch is). Greedy rows hold temperature 1, no top-k,
+    no top-p: their sampled results are computed and never used."""
+
+    temperature: torch.Tensor  # [n] float64
+    top_k: torch.Tensor  # [n] long, 0 = off
+    top_p: torch.Tensor  # [n] float64, 1.0 = off
+    max_top_k: int  # the largest top_k of the rows (0: none has one)
+    any_top_p: bool  # some row has top_p < 1
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "RowSampling":
+        """From host parameters (sampling ones, not greedy), one per row."""
+        return cls(temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
+                   top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+                   top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+                   max_top_k=max(p.top_k for p in params), any_top_p=min(p.top_p for p in params) < 1)
+
+
 def target_probs(logits_NV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The processed target distribution: temperature, then top-k, then top-p. -> [N, V] float32+.
 
@@ -110,41 +133,29 @@ def target_probs(logits_NV: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits_NV = logits_NV.float() if logits_NV.dtype in (torch.float16, torch.bfloat16) else logits_NV
         probs = torch.zeros_like(logits_NV)
         return probs.scatter_(-1, logits_NV.argmax(dim=-1, keepdim=True), 1.0)
-    probs, bad = row_probs(logits_NV, [params] * logits_NV.shape[0])
+    probs, bad = row_probs(logits_NV, RowSampling.of([params] * logits_NV.shape[0], logits_NV.device))
     if bool(bad.any()):
         raise ValueError("the target's logits give no distribution to sample from (NaN, +inf, or every logit -inf)")
     return probs
 
 
-def row_probs(logits_nV: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's processed distribution under its own (sampling, not greedy) parameters,
-    as `target_probs` defines it -> (probs [n, V] float32+, bad [n] bool: the row's logits
-    give no distribution; its probs are then uniform). No device sync unless top-p runs on
-    a CPU (`top_p_keep`)."""
+def row_probs(logits_nV: torch.Tensor, rows: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's processed distribution under its own (sampling) parameters, as
+    `target_probs` defines it -> (probs [n, V] float32+, bad [n] bool: the row's logits
+    give no distribution; its probs are then uniform). Tensor operations only, except top-p's
+    candidate search on a CPU outside a compiled graph (`top_p_keep`)."""
     logits_nV = logits_nV.float() if logits_nV.dtype in (torch.float16, torch.bfloat16) else logits_nV
-    num_rows, vocab = logits_nV.shape
-    device = logits_nV.device
-    temperatures = [p.temperature for p in params]
-    scaled = logits_nV / (temperatures[0] if len(set(temperatures)) == 1
-                          else torch.tensor(temperatures, dtype=logits_nV.dtype, device=device)[:, None])
-    top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    if any(top_ks):  # rows without top-k keep every token (their k-th value is -inf)
-        ks_n1 = torch.tensor(top_ks, device=device)[:, None]
-        kth_n1 = scaled.topk(max(top_ks), dim=-1).values.gather(-1, (ks_n1 - 1).clamp(min=0))
+    vocab = logits_nV.shape[1]
+    scaled = logits_nV / rows.temperature.to(logits_nV.dtype)[:, None]
+    if 0 < rows.max_top_k:  # rows without top-k (0, or >= V) keep every token (their k-th value is -inf)
+        ks_n1 = torch.where(rows.top_k < vocab, rows.top_k, 0)[:, None]
+        kth_n1 = scaled.topk(min(rows.max_top_k, vocab), dim=-1).values.gather(-1, (ks_n1 - 1).clamp(min=0))
         scaled = scaled.masked_fill(scaled < kth_n1.masked_fill(ks_n1 == 0, -math.inf), -math.inf)
     probs = scaled.softmax(dim=-1)
     bad = ~torch.isfinite(probs).all(dim=-1)
     probs = torch.where(bad[:, None], 1.0 / vocab, probs)
-    top_ps = [p.top_p for p in params]
-    if min(top_ps) < 1:
-        rows = [i for i, top_p in enumerate(top_ps) if top_p < 1]
-        if len(rows) == num_rows:
-            keep = top_p_keep(probs, torch.tensor(top_ps, dtype=probs.dtype, device=device))
-        else:  # rows without top-p keep everything
-            keep = torch.ones_like(probs, dtype=torch.bool)
-            index = torch.tensor(rows, device=device)
-            keep[index] = top_p_keep(probs[index], torch.tensor([top_ps[i] for i in rows], dtype=probs.dtype,
-                                                                device=device))
+    if rows.any_top_p:  # rows without top-p keep everything
+        keep = top_p_keep(probs, rows.top_p.to(probs.dtype)) | (rows.top_p >= 1)[:, None]
         probs = probs.masked_fill(~keep, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs, bad
@@ -176,7 +187,7 @@ def top_p_keep(probs_NV: torch.Tensor, top_p: float | torch.Tensor, host_branche
     first (see TOP_P_CANDIDATES); False sorts the whole vocab, with no device sync."""
     top_p_N1 = top_p[:, None] if isinstance(top_p, torch.Tensor) else torch.full_like(probs_NV[:, :1], top_p)
     if host_branches is None:
-        host_branches = probs_NV.device.type == "cpu"
+        host_branches = probs_NV.device.type == "cpu" and not torch.compiler.is_compiling()
     if not host_branches:
         return _top_p_keep_sorted(probs_NV, top_p_N1)
     k = min(TOP_P_CANDIDATES, probs_NV.shape[-1])

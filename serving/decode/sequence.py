@@ -1,6 +1,7 @@
-"""A request to the decode engine and a sequence's state inside it (serving/decode/engine.py
-decodes them): the request's settings, the tokens and logprobs so far, the fallback window, the
-chain sources' and the drafter's per-sequence state, and the result it ends with."""
+"""A request to the decode engine and a sequence's host state inside it (serving/decode/engine.py
+decodes them): the request's settings, the tokens and logprobs so far, the fallback window,
+what the drafters last sent back, and the result it ends with. Its device state is a row of
+the engine's tensors (serving/decode/steps.py `DeviceStep`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from specheads.serving.decode.faults import describe
 from specheads.serving.decode.logprobs import TokenLogprob, prompt_logprobs, score_tokens
 from specheads.serving.decode.sampling import SamplingParams
 from specheads.serving.decode.stats import DecodeStats, GenerationResult
-from specheads.serving.decode.steps import DecodeState
 
 
 @dataclass
@@ -45,9 +45,10 @@ class Sequence:
     window: SpeculationWindow  # the fallback policy's state for this sequence (serving/decode/fallback.py's alone)
     generator: torch.Generator | None
     stats: DecodeStats
-    keep_head_rows: bool = False  # EAGLE heads draft for it: the rows of a step they sat out wait for their next run
-    chain_states: list = field(default_factory=list)  # one per decoder.chain_sources (speculating requests)
-    state: DecodeState | None = None
+    prompt: list[int] = field(default_factory=list)  # the prompt's token ids (host)
+    prefix_len: int = 0  # S, the positions its cache row commits (the root is not among them)
+    notes: dict[str, list[int]] = field(default_factory=dict)  # per drafter: what its last observe sent back
+    drafting_on_device: bool = False  # the row's drafting flag as the device holds it
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     joined: bool = False  # takes part in decode steps (set at the latest by the first step after add)
@@ -56,15 +57,14 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None  # one per token in `tokens` (num_top_logprobs set)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (asked for), None first
 
-    def score_prefill(self) -> None:
-        """The prefill's rows score its first token (the root: a sequence always takes it) and,
-        if asked, the prompt; then the state lets them go."""
-        logits_LV, self.state.logits = self.state.logits, None
+    def score_prefill(self, logits_LV: torch.Tensor, first_token: int) -> None:
+        """The prefill's rows score its first token (a sequence always takes it) and, if asked,
+        the prompt."""
         if self.logprobs is None:
             return
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs = prompt_logprobs(logits_LV, self.prompt_1P[0].tolist(), self.num_top_logprobs)
-        self.logprobs = score_tokens(logits_LV[-1:], self.state.root.tolist(), self.num_top_logprobs)
+            self.prompt_logprobs = prompt_logprobs(logits_LV, self.prompt, self.num_top_logprobs)
+        self.logprobs = score_tokens(logits_LV[-1:], [first_token], self.num_top_logprobs)
 
     def close(self) -> GenerationResult:
         """Stop here: the result so far, finish_reason "stop" unless it had finished."""

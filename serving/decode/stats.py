@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The chain sources (serving/decode/lookup.py ChainSource) whose steps and accepted tokens are counted.
+# The chain drafters (serving/decode/draft_batch.py Drafter: lookup, store) whose steps and accepted tokens are counted.
 CHAIN_SOURCES = ("lookup", "store")
 
 

@@ -7,11 +7,13 @@ code idioms, closing formulas), so the continuation that most often followed the
 longest matching suffix in the store is often what the target says next, where neither the
 heads (which see one step ahead) nor n-gram lookup (which sees only this context) have it.
 
-`StoreDrafter` is a chain source (serving/decode/lookup.py `ChainSource`): per sequence it
-keeps its prompt's last `max_match` tokens; one call per step proposes a chain for every
-sequence that asks, each from its last max_match tokens (`ReplyStore.propose`; rows with the
-same context share one search). The chain is one more branch under the root, after the heads'
-candidates and the lookup chain. Verification and acceptance are unchanged: a store token is a
+`StoreDrafter` is a chain drafter (serving/decode/draft_batch.py `Drafter`). The store is
+searched on the host, where it is mapped: before each step (`prepare`) every drafting
+sequence's last max_match tokens propose a chain (`ReplyStore.propose`; rows with the same
+context share one search), and the rows' chains go to the device in one copy, the step's one
+declared upload (from pinned memory and without waiting, where the device is a GPU; a CPU
+target reads them where they are). Inside the step (`draft`) the chain is one more branch
+under the root, after the heads' candidates and the lookup chain. Verification and acceptance are unchanged: a store token is a
 candidate fixed in advance, so greedy output stays the target's own and sampled output keeps the
 target's distribution (serving/decode/accept.py); the proposal is a function of the store and
 the tokens, so a seed still gives the same output.
@@ -26,7 +28,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+import torch
+
 from specheads.heads.artefacts.reply_store import ReplyStore, tokenizer_fingerprint
+from specheads.serving.decode.draft_batch import DraftBatch
 
 
 @dataclass(frozen=True)
@@ -64,9 +69,12 @@ class StoreConfig:
 
 
 class StoreDrafter:
-    """A reply store as a chain source (module doc)."""
+    """A reply store as a chain drafter (module doc)."""
 
     name = "store"
+    num_notes = 0
+    lookahead = 0
+    max_children = 1
 
     def __init__(self, store: ReplyStore, config: StoreConfig = StoreConfig()):
         if not isinstance(store, ReplyStore):
@@ -75,24 +83,55 @@ class StoreDrafter:
             raise ValueError(f"store config must be a serving.decode.store.StoreConfig, got {config!r}")
         self.store = store
         self.config = config
-        self.num_tokens = config.num_tokens
+        self.num_tokens = self.max_depth = config.num_tokens
+        self.num_nodes = config.num_tokens + 1
+        self.device = torch.device("cpu")
+        self.table_nX: torch.Tensor | None = None  # [n, L + 2] this step's chains, their lengths, alone
 
-    def start(self, prompt: list[int]) -> list[int]:
-        """A sequence's state: its prompt's last max_match tokens."""
-        return list(prompt[-self.config.max_match:])
+    def attach(self, cache, max_cache_len: int) -> "StoreDrafter":
+        attached = StoreDrafter(self.store, self.config)
+        attached.device = cache.lengths.device_lens.device
+        return attached
 
-    def draft(self, states: list[list[int]], outputs: list[list[int]]) -> list[tuple[list[int], bool]]:
-        config, found = self.config, {}
-        chains = []
-        for prompt_tail, output in zip(states, outputs):
-            context = tuple((prompt_tail + output[-config.max_match:])[-config.max_match:])
-            if context not in found:
-                found[context] = self.store.propose(context, config.num_tokens, config.max_match, config.min_match,
-                                                    config.max_occurrences)
-            chain, matched = found[context]
-            alone = bool(chain) and config.alone_at_match is not None and matched >= config.alone_at_match
-            chains.append((list(chain), alone))
+    def start(self, row: int, prefilled) -> None:
+        return None
+
+    def chains(self, contexts: list[list[int] | None]) -> list[tuple[list[int], bool]]:
+        """Each context's chain (None: no proposal) and whether it goes alone."""
+        config, found, chains = self.config, {}, []
+        for context in contexts:
+            if context is None:
+                chains.append(([], False))
+                continue
+            key = tuple(context[-config.max_match:])
+            if key not in found:
+                found[key] = self.store.propose(key, config.num_tokens, config.max_match, config.min_match,
+                                                config.max_occurrences)
+            chain, matched = found[key]
+            chains.append((list(chain), bool(chain) and config.alone_at_match is not None
+                           and matched >= config.alone_at_match))
         return chains
+
+    def prepare(self, seqs: list, drafting: list[bool]) -> list[int]:
+        """Search the store for every drafting sequence, and send the chains to the device."""
+        width = self.config.max_match
+        chains = self.chains([(seq.prompt[-width:] + seq.tokens[-width:]) if draws else None
+                              for seq, draws in zip(seqs, drafting)])
+        table = torch.tensor([chain + [0] * (self.num_tokens - len(chain)) + [len(chain), alone]
+                              for chain, alone in chains], dtype=torch.long,
+                             pin_memory=self.device.type == "cuda")  # [n, L + 2]
+        self.table_nX = table.to(self.device, non_blocking=True)  # the step's one declared upload
+        return [0 if not chain else 2 if alone else 1 for chain, alone in chains]
+
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+        table_nX = self.table_nX[rows]  # the batch is the engine's rows [0, n)
+        length = self.num_tokens
+        valid_nL = torch.arange(length, device=table_nX.device) < table_nX[:, length:length + 1]
+        return DraftBatch.chain(roots_n, table_nX[:, :length], valid_nL, table_nX[:, length + 1] > 0)
+
+    def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
+                emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> None:
+        return None
 
 
 def open_store(directory: str | os.PathLike, target_identity, tokenizer=None) -> ReplyStore:

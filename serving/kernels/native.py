@@ -52,12 +52,13 @@ TREES = (1, 16, 64)
 NUM_SMS = 132
 
 
-def cases() -> list[tuple[int, torch.dtype, int, int]]:
+def cases(sms=SMS, dtypes=DTYPES, head_dims=HEAD_DIMS, trees=TREES) -> list[tuple[int, torch.dtype, int, int]]:
     """(sm, dtype, head dim, T) to compile: every SM, head dim and tree size in fp32 and bf16;
     fp16, which compiles as bf16 does (the same registers and shared memory in every row of
-    a full report), at T = 16 only, which keeps the test's compile count near 100."""
-    return [(sm, dtype, head_dim, num_tree) for sm in SMS for dtype in DTYPES for head_dim in HEAD_DIMS
-            for num_tree in TREES if dtype != torch.float16 or num_tree == 16]
+    a full report), at T = 16 only, which keeps the test's compile count near 100. The
+    arguments narrow it (the GPU suite's check on one machine)."""
+    return [(sm, dtype, head_dim, num_tree) for sm in sms for dtype in dtypes for head_dim in head_dims
+            for num_tree in trees if dtype != torch.float16 or num_tree == 16 or dtypes != DTYPES]
 
 
 class NoNvidiaBackend(RuntimeError):
@@ -106,6 +107,25 @@ class Resources:
     def limited_by(self) -> str:
         limits = self.blocks_per_sm()
         return min(limits, key=limits.get)
+
+
+def problems(row: Resources) -> list[str]:
+    """What is wrong with one compiled kernel at the launcher's configuration ([]: it fits):
+    its shared memory is over the SM's, it spills, or (the split kernel) one SM holds fewer
+    of its programs than the split rule counts on (LaunchConfig.blocks_per_sm)."""
+    found = []
+    if not row.shared_ok:
+        found.append(f"{row.shared} B of shared memory, over sm_{row.sm}'s {SHARED_MEMORY_LIMIT[row.sm]} B")
+    if row.stack or not 0 < row.registers <= 255:
+        found.append(f"spills: {row.registers} registers, {row.stack} B of stack")
+    if row.kernel == "split":
+        dtype = next(dtype for dtype, name in DTYPE_NAMES.items() if name == row.dtype)
+        rows_per_kv_head = LAYER["num_q_heads"] // LAYER["num_kv_heads"] * row.num_tree
+        config = _kernel_module().launch_config(row.head_dim, dtype, row.sm, rows_per_kv_head)
+        if row.resident_blocks < config.blocks_per_sm:
+            found.append(f"{row.resident_blocks} resident programs per SM ({row.limited_by}), the split rule counts "
+                         f"on {config.blocks_per_sm}")
+    return found
 
 
 def backend_bin(name: str) -> Path:
@@ -200,9 +220,9 @@ def call_resources(call, sm: int, dtype: torch.dtype, num_tree: int) -> Resource
                      registers=registers, stack=stack, shared=compiled.metadata.shared)
 
 
-def all_resources() -> list[Resources]:
-    """Both kernels at the launcher's plan for every case in `cases()`."""
-    return [call_resources(call, sm, dtype, num_tree) for sm, dtype, head_dim, num_tree in cases()
+def all_resources(**narrow) -> list[Resources]:
+    """Both kernels at the launcher's plan for every case in `cases(**narrow)`."""
+    return [call_resources(call, sm, dtype, num_tree) for sm, dtype, head_dim, num_tree in cases(**narrow)
             for call in representative_calls(sm, dtype, head_dim, num_tree)[1]]
 
 
@@ -228,13 +248,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="compile the tree-attention kernels for sm_80/sm_90 and report "
                                             "their registers, spills, shared memory and occupancy")
     p.add_argument("--json", action="store_true", help="one JSON list of rows instead of a table")
+    p.add_argument("--sms", help="comma-separated SMs (default: 80,90)")
+    p.add_argument("--dtypes", help="comma-separated fp32, bf16, fp16 (default: all)")
+    p.add_argument("--head-dims", help="comma-separated head dims (default: 64,96,128,256)")
+    p.add_argument("--trees", help="comma-separated tree sizes (default: 1,16,64)")
+    p.add_argument("--check", action="store_true", help="add each row's problems (native.problems) to the JSON")
     args = p.parse_args(argv)
+    names = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+    narrow = {key: tuple(parse(v) for v in value.split(",")) for key, value, parse in (
+        ("sms", args.sms, int), ("dtypes", args.dtypes, names.__getitem__), ("head_dims", args.head_dims, int),
+        ("trees", args.trees, int)) if value}
     try:
-        rows = all_resources()
+        rows = all_resources(**narrow)
     except NoNvidiaBackend as err:
         print(f"no native NVIDIA compilation here: {err}")
         return 3
-    print(json.dumps([asdict(row) for row in rows]) if args.json else format_report(rows))
+    if args.json:
+        print(json.dumps([dict(asdict(row), **({"problems": problems(row)} if args.check else {})) for row in rows]))
+    else:
+        print(format_report(rows))
     return 0
 
 

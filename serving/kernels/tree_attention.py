@@ -174,7 +174,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     elif max_prefix_len is not None and isinstance(prefix_len, torch.Tensor) and prefix_len.dim() == 1:
         if prefix_len.dtype.is_floating_point or prefix_len.dtype == torch.bool:
             raise TypeError(f"prefix_len must hold integers, got {prefix_len.dtype}")
-        kernel_prefix_len = prefix_len.to(q.device)  # the caller's bound: no sync
+        kernel_prefix_len = prefix_len if prefix_len.device == q.device else prefix_len.to(q.device)  # no sync
     else:
         kernel_prefix_len, max_prefix_len = _prefix_lens(prefix_len, q.shape[0], q.device)
     _check_shapes(q, k, v, max_prefix_len, tree_mask)
@@ -194,7 +194,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     except ModuleNotFoundError as err:  # triton is a dependency on Linux only (pyproject.toml)
         raise ValueError(f"impl='triton' needs triton ({err}; it has Linux wheels only); use impl='torch'") from err
 
-    packed = _as_packed_mask(tree_mask).to(q.device)
+    packed = _as_packed_mask(tree_mask)
+    packed = packed if packed.device == q.device else packed.to(q.device)  # a caller's host mask: one upload
     packed = (packed[None] if packed.dim() == 2 else packed).contiguous()  # [B|1, T, W]
     per_sequence = isinstance(kernel_prefix_len, torch.Tensor)
     if out is None:

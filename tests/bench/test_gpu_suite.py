@@ -124,10 +124,13 @@ def test_end_to_end_on_peaked_targets(suite_run):
     rows, tiny = result["rows"], gpu_suite.TINY
     assert {row["batch"] for row in rows} == set(tiny["e2e_batches"]) and result["denominator"] == "engine-plain+graphs"
     at_one = {row["method"] for row in rows if row["batch"] == 1}
-    assert at_one == {"hf-greedy", "engine-plain+graphs", "engine-oracle+graphs", "engine-plain+graphs/hf-forward",
-                      "engine-oracle+graphs/hf-forward"}
+    assert at_one == {"hf-greedy", "engine-plain+graphs", "engine-oracle+graphs", "engine-eagle3-random+graphs",
+                      "engine-plain+graphs/hf-forward", "engine-oracle+graphs/hf-forward"}
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["speedup"] > 0 and row["vs_hf"] > 0
+        assert row["prefill_ms_per_prompt"] > 0  # timed apart from the decode steps
+        assert row["floor_tokens_per_s"] is None and row["floor_fraction"] is None  # no HBM rate on a CPU
+        assert row["strict_syncs"] is False  # sync debug mode is a GPU's
         assert row["identical_to_hf"] == 1.0 and row["num_not_near_tie"] == 0  # peaked: nothing near a tie
         if "oracle" in row["method"]:
             assert row["tau"] > 1.5
@@ -162,6 +165,22 @@ def test_kernel_sections(suite_run):
 
 
 @pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
+def test_lossless_runs_first_and_the_new_sections_report(suite_run):
+    report = suite_run[0]
+    assert list(report["sections"])[0] == "lossless"
+    blocks = report["sections"]["block_sizes"]["result"]
+    assert blocks["triton"] and blocks["sm"] == 90
+    if "error" not in blocks["rows"][0]:  # triton here can compile for NVIDIA (else the row says why not)
+        assert {row["kernel"] for row in blocks["rows"]} == {"split", "merge"}
+        assert blocks["fits"] is True and all(row["problems"] == [] for row in blocks["rows"])
+    trained = report["sections"]["trained_heads"]["result"]
+    assert {row["method"] for row in trained["rows"]} == {"engine-plain+graphs", "engine-eagle3-trained+graphs"}
+    assert trained["speedup"] > 0 and trained["near_ties_only"] in (True, False)
+    for row in trained["rows"]:
+        assert row["tokens_per_s"] > 0 and row["prefill_ms_per_prompt"] > 0 and 0 <= row["identical_to_hf"] <= 1
+
+
+@pytest.mark.slow  # the suite end to end on a CPU: minutes; -m slow runs it
 def test_profile_gemm_and_autotune_sections(suite_run):
     sections = {name: record["result"] for name, record in suite_run[0]["sections"].items()}
     profile = sections["profile"]
@@ -191,12 +210,13 @@ def test_report_leads_with_the_goals(suite_run):
     for name in gpu_suite.SECTIONS:
         assert f"## {name}" in markdown and f"| {name} | yes |" in markdown
     names = [goal["goal"] for goal in report["goals"]]
-    assert len(names) == 4 + 6 and all(goal.keys() == {"goal", "value", "target", "met"} for goal in report["goals"])
+    assert len(names) == 8 + 6 and all(goal.keys() == {"goal", "value", "target", "met"} for goal in report["goals"])
     met = {goal["goal"]: goal["met"] for goal in report["goals"]}
     assert met["fp32 greedy lossless, everything on"] is True
     assert met["tiny: peaked target, positions decided beyond bf16 rounding"] is True
     assert met["tiny: bf16 differences not at a near-tie"] is True
     assert met["tiny: plain decode step (compiled, graphed), share of the weight-read floor"] is None  # no HBM rate
+    assert met["warm engine steps: no sync but the declared read (sync debug mode 'error')"] is None  # a GPU's check
 
 
 def _report(step_rows, kernel_rows, e2e_rows, summary, lossless=True) -> dict:
@@ -236,6 +256,15 @@ def test_goals_compare_each_figure_with_its_target():
     assert identical["met"] is False
     assert found["m: bf16 differences not at a near-tie"]["value"] == 1
     assert found["fp32 greedy lossless, everything on"]["met"] is True
+    for row in e2e:  # every engine's warm steps ran under sync debug mode "error", and the section finished
+        row["strict_syncs"] = row["method"] != "hf-greedy"
+    report["sections"]["block_sizes"] = {"ok": True, "result": {"rows": [], "fits": False, "triton": "3.6.0"}}
+    report["sections"]["trained_heads"] = {"ok": True, "result": {"rows": [], "speedup": 1.31, "near_ties_only": True}}
+    found = {goal["goal"]: goal for goal in gpu_suite.goals(report, ctx)}
+    assert found["warm engine steps: no sync but the declared read (sync debug mode 'error')"]["met"] is True
+    assert found["tree kernel block sizes fit on this machine's Triton 3.6.0"]["met"] is False
+    assert found["trained EAGLE-3 heads, batch 1, vs plain decoding with graphs"]["met"] is True
+    assert found["trained EAGLE-3 heads, bf16: every difference from HF bf16 greedy at an fp32 near-tie"]["met"]
     missing = gpu_suite.goals({"sections": {}}, ctx)  # nothing measured: nothing met, nothing failed
     assert all(goal["met"] in (None, False) and goal["value"] in (None, False) for goal in missing)
 

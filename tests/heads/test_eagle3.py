@@ -188,10 +188,11 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
     seq = engine.check(SequenceRequest(prompt, 16))
     engine.add(seq)
     chain_plan = TreePlan(DraftTree.chain(3), target.device)
-    real_draft, checked = decoder.drafter.draft, []
+    drafter = engine.device_step.heads  # the engine's own copy of the decoder's drafter
+    real_draft, checked = drafter.draft, []
 
-    def check_then_force(states, rows, head_kv):
-        drafts = real_draft(states, rows, head_kv)
+    def check_then_force(rows, roots_n, lens_n, key_bound):
+        drafts = real_draft(rows, roots_n, lens_n, key_bound)
         tree_tokens, context = drafts.tokens[0], prompt + seq.tokens  # the committed tokens, then the root
         assert int(tree_tokens[0]) == seq.tokens[-1]
         for node in range(1, tree.num_nodes):  # the training forward on committed + ancestors' tokens
@@ -209,7 +210,7 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
         forced = torch.tensor([[int(tree_tokens[0])] + greedy[len(seq.tokens):][:3]])
         return DraftBatch.from_plan(chain_plan, forced)
 
-    monkeypatch.setattr(decoder.drafter, "draft", check_then_force)
+    monkeypatch.setattr(drafter, "draft", check_then_force)
     for _ in range(3):
         assert len(engine.step()[seq.seq_id]) == 4  # three forced tokens accepted, plus the bonus
         assert seq.tokens == greedy[:len(seq.tokens)]

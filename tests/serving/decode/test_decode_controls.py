@@ -183,7 +183,7 @@ def test_static_cache_is_not_reallocated_across_steps(setup):
     pointers = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in engine.cache.layers]
     for _ in range(3):
         emitted += engine.step()[seq.seq_id]
-        assert engine.cache.get_seq_length() == seq.state.prefix_len == len(case.prompt) + len(emitted) - 1
+        assert engine.cache.get_seq_length() == seq.prefix_len == len(case.prompt) + len(emitted) - 1
         assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in engine.cache.layers] == pointers
     assert seq.stats.accepted_tokens > 0  # the oracle's drafts were accepted: commits gathered several nodes
     assert emitted == case.reference[:len(emitted)]

@@ -1,11 +1,21 @@
-"""The decode step on the device: at most one device-to-host sync per step.
+"""The decode step on the device: one read back to the host per step, and nothing uploaded.
 
 A GPU pipelines its work only while the host never waits for it. The engine's step (draft,
 verify, accept, commit, record) is written so that the accepted tokens' copy to the host
-(`Accepted.to_host`) is its only wait. On a CPU nothing waits, so the test counts the
-operations that WOULD wait on a GPU, through a TorchDispatchMode (`.item()`, `int()`, `bool()`
-on a tensor, nonzero, boolean-mask indexing, torch.equal, ...) and through the Python-level
-copies that bypass the dispatcher on a CPU tensor (`.tolist()`, `.cpu()`, `.numpy()`).
+(`DeviceStep.read`) is its only wait, and so that it builds no tensor from host data: every
+index, length and mask it needs lives on the device and is updated there. On a CPU nothing
+waits and an upload is no copy at all, so the test counts what WOULD wait or copy on a GPU:
+- reads (`SyncCounter`), through a TorchDispatchMode (`.item()`, `int()`, `bool()` on a
+  tensor, nonzero, boolean-mask indexing, torch.equal, ...) and through the Python-level
+  copies that bypass the dispatcher on a CPU tensor (`.tolist()`, `.cpu()`, `.numpy()`);
+- uploads (`UploadCounter`): every tensor made from host data (`aten.lift_fresh`: torch.tensor
+  or as_tensor of a list, a scalar or an array, from_numpy, indexing with a list, a Python
+  number written at list indices), every copy from the CPU to another device (`_to_copy`,
+  `copy_`), and every `.to(device)` / `.cuda()` made by the project's own code (on a CPU a
+  same-device `.to` never reaches the dispatcher; on a GPU it is an upload when the tensor
+  lives on the host). The store's chains are the step's one declared upload (their index is
+  host memory: serving/decode/store.py); a step whose rows changed (a sequence left) moves
+  rows without uploads too, so every step is counted.
 
 Covered: Medusa static trees (with AdaEDL's depth cut), EAGLE-3 static trees, EAGLE-2 dynamic
 trees, n-gram lookup alone and as a branch, the reply store alone and as a branch beside
@@ -16,8 +26,14 @@ CUDA graphs, tree attention); and on the SDPA path.
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specheads.heads.eagle3 import Eagle3Head
@@ -32,9 +48,13 @@ from specheads.serving.decode.sampling import SamplingParams
 from specheads.serving.decode.store import StoreConfig, StoreDrafter
 from specheads.serving.decode.trees import DraftTree, DynamicTreeConfig
 
+HOST_DATA_OPS = {"lift_fresh", "lift_fresh_copy"}
+DECLARED_UPLOADS = ("StoreDrafter.prepare",)  # the store's chains (serving/decode/store.py)
 SYNCING_OPS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "unique_dim",
                "_unique2", "unique_consecutive", "repeat_interleave"}
 SYNCING_METHODS = ("tolist", "cpu", "numpy", "item")
+REPO = Path(__file__).resolve().parents[3]
+PROJECT_ROOTS = tuple(os.path.realpath(REPO / part) + "/" for part in ("serving", "heads"))
 TREE = DraftTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
 
 
@@ -56,27 +76,96 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class UploadCounter(TorchDispatchMode):
+    """Records every tensor built from host data, and every copy from the CPU to another
+    device, as "<innermost project function>: <what>" (module doc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.uploads: list[str] = []
+        self.scalar_writes = 0  # inside `tensor[index] = <a Python number>` (HostMoves)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name, kwargs = func.overloadpacket.__name__, kwargs or {}
+        if name in HOST_DATA_OPS and not self.scalar_writes:
+            self.uploads.append(f"{project_function()}: {name}")
+        elif name == "_to_copy" and "device" in kwargs and args[0].device.type == "cpu" \
+                and torch.device(kwargs["device"]).type != "cpu":
+            self.uploads.append(f"{project_function()}: _to_copy to {kwargs['device']}")
+        elif name == "copy_" and args[1].device.type == "cpu" and args[0].device.type != "cpu":
+            self.uploads.append(f"{project_function()}: copy_ to {args[0].device}")
+        return func(*args, **kwargs)
+
+
+class HostMoves(TorchFunctionMode):
+    """Records every `.to(<a device>)` and `.cuda()` the project's own code makes (a CPU never
+    dispatches a same-device `.to`, so UploadCounter cannot see them). And it tells the counter
+    when a Python number is written into a tensor at plain indices: on a CPU that makes a host
+    scalar tensor (lift_fresh) and copies it, but on a GPU torch makes the scalar on the device
+    (a fill, no copy), so that is no upload; a list among the indices still is."""
+
+    def __init__(self, counter: UploadCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        func = getattr(func, "original", func)  # count_step_syncs's wrapper has counted the call already
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and (func is torch.Tensor.cuda or any(
+                isinstance(value, (torch.device, str, torch.Tensor)) for value in list(args[1:]) + list(kwargs.values()))):
+            where = project_function(strict=True)
+            if where is not None:
+                self.counter.uploads.append(f"{where}: Tensor.{func.__name__}")
+        if func is torch.Tensor.__setitem__ and isinstance(args[2], (bool, int, float)) and not any(
+                isinstance(index, (list, np.ndarray)) for index in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            self.counter.scalar_writes += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.counter.scalar_writes -= 1
+        return func(*args, **kwargs)
+
+
+def project_function(strict: bool = False) -> str | None:
+    """The innermost caller in the project's parts (serving/, heads/), as "file:qualname";
+    strict: None when the innermost caller outside torch is not the project's."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.realpath(frame.f_code.co_filename)
+        if filename.startswith(PROJECT_ROOTS):
+            return f"{Path(filename).name}:{frame.f_code.co_qualname}"
+        if strict and "/torch/" not in filename and "test_device_step" not in filename:
+            return None
+        frame = frame.f_back
+    return "outside the project"
+
+
 def _indices(args) -> list:
     return [index for index in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else [])]
 
 
-def count_step_syncs(engine: BatchEngine, monkeypatch) -> list[list[str]]:
-    """Run the engine to the end -> per step, the syncs it made."""
-    per_step = []
+def count_step_syncs(engine: BatchEngine, monkeypatch, retire: bool = False) -> tuple[list, list]:
+    """Run the engine to the end -> per step, (the syncs it made, the uploads it made).
+    retire: a finished sequence leaves the engine before the next step (its row is refilled)."""
+    syncs, uploads = [], []
     originals = {name: getattr(torch.Tensor, name) for name in SYNCING_METHODS}
     while any(seq.finish_reason is None for seq in engine.rows):
-        counter = SyncCounter()
+        counter, upload_counter = SyncCounter(), UploadCounter()
         for name, method in originals.items():
             def counted(self, *args, _name=name, _method=method, **kwargs):
                 counter.syncs.append(f"Tensor.{_name}")
                 return _method(self, *args, **kwargs)
+            counted.original = method  # what HostMoves runs (a torch function mode is handed this wrapper)
             monkeypatch.setattr(torch.Tensor, name, counted)
-        with counter:
+        with counter, upload_counter, HostMoves(upload_counter):
             engine.step()
+            for seq in [seq for seq in engine.rows if seq.finish_reason is not None] if retire else []:
+                engine.remove(seq)
         for name, method in originals.items():
             monkeypatch.setattr(torch.Tensor, name, method)
-        per_step.append(counter.syncs)
-    return per_step
+        syncs.append(counter.syncs)
+        uploads.append([u for u in upload_counter.uploads if not u.split(":")[1].startswith(DECLARED_UPLOADS)])
+    return syncs, uploads
 
 
 @pytest.fixture(scope="module")
@@ -144,13 +233,14 @@ def test_a_step_reads_the_device_once(target, store, kind, path, monkeypatch):
         prompt = every_token_prompt(target, seq_id, extra)
         logprobs = 2 if seq_id == 1 else None  # a row's token logprobs travel in the same copy
         engine.add(engine.check(SequenceRequest(prompt, 8, sampling=sampling, logprobs=logprobs), seq_id))
-    per_step = count_step_syncs(engine, monkeypatch)
+    per_step, uploads = count_step_syncs(engine, monkeypatch, retire=path == "dynamic")
     assert len(per_step) >= 3
-    for step, syncs in enumerate(per_step):
+    for step, (syncs, uploaded) in enumerate(zip(per_step, uploads)):
         assert syncs == ["Tensor.tolist"], f"step {step} synced {syncs}"
-    if "lookup" in kind:  # every step drafted every row's chain
+        assert uploaded == [], f"step {step} uploaded {uploaded}"
+    if path != "dynamic" and "lookup" in kind:  # every step drafted every row's chain
         assert all(seq.stats.lookup_steps == seq.stats.steps for seq in engine.rows)
-    if "store" in kind:  # and its store chain (where the lookup chain did not already hold it)
+    if path != "dynamic" and "store" in kind:  # and its store chain
         assert all(seq.stats.store_steps > 0 for seq in engine.rows)
         assert kind != "store-alone" or all(seq.stats.store_steps == seq.stats.steps for seq in engine.rows)
 
@@ -163,3 +253,26 @@ def test_the_counter_sees_what_a_gpu_would_wait_for(monkeypatch):
         values.repeat_interleave(2)  # an int count: the output size is known, no sync
     assert counter.syncs == ["_local_scalar_dense", "_local_scalar_dense", "nonzero", "index with a bool mask",
                              "equal"]
+
+
+def test_the_upload_counter_sees_what_a_gpu_would_copy():
+    """Each kind of upload, made from a function whose code sits in the project's serving/
+    folder (compiled under that file name), is recorded with that function's name."""
+    source = ("def uploads(x):\n"
+              "    a = torch.tensor([1, 2])\n"  # from a list
+              "    b = torch.as_tensor(np.arange(3))\n"  # from an array
+              "    c = x[[0, 2]]\n"  # indexing with a list
+              "    x[[0, 1]] = 5\n"  # indices from a list (and the number: written with them)
+              "    d = x.to(x.device)\n"  # a .to(device): an upload where x lives on the host
+              "    e = torch.ones(2).to('meta')\n"  # a copy from the CPU to another device
+              "    x[2].fill_(7)\n"  # a fill with a scalar argument: no upload
+              "    x[3] = 7\n"  # a Python number written at plain indices: on a GPU a fill too
+              "    return torch.arange(4) + torch.full((4,), 3) + x\n")  # factories without host data
+    namespace = {"torch": torch, "np": np}
+    exec(compile(source, str(REPO / "serving" / "decode" / "upload_example.py"), "exec"), namespace)
+    counter = UploadCounter()
+    with counter, HostMoves(counter):
+        namespace["uploads"](torch.zeros(4, dtype=torch.long))
+    assert counter.uploads == ["upload_example.py:uploads: lift_fresh"] * 5 + [
+        "upload_example.py:uploads: Tensor.to", "upload_example.py:uploads: Tensor.to",
+        "upload_example.py:uploads: _to_copy to meta"]

@@ -4,8 +4,10 @@
   logits into inf and NaN (the request that used to kill the server for good); top-p and
   top-k at their edges.
 - A fault injected into one row of a running batch (its accept, the batched Medusa draft,
-  the batched verify forward) ends that sequence alone with finish_reason "error"; the
-  other rows' output equals their output alone, and the engine takes new sequences.
+  the batched verify forward, its bookkeeping) ends that sequence alone with finish_reason
+  "error"; the other rows' output equals their output alone, and the engine takes new
+  sequences. The batched step that fails is run again row by row, in one place
+  (BatchEngine._run).
 - Only a lost device or out-of-memory after a retry is fatal (serving/decode/faults.py).
 """
 
@@ -21,7 +23,7 @@ from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.scheduler import Scheduler, SequenceRequest
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
-from specheads.serving.decode import engine as engine_module
+from specheads.serving.decode import steps as steps_module
 from specheads.serving.decode.engine import BatchEngine
 from specheads.serving.decode.faults import EngineBroken, is_fatal
 from specheads.serving.decode.sampling import GREEDY_BELOW_TEMPERATURE, SamplingParams, target_probs
@@ -130,21 +132,21 @@ def assert_isolated(results, references, faulty: int, message: str):
 
 def test_a_fault_in_one_rows_accept_ends_that_sequence_alone(setup, monkeypatch):
     target, decoder, prompts, references = setup
-    original = engine_module.accept_batch
+    original = steps_module.accept
     calls = {"n": 0}
 
     def faulty_accept(*args):
         calls["n"] += 1
-        # the second step's batched accept fails; accepted row by row (calls 3, 4, 5), row 1 fails again
+        # the second step's batched accept fails; stepped row by row (calls 3, 4, 5), row 1 fails again
         if calls["n"] in (2, 4):
             raise RuntimeError("injected accept fault")
         return original(*args)
 
-    monkeypatch.setattr(engine_module, "accept_batch", faulty_accept)
+    monkeypatch.setattr(steps_module, "accept", faulty_accept)
     results, session = run(decoder, [SequenceRequest(p, MAX_NEW) for p in prompts])
     assert_isolated(results, references, 1, "RuntimeError: injected accept fault")
     assert 0 < len(results[1].tokens) < MAX_NEW  # what it had emitted before the fault
-    monkeypatch.setattr(engine_module, "accept_batch", original)
+    monkeypatch.setattr(steps_module, "accept", original)
     again, _ = run(decoder, [SequenceRequest(prompts[1], MAX_NEW)])
     assert again[0].tokens == references[1]
 
@@ -225,7 +227,7 @@ def test_one_sequence_generate_raises_its_fault(setup, monkeypatch):
     def broken(*args):
         raise KeyError("injected")
 
-    monkeypatch.setattr(engine_module, "accept_batch", broken)
+    monkeypatch.setattr(steps_module, "accept", broken)
     with pytest.raises(KeyError, match="injected"):
         generate(decoder, prompts[0], MAX_NEW)
 

@@ -104,6 +104,47 @@ def test_a_medusa_conversation_continues_after_a_step_cut_by_max_new_tokens(setu
         assert results[index].tokens == hf_greedy(target, prompt, 4)
 
 
+def test_an_eagle_conversation_continues_its_row_with_the_head_cache_it_would_build(setup):
+    """An EAGLE drafter keeps the head's own cache over every committed position, so a next
+    turn that continues the row keeps the head's rows of the context it repeats: after its
+    prefill the head's cache and feature equal the head run over the whole new prompt at once
+    (where the context changes right after the kept prefix, one more position is rerun: the
+    head's row there read the token after it); and it decodes what it would alone."""
+    import torch
+
+    from specheads.serving.decode.engine import BatchEngine
+    from specheads.serving.decode.sequence import SequenceRequest
+    from specheads.serving.decode.steps import Prefilled
+
+    target, prompts, _, long = setup
+    decoder = decoders(target, prompts, long)["eagle3-static"]
+    engine = BatchEngine(decoder, max_batch_size=2, max_cache_len=96)
+    for changed in (False, True):
+        first = engine.check(SequenceRequest(prompts[0], 6))
+        engine.add(first)
+        while first.finish_reason is None:
+            engine.step()
+        context = prompts[0] + first.tokens
+        prompt = context[:-2] + [context[-2] + 1, 7] if changed else context + [5, 6]
+        turn = engine.check(SequenceRequest(prompt, 4))
+        reused = engine.reusable_prefix(first, turn)
+        assert reused == (len(context) - 3 if changed else len(context) - 1)
+        engine.add(turn, continues=first)
+        assert turn.stats.prefill_reused_tokens == reused
+        drafter, row = engine.device_step.heads, engine.rows.index(turn)
+        kept = drafter.kv_BHMD[:, :, row, :, :len(prompt)].clone(), drafter.feature_BH[row].clone()
+        with torch.inference_mode():
+            taps = torch.cat(target(torch.tensor([prompt]), decoder.tap_layers).taps, dim=-1)[0]
+            drafter.start(1 - row, Prefilled(prompt_P=torch.tensor(prompt), start=0, root=torch.tensor(turn.tokens),
+                                             taps=taps, logits=None))  # the whole prompt, in the other row
+        torch.testing.assert_close(kept[0], drafter.kv_BHMD[:, :, 1 - row, :, :len(prompt)], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kept[1], drafter.feature_BH[1 - row], atol=1e-3, rtol=1e-3)
+        while turn.finish_reason is None:
+            engine.step()
+        assert turn.tokens == generate(decoder, prompt, 4).tokens
+        engine.remove(turn)
+
+
 @pytest.mark.parametrize("kind", ["plain", "medusa-oracle", "eagle3-dynamic"])
 def test_grouped_prefills_give_each_prompt_and_follow_up_its_own_output(setup, kind, monkeypatch):
     """prefill_group > 1 (a GPU's default): new prompts and follow-ups wait for that many free

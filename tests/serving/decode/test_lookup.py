@@ -1,15 +1,16 @@
 """N-gram lookup drafting (serving/decode/lookup.py) alone and beside the heads' tree.
 
-Unit level: `NgramIndex` against a brute-force reference (longest n-gram first, the most
-recent continuation, loops drafted by copying the draft itself), `LookupConfig`
-validation, and `DraftBatch.with_chains`'s tree tensors checked against trees rebuilt from
-their parents. Engine level, on the tiny random Llama: greedy decoding with lookup (no
-heads, random Medusa heads, a random EAGLE-3 head on a static and on a dynamic tree, with
-and without `alone_at_ngram`) equals HF greedy `generate`, and lookup chains really are
-accepted on prompts whose greedy continuation loops. The EAGLE head's own cache stays
-aligned with the target's committed positions across steps that skipped the head. In a
-batch, greedy rows equal decoding alone and seeded sampled rows (which look up too) equal
-the same seeded request alone. (That sampling with lookup keeps the target's distribution
+Unit level: the device lookup `propose_chains` against a brute-force reference (longest
+n-gram first, the most recent continuation, loops drafted by copying the draft itself; a
+batch of contexts of different lengths in one call), `LookupConfig` validation, and
+`DraftBatch.join`'s tree tensors checked against trees rebuilt from their parents. Engine
+level, on the tiny random Llama: greedy decoding with lookup (no heads, random Medusa heads,
+a random EAGLE-3 head on a static and on a dynamic tree, with and without `alone_at_ngram`)
+equals HF greedy `generate`, and lookup chains really are accepted on prompts whose greedy
+continuation loops. The EAGLE head's own cache covers exactly the target's committed
+positions after every step, those that skipped the head included. In a batch, greedy rows
+equal decoding alone and seeded sampled rows (which look up too) equal the same seeded
+request alone. (That sampling with lookup keeps the target's distribution
 is tested by chi-square in test_decode_sampling.py.)
 
 Tiny random models loop only from some contexts, so the fixture picks, among short random
@@ -29,11 +30,10 @@ from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.generate import generate
 from specheads.serving.decode.accept import accept_greedy
 from specheads.serving.decode.draft_batch import DraftBatch
-from specheads.serving.decode.steps import DecodeState
-from specheads.serving.decode.eagle import commit_new_rows
+from specheads.serving.decode.steps import Prefilled
 from specheads.serving.decode.trees import DynamicTreeConfig
 from specheads.serving.decode.engine import BatchEngine
-from specheads.serving.decode.lookup import LookupConfig, NgramIndex
+from specheads.serving.decode.lookup import LookupConfig, propose_chains
 from specheads.serving.decode.sampling import SamplingParams
 from specheads.serving.decode.trees import DraftTree, TreePlan
 
@@ -48,7 +48,7 @@ NUM_CANDIDATES = 48
 NUM_REPETITIVE = 3
 
 
-# -- NgramIndex --------------------------------------------------------------------------------------
+# -- propose_chains -----------------------------------------------------------------------------------
 
 
 def reference_propose(tokens: list[int], config: LookupConfig) -> tuple[list[int], int]:
@@ -66,60 +66,65 @@ def reference_propose(tokens: list[int], config: LookupConfig) -> tuple[list[int
 
 
 def index_config(**kwargs) -> LookupConfig:
-    """A config for NgramIndex alone (alone_at_ngram only matters to the engine)."""
+    """A config for the lookup alone (alone_at_ngram only matters to the engine)."""
     return LookupConfig(alone_at_ngram=None, **kwargs)
 
 
-def test_ngram_index_prefers_the_longest_match():
+def propose(config: LookupConfig, tokens: list[int] | None = None) -> tuple[list[int], int]:
+    """propose_chains over one context (padded past its end, as a row of the history is)."""
+    tokens = tokens or []
+    history = torch.tensor([tokens + [0] * (config.num_tokens + 3)])
+    chain, matched = propose_chains(history, torch.tensor([len(tokens)]), config)
+    return (chain[0].tolist() if int(matched[0]) else []), int(matched[0])
+
+
+def test_lookup_prefers_the_longest_match():
     tokens = [1, 2, 3, 4, 8, 2, 3, 5, 1, 2, 3]  # (1, 2, 3) -> 4 at the start; (2, 3) -> 5 more recently
-    assert NgramIndex(index_config(num_tokens=3, max_ngram=3), tokens).propose() == ([4, 8, 2], 3)
-    assert NgramIndex(index_config(num_tokens=3, max_ngram=2), tokens).propose() == ([5, 1, 2], 2)
-    assert NgramIndex(index_config(num_tokens=2, max_ngram=1), tokens).propose() == ([5, 1], 1)
+    assert propose(index_config(num_tokens=3, max_ngram=3), tokens) == ([4, 8, 2], 3)
+    assert propose(index_config(num_tokens=3, max_ngram=2), tokens) == ([5, 1, 2], 2)
+    assert propose(index_config(num_tokens=2, max_ngram=1), tokens) == ([5, 1], 1)
 
 
-def test_ngram_index_takes_the_most_recent_continuation():
+def test_lookup_takes_the_most_recent_continuation():
     config = index_config(num_tokens=4, max_ngram=1)
-    assert NgramIndex(config, [4, 1, 4, 2, 4]).propose() == ([2, 4, 2, 4], 1)  # not (4 -> 1), the older one
-    assert NgramIndex(config, [4, 1, 7, 4, 1, 9, 4]).propose() == ([1, 9, 4, 1], 1)
+    assert propose(config, [4, 1, 4, 2, 4]) == ([2, 4, 2, 4], 1)  # not (4 -> 1), the older one
+    assert propose(config, [4, 1, 7, 4, 1, 9, 4]) == ([1, 9, 4, 1], 1)
 
 
-def test_ngram_index_drafts_a_loop_by_copying_its_own_output():
+def test_lookup_drafts_a_loop_by_copying_its_own_output():
     config = index_config(num_tokens=10, max_ngram=3)
-    assert NgramIndex(config, [5, 6, 7, 5, 6, 7, 5]).propose() == ([6, 7, 5] * 3 + [6], 3)
-    assert NgramIndex(config, [3, 9, 9]).propose() == ([9] * 10, 1)  # period 1: (9, 9) has no earlier match
-    assert NgramIndex(index_config(num_tokens=5, max_ngram=2), [8, 1, 2, 1, 2]).propose() == ([1, 2, 1, 2, 1], 2)
+    assert propose(config, [5, 6, 7, 5, 6, 7, 5]) == ([6, 7, 5] * 3 + [6], 3)
+    assert propose(config, [3, 9, 9]) == ([9] * 10, 1)  # period 1: (9, 9) has no earlier match
+    assert propose(index_config(num_tokens=5, max_ngram=2), [8, 1, 2, 1, 2]) == ([1, 2, 1, 2, 1], 2)
 
 
-def test_ngram_index_without_a_match_and_min_ngram():
+def test_lookup_without_a_match_and_min_ngram():
     config = index_config(num_tokens=4, max_ngram=3)
-    assert NgramIndex(config, [1, 2, 3, 4, 9]).propose() == ([], 0)
-    assert NgramIndex(config, [7]).propose() == ([], 0)
-    assert NgramIndex(config).propose() == ([], 0)
+    assert propose(config, [1, 2, 3, 4, 9]) == ([], 0)
+    assert propose(config, [7]) == ([], 0)
+    assert propose(config) == ([], 0)
     tokens = [5, 6, 7, 5]
-    assert NgramIndex(config, tokens).propose() == ([6, 7, 5, 6], 1)
-    assert NgramIndex(index_config(num_tokens=4, max_ngram=3, min_ngram=2), tokens).propose() == ([], 0)
+    assert propose(config, tokens) == ([6, 7, 5, 6], 1)
+    assert propose(index_config(num_tokens=4, max_ngram=3, min_ngram=2), tokens) == ([], 0)
     # (6, 7, 5) matches with 3 tokens, so min_ngram=3 still drafts.
-    assert NgramIndex(index_config(num_tokens=2, max_ngram=3, min_ngram=3), [5, 6, 7, 5, 6, 7, 5]).propose() \
-        == ([6, 7], 3)
+    assert propose(index_config(num_tokens=2, max_ngram=3, min_ngram=3), [5, 6, 7, 5, 6, 7, 5]) == ([6, 7], 3)
 
 
 @pytest.mark.parametrize("config", [index_config(), index_config(num_tokens=7, max_ngram=4, min_ngram=2),
                                     index_config(num_tokens=3, max_ngram=1, min_ngram=1)])
-def test_ngram_index_extend_equals_building_at_once_and_the_brute_force(config):
+def test_a_batch_of_contexts_equals_the_brute_force(config):
+    """Every prefix of a random sequence as one row of one call (the rows' contexts differ in
+    length; what lies past a row's context is never read)."""
     generator = torch.Generator().manual_seed(0)
     for vocab in (3, 6):
         tokens = torch.randint(0, vocab, (80,), generator=generator).tolist()
-        incremental = NgramIndex(config, tokens[:1])
-        position = 1
-        while position < len(tokens):
-            chunk = int(torch.randint(0, 5, (1,), generator=generator))  # empty chunks too
-            incremental.extend(tokens[position:position + chunk])
-            position = min(position + chunk, len(tokens))
-            prefix = tokens[:position]
-            assert incremental.tokens == prefix
-            expected = reference_propose(prefix, config)
-            assert incremental.propose() == expected
-            assert NgramIndex(config, prefix).propose() == expected
+        history = torch.tensor([tokens + [0] * config.num_tokens] * len(tokens))
+        lengths = torch.arange(1, len(tokens) + 1)
+        chains, matched = propose_chains(history, lengths, config)
+        for row, length in enumerate(lengths.tolist()):
+            expected = reference_propose(tokens[:length], config)
+            got = (chains[row].tolist() if int(matched[row]) else [], int(matched[row]))
+            assert got == expected, length
 
 
 # -- LookupConfig --------------------------------------------------------------------------------------
@@ -148,7 +153,7 @@ def test_lookup_config_accepts_good_values():
         LookupConfig(alone_at_ngram="min")
 
 
-# -- DraftBatch.with_chains -----------------------------------------------------------------------------
+# -- DraftBatch.join ------------------------------------------------------------------------------------
 
 
 def ancestors(parents: list[int], node: int) -> set[int]:
@@ -180,14 +185,23 @@ def plan_batch(paths: list, tokens_nT: torch.Tensor) -> DraftBatch:
     return DraftBatch.from_plan(TreePlan(DraftTree.from_paths(paths), torch.device("cpu")), tokens_nT)
 
 
-def test_with_chains_appends_a_chain_under_the_root():
+def chain_batch(roots: torch.Tensor, chains: list[list[int]], length: int | None = None,
+                alone: list[bool] | None = None) -> DraftBatch:
+    """Each row's chain (a list, [] for none) as a chain drafter's tree of `length` tokens."""
+    length = length or max(len(chain) for chain in chains)
+    tokens = torch.tensor([chain + [0] * (length - len(chain)) for chain in chains])
+    valid = torch.arange(length)[None] < torch.tensor([len(chain) for chain in chains])[:, None]
+    return DraftBatch.chain(roots, tokens, valid, None if alone is None else torch.tensor(alone))
+
+
+def test_join_appends_a_chain_under_the_root():
     base = plan_batch([[0], [1], [0, 0]], torch.tensor([[10, 11, 12, 13]]))  # 0 root, 1 (0,), 2 (1,), 3 (0, 0)
-    drafts = base.with_chains([[[5, 6, 7]]])  # chain nodes 4, 5, 6
+    drafts = base.join([chain_batch(torch.tensor([10]), [[5, 6, 7]])])  # chain nodes 4, 5, 6
     assert drafts.num_nodes == 7 and drafts.max_depth == 3 and not drafts.is_chain
     assert drafts.tokens.tolist() == [[10, 11, 12, 13, 5, 6, 7]]
     assert drafts.parents.tolist() == [[-1, 0, 0, 1, 0, 4, 5]]
     assert drafts.depths.tolist() == [[0, 1, 1, 2, 1, 2, 3]]
-    assert drafts.chain_spans == [[(4, 3)]] and drafts.max_children == 3
+    assert drafts.max_children == 3
     assert torch.equal(drafts.tree_mask[0, :4, :4], base.tree_mask[0])  # base nodes unchanged
     assert not drafts.tree_mask[0, :4, 4:].any()  # and blind to the chain
     assert drafts.tree_mask[0, 4:].tolist() == [[True, False, False, False, True, False, False],
@@ -202,23 +216,30 @@ def test_with_chains_appends_a_chain_under_the_root():
     ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [[5, 6], []]),  # a chain base, and a row without a chain
     ([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], [list(range(20, 30)), [3, 4]]),
 ])
-def test_with_chains_keeps_every_row_a_tree(paths, chains):
+def test_join_keeps_every_row_a_tree(paths, chains):
     tree = DraftTree.from_paths(paths)
     base = plan_batch(paths, torch.arange(2 * tree.num_nodes).reshape(2, -1))
-    drafts = base.with_chains([[chain] for chain in chains])
     longest = max(len(chain) for chain in chains)
+    drafts = base.join([chain_batch(base.tokens[:, 0], chains)])
     assert drafts.num_nodes == tree.num_nodes + longest and drafts.max_depth == max(tree.max_depth, longest)
     for row, chain in enumerate(chains):
         check_row(drafts, row)
         assert drafts.valid[row].tolist() == [True] * tree.num_nodes + [i < len(chain) for i in range(longest)]
         assert drafts.tokens[row, tree.num_nodes:tree.num_nodes + len(chain)].tolist() == chain
-        assert drafts.chain_spans[row] == [(tree.num_nodes, len(chain)) if chain else None]
         assert torch.equal(drafts.tree_mask[row, :tree.num_nodes, :tree.num_nodes], tree.tree_mask)
+
+
+def test_a_chain_that_goes_alone_leaves_out_the_heads_nodes_of_its_row():
+    base = plan_batch([[0], [1], [0, 0]], torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]]))
+    drafts = base.join([chain_batch(base.tokens[:, 0], [[5, 6], [7, 8]], alone=[True, False])])
+    assert drafts.valid.tolist() == [[True, False, False, False, True, True], [True] * 6]
+    for row in range(2):
+        check_row(drafts, row)
 
 
 @pytest.mark.parametrize("length", [1, 4])
 def test_a_chain_on_a_root_alone_is_a_pure_chain(length):
-    drafts = DraftBatch.roots(torch.tensor([9])).with_chains([[list(range(length))]])
+    drafts = DraftBatch.roots(torch.tensor([9])).join([chain_batch(torch.tensor([9]), [list(range(length))])])
     check_row(drafts, 0)
     assert drafts.is_chain and drafts.num_nodes == length + 1 and drafts.max_depth == length
     assert torch.equal(drafts.tree_mask[0], torch.ones(length + 1, length + 1, dtype=torch.bool).tril())
@@ -226,12 +247,13 @@ def test_a_chain_on_a_root_alone_is_a_pure_chain(length):
 
 def test_accept_on_a_combined_tree_picks_the_longest_match():
     tokens = torch.tensor([[10, 11, 12, 13]])
-    drafts = plan_batch([[0], [1], [0, 0]], tokens).with_chains([[[11, 5, 6]]])  # chain nodes 4, 5, 6
+    drafts = plan_batch([[0], [1], [0, 0]], tokens).join([chain_batch(tokens[:, 0], [[11, 5, 6]])])  # nodes 4, 5, 6
 
     def run(target_after_node: list[int], draft_tokens: torch.Tensor = drafts.tokens):
         one = DraftBatch(**{**drafts.__dict__, "tokens": draft_tokens})
-        host = accept_greedy(one, torch.tensor([target_after_node])).to_host()
-        return host.paths[0], host.emitted[0]
+        accepted = accept_greedy(one, torch.tensor([target_after_node]))
+        count = int(accepted.num_nodes[0])
+        return accepted.path[0, :count].tolist(), accepted.emitted[0, :count].tolist()
 
     # The heads' branch 0 -> 1 -> 3 matches (3 nodes), the chain 0 -> 4 -> 5 -> 6 matches (4 nodes).
     assert run([11, 13, 0, 40, 5, 6, 23]) == ([0, 4, 5, 6], [11, 5, 6, 23])
@@ -256,12 +278,9 @@ def hf_greedy(target: TargetAdapter, prompt: list[int], max_new_tokens: int) -> 
 
 def lookup_hits(prompt: list[int], continuation: list[int]) -> int:
     """Continuation tokens a 1-token lookup would have drafted right (a cheap repetition score)."""
-    index = NgramIndex(LookupConfig(num_tokens=1), prompt)
-    hits = 0
-    for token in continuation:
-        hits += index.propose()[0] == [token]
-        index.extend([token])
-    return hits
+    config = LookupConfig(num_tokens=1)
+    return sum(reference_propose(prompt + continuation[:i], config)[0] == [token]
+               for i, token in enumerate(continuation))
 
 
 @pytest.fixture(scope="module")
@@ -360,44 +379,42 @@ def test_speculate_false_and_lookup_off_never_look_up(setup):
 
 
 @pytest.mark.parametrize("kind", ["eagle3-static", "eagle3-dynamic"])
-def test_eagle_head_cache_stays_aligned_when_lookup_skips_the_head(setup, kind):
-    """After every step the head's cache covers the committed positions minus the rows still
-    waiting for its next run (those the lookup-alone steps committed), and holds exactly what
-    the head computes over the whole committed context at once."""
+def test_eagle_head_cache_covers_the_committed_positions_when_lookup_skips_the_head(setup, kind):
+    """After every step (those whose lookup chain went alone, with no head draft, too) the
+    head's cache holds exactly what the head computes over the whole committed context at
+    once, and its feature is the one at the last committed position."""
     target, prompts, references = setup
     decoder = make_decoder(target, kind, LookupConfig(alone_at_ngram=2))
-    head, embeddings = decoder.drafter.head, target.embeddings()
-    skipped = ran = 0
+    alone = drafted = 0
     for prompt, reference in zip(prompts, references):
-        engine = BatchEngine(decoder, max_batch_size=1, max_cache_len=len(prompt) + NUM_NEW + decoder.max_tree_nodes)
+        max_cache_len = len(prompt) + NUM_NEW + decoder.max_tree_nodes
+        engine = BatchEngine(decoder, max_batch_size=1, max_cache_len=max_cache_len)
         seq = engine.check(SequenceRequest(prompt, NUM_NEW))
         engine.add(seq)
+        drafter = engine.device_step.heads
         with torch.inference_mode():
             while seq.finish_reason is None:
-                cached_before = seq.state.prefix_len - seq.state.hidden.shape[0]  # the head's committed positions
+                went_alone = seq.notes["lookup"][0] >= 2  # the step verifies the chain alone
                 engine.step()
-                state = seq.state
-                cached = state.prefix_len - state.hidden.shape[0]
-                if cached == cached_before:
-                    skipped += 1
-                else:
-                    ran += 1
-                assert state.next_tokens.shape[0] == state.hidden.shape[0]
+                alone, drafted = alone + went_alone, drafted + (not went_alone)
                 if seq.finish_reason is not None:
                     break
                 context = prompt + seq.tokens  # committed positions + the root
-                assert len(context) == state.prefix_len + 1
-                assert state.next_tokens.tolist() == context[state.prefix_len - state.hidden.shape[0] + 1:]
-                if cached:
-                    taps = target(torch.tensor([context[:-1]]), decoder.tap_layers).taps
-                    full = DecodeState(cache=None, prefix_len=state.prefix_len, root=state.root,
-                                       hidden=torch.cat(taps, dim=-1)[0], next_tokens=torch.tensor(context[1:]))
-                    reference_kv = decoder.drafter.new_cache(1, len(context) + 8)
-                    commit_new_rows(head, embeddings, reference_kv, [full], [0])
-                    torch.testing.assert_close(engine.head_kv.buffer[:, :, 0, :, :cached],
-                                               reference_kv.buffer[:, :, 0, :, :cached], atol=1e-4, rtol=1e-4)
+                committed = seq.prefix_len
+                assert len(context) == committed + 1
+                kv, feature = drafter.kv_BHMD, drafter.feature_BH
+                saved = kv[:, :, :1].clone(), feature[:1].clone()
+                taps = target(torch.tensor([context[:-1]]), decoder.tap_layers).taps
+                drafter.start(0, Prefilled(prompt_P=torch.tensor(context[:-1]), start=0,
+                                           root=torch.tensor(context[-1:]), taps=torch.cat(taps, dim=-1)[0],
+                                           logits=None))  # the head over the whole context, in row 0
+                whole = kv[:, :, 0, :, :committed].clone(), feature[0].clone()
+                kv[:, :, :1], feature[:1] = saved
+                torch.testing.assert_close(kv[:, :, 0, :, :committed], whole[0], atol=1e-4, rtol=1e-4)
+                # the feature passes the head's MLP after attention over taps of another batch shape
+                torch.testing.assert_close(feature[0], whole[1], atol=1e-3, rtol=1e-3)
         assert seq.result().tokens == reference
-    assert skipped > 0 and ran > 0  # both kinds of step happened
+    assert alone > 0 and drafted > 0  # both kinds of step happened
 
 
 @pytest.mark.parametrize("kind", ["lookup", "medusa"])

@@ -25,9 +25,11 @@ import pytest
 import torch
 
 from specheads.serving.decode import accept
-from specheads.serving.decode.accept import accept_rejection, accept_tree_sampling, accept_typical, sibling_tests
+from specheads.serving.decode.accept import (accept_rejection, accept_tree_sampling, accept_typical, draw_uniforms,
+                                             sibling_tests)
 from specheads.serving.decode.draft_batch import DraftBatch
-from specheads.serving.decode.sampling import SamplingParams, TypicalAcceptance, make_generator, target_probs
+from specheads.serving.decode.sampling import (RowSampling, SamplingParams, TypicalAcceptance, make_generator,
+                                               target_probs)
 from specheads.serving.decode.trees import DraftTree, TreePlan
 
 V = 5  # vocab
@@ -217,9 +219,14 @@ def accept_rows(tree: DraftTree, tokens_NT: torch.Tensor, logits_NTV: torch.Tens
     """Every sample's accept step as one batch of rows (the engine's call) -> emitted tokens."""
     num = int(tokens_NT.shape[0])
     drafts = DraftBatch.from_plan(TreePlan(tree, tokens_NT.device), tokens_NT)
-    accepted = accept_rejection(drafts, logits_NTV, [params] * num, [gen] * num) if mode == "rejection" \
-        else accept_typical(drafts, logits_NTV, [params] * num, [gen] * num, TypicalAcceptance())
-    return accepted.to_host().emitted
+    rows = RowSampling.of([params] * num)
+    if mode == "rejection":
+        uniforms = draw_uniforms([gen] * num, [True] * num, (drafts.max_depth, drafts.max_children), tokens_NT.device)
+        accepted = accept_rejection(drafts, logits_NTV, rows, uniforms)
+    else:
+        uniforms = draw_uniforms([gen] * num, [True] * num, (0, 0), tokens_NT.device)
+        accepted = accept_typical(drafts, logits_NTV, rows, uniforms[:, -1], TypicalAcceptance())
+    return [accepted.emitted[i, :count].tolist() for i, count in enumerate(accepted.num_nodes.tolist())]
 
 
 SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),

@@ -242,3 +242,41 @@ def test_kept_rows_stay_and_moved_rows_match_explicit_paths(target):
             torch.testing.assert_close(mine.values[row, :, :length], twin.values[row, :, :length], rtol=0, atol=0)
     with pytest.raises(ValueError, match="3 accepted paths and 2 kept counts for batch size 3"):
         caches[0].commit([None] * 3, num_kept=[1, 1])
+
+
+@torch.inference_mode()
+def test_the_device_commit_equals_the_host_commit_and_rows_move_with_their_followers(target):
+    """commit_accepted (a decode step's: device paths padded to one width, device counts) keeps
+    what commit(paths) keeps, and advances the device lengths alone until count_committed; then
+    a row swap and a row move carry a per-row follower tensor along with the keys and values."""
+    prompts_3P = torch.cat([_random_tokens(PROMPT_LEN, seed, target.vocab_size) for seed in (0, 7, 9)])
+    tree_tokens_3T = torch.cat([_random_tokens(TREE.num_nodes, seed, target.vocab_size) for seed in (1, 2, 3)])
+    paths = [[0, 2, 5], [0, 1, 3, 6], [0]]
+    caches = []
+    for device_commit in (False, True):
+        cache = TreeStaticCache(target.config, max_cache_len=32, batch_size=3)
+        target(prompts_3P, [], past_key_values=cache, use_cache=True)
+        cache.commit()
+        _verify_tree(target, cache, tree_tokens_3T)
+        if device_commit:
+            padded = torch.tensor([path + [0] * (4 - len(path)) for path in paths])  # past a row's count: anything
+            cache.commit_accepted(padded, torch.tensor([len(path) for path in paths]))
+            assert cache.seq_lens == [PROMPT_LEN] * 3  # the host lengths wait for the read
+            cache.count_committed([len(path) for path in paths])
+        else:
+            cache.commit([torch.tensor(path) for path in paths])
+        caches.append(cache)
+    host, device = caches
+    assert device.seq_lens == host.seq_lens and device.lengths.device_lens.tolist() == host.seq_lens
+    for mine, twin in zip(device.layers, host.layers):
+        for row, length in enumerate(host.seq_lens):
+            torch.testing.assert_close(mine.keys[row, :, :length], twin.keys[row, :, :length], rtol=0, atol=0)
+            torch.testing.assert_close(mine.values[row, :, :length], twin.values[row, :, :length], rtol=0, atol=0)
+    follower = torch.arange(3)[:, None] * 10 + torch.arange(2)  # [3, 2]: row r holds (10r, 10r + 1)
+    device.follow(follower, dim=0)
+    keys_row0 = device.layers[0].keys[0, :, :host.seq_lens[0]].clone()
+    device.swap_rows(0, 2)
+    device.move_row(2, 1)  # row 2 (the first sequence, swapped there) replaces row 1
+    assert follower.tolist() == [[20, 21], [0, 1], [0, 1]]
+    assert device.lengths.device_lens.tolist() == device.seq_lens == [host.seq_lens[2], host.seq_lens[0], 0]
+    torch.testing.assert_close(device.layers[0].keys[1, :, :host.seq_lens[0]], keys_row0, rtol=0, atol=0)

@@ -5,7 +5,7 @@ brute force of the documented rule (the longest matching suffix, then the most f
 continuation token by token, the smallest id on a tie, stopping at a reply's end), the same for
 every call, batch and reopening; the bounded count (max_occurrences) still proposes what the
 store holds. A corrupt store (sizes, magic, version, order) and one built for another target or
-tokenizer are refused with one line. `with_chains` with a lookup and a store chain per row.
+tokenizer are refused with one line. `DraftBatch.join` with a lookup and a store chain per row.
 
 Engine level, on the tiny random Llama: greedy decoding with the store (alone, beside random
 Medusa heads and lookup, beside an EAGLE-3 head's dynamic tree) equals HF greedy in a batch of
@@ -41,7 +41,7 @@ from conftest import make_tiny_model
 from test_batch import run_session
 from test_decode_sampling import chi_square_p_value
 from test_eagle3 import random_head
-from test_lookup import check_row
+from test_lookup import chain_batch, check_row
 
 IDENTITY = TargetIdentity("LlamaForCausalLM", "llama", 64, 256, 2, "tiny")
 TOKENIZER = {"name_or_path": "tiny", "fingerprint": "f" * 64, "vocab_size": 256}
@@ -130,8 +130,8 @@ def test_proposals_are_deterministic_across_calls_batches_and_reopening(tmp_path
     contexts = [rng.integers(0, 5, 10).tolist() for _ in range(40)]
     first = StoreDrafter(ReplyStore(tmp_path / "s"), config)
     again = StoreDrafter(ReplyStore(tmp_path / "s"), config)
-    batched = first.draft([first.start(c[:4]) for c in contexts], [c[4:] for c in contexts])
-    alone = [again.draft([again.start(c[:7])], [c[7:]])[0] for c in reversed(contexts)][::-1]
+    batched = first.chains(contexts)
+    alone = [again.chains([c])[0] for c in reversed(contexts)][::-1]
     assert batched == alone
     assert sum(bool(chain) for chain, _ in batched) > len(contexts) // 2
     for context, (chain, goes_alone) in zip(contexts, batched):
@@ -144,8 +144,8 @@ def test_proposals_are_deterministic_across_calls_batches_and_reopening(tmp_path
 def test_alone_at_match_and_no_match(tmp_path):
     store = build(tmp_path / "s", [[1, 2, 3, 4, 5, 6]])
     drafter = StoreDrafter(store, StoreConfig(num_tokens=3, max_match=4, min_match=2, alone_at_match=3))
-    assert drafter.draft([[9, 1, 2], [9, 1], [2]], [[3], [2], [7]]) == [([4, 5, 6], True), ([3, 4, 5], False),
-                                                                       ([], False)]
+    assert drafter.chains([[9, 1, 2, 3], [9, 1, 2], [2, 7], None]) == [([4, 5, 6], True), ([3, 4, 5], False),
+                                                                     ([], False), ([], False)]
     assert store.propose([5, 6], 4, 4) == ([], 2)  # the reply ends there
 
 
@@ -231,24 +231,21 @@ def test_the_tree_field_records_a_store(tmp_path):
 # -- two chains per row ---------------------------------------------------------------------------
 
 
-def test_with_chains_puts_each_source_s_chain_on_its_own_branch():
+def test_join_puts_each_source_s_chain_on_its_own_branch():
     plan = TreePlan(DraftTree.from_paths([[0], [1], [0, 0]]), torch.device("cpu"))
     base = DraftBatch.from_plan(plan, torch.arange(8).reshape(2, 4))
-    drafts = base.with_chains([[[5, 6], [7, 8, 9]], [[], [3]]])
+    roots = base.tokens[:, 0]
+    drafts = base.join([chain_batch(roots, [[5, 6], []]), chain_batch(roots, [[7, 8, 9], [3]])])
     assert drafts.num_nodes == 4 + 5 and drafts.max_depth == 3 and drafts.max_children == 2 + 2
-    assert drafts.chain_spans == [[(4, 2), (6, 3)], [None, (4, 1)]]
     assert drafts.tokens[0, 4:].tolist() == [5, 6, 7, 8, 9] and drafts.parents[0, 4:].tolist() == [0, 4, 0, 6, 7]
-    assert drafts.tokens[1, 4].item() == 3 and drafts.valid[1].tolist() == [True] * 5 + [False] * 4
+    assert drafts.tokens[1, 6].item() == 3 and drafts.valid[1].tolist() == [True] * 4 + [False] * 2 + [True] + [False] * 2
     assert drafts.children()[0, 0].tolist()[:4] == [1, 2, 4, 6]  # heads' candidates, then lookup, then store
     for row in range(2):
         check_row(drafts, row)
-    # a chain that an earlier one starts with adds no path: left out
-    repeat = base.with_chains([[[5, 6, 7], [5, 6]], [[4], [4]]])
-    assert repeat.chain_spans == [[(4, 3), None], [(4, 1), None]] and repeat.num_nodes == 7
-    single = DraftBatch.roots(torch.tensor([1])).with_chains([[[2, 3], [4]]])
+    single = DraftBatch.roots(roots[:1]).join([chain_batch(roots[:1], [[2, 3]]), chain_batch(roots[:1], [[4]])])
     assert not single.is_chain and single.max_children == 2
     check_row(single, 0)
-    assert DraftBatch.roots(torch.tensor([1])).with_chains([[[], [4, 5]]]).is_chain
+    assert DraftBatch.roots(roots[:1]).join([chain_batch(roots[:1], [[4, 5]])]).is_chain
 
 
 # -- the engine: greedy ---------------------------------------------------------------------------

@@ -109,8 +109,9 @@ def greedy_reference(parents: list[int], tokens: list[int], target_tokens: list[
 
 
 def accept_one(drafts: DraftBatch, target_tokens_T: torch.Tensor) -> tuple[list[int], list[int]]:
-    host = accept_greedy(drafts, target_tokens_T[None]).to_host()
-    return host.paths[0], host.emitted[0]
+    accepted = accept_greedy(drafts, target_tokens_T[None])
+    count = int(accepted.num_nodes[0])
+    return accepted.path[0, :count].tolist(), accepted.emitted[0, :count].tolist()
 
 
 def test_accept_greedy_matches_the_reference():
@@ -121,9 +122,11 @@ def test_accept_greedy_matches_the_reference():
         plan = TreePlan(tree, torch.device("cpu"))
         for _ in range(200):
             drafts = DraftBatch.from_plan(plan, torch.randint(0, vocab, (1, tree.num_nodes), generator=gen))
-            if chain:
-                drafts = drafts.with_chains([[torch.randint(0, vocab, (length,), generator=gen).tolist()
-                                              for length in (chain, chain - 1)]])  # a lookup and a store chain
+            if chain:  # a lookup and a store chain
+                drafts = drafts.join([DraftBatch.chain(drafts.tokens[:, 0], torch.randint(0, vocab, (1, length),
+                                                                                          generator=gen),
+                                                       torch.ones(1, length, dtype=torch.bool))
+                                      for length in (chain, chain - 1)])
             parents = drafts.parents[0].tolist()
             target_tokens = torch.randint(0, vocab, (drafts.num_nodes,), generator=gen)
             hit = torch.rand(drafts.num_nodes, generator=gen) < 0.6  # make long matches common
