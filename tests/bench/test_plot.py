@@ -151,7 +151,7 @@ def hide_matplotlib(monkeypatch):
 
 def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     hide_matplotlib(monkeypatch)
-    with pytest.raises(ImportError, match=r"pip install 'specheads\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[plot\]'"):
         plot.write_plots(fake_report(), tmp_path / "p.png")
     assert not list(tmp_path.iterdir())
 
@@ -164,5 +164,5 @@ def test_bench_cli_checks_matplotlib_before_loading_anything(monkeypatch, tmp_pa
     parser = argparse.ArgumentParser()
     bench_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--target", str(tmp_path / "missing"), "--plot", str(tmp_path / "p.png")])
-    with pytest.raises(UserError, match=r"--plot: .*pip install 'specheads\[plot\]'"):
+    with pytest.raises(UserError, match=r"--plot: .*pip install -e '\.\[plot\]'"):
         bench_cli.run(args)

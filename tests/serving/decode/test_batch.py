@@ -138,7 +138,8 @@ def test_batched_greedy_equals_each_sequence_alone(setup, kind):
         assert sum(r.stats.accepted_tokens for r in results) > sum(MAX_NEW) // 2
 
 
-@pytest.mark.parametrize("kind", ["medusa-oracle-stop", "medusa-oracle-adaedl", "eagle3-dynamic"])
+@pytest.mark.parametrize("kind", ["medusa-oracle-stop", "medusa-oracle-adaedl",
+                                  pytest.param("eagle3-dynamic", marks=pytest.mark.slow)])  # 36 s on 2 cores
 def test_kernel_path_batched(setup, tiny_llama_dir, kind):
     """The Triton tree-attention kernel (interpreted on the CPU) verifies padded per-row trees
     with per-row prefix lengths: static, AdaEDL-cut and dynamic trees, with a stop sequence."""

@@ -120,10 +120,16 @@ def assert_follows_the_target(target, decoder, params):
     assert chi_square_p_value(counts, joint) > P_VALUE
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=1.0, top_p=0.9)],
-                         ids=["t0.7", "t1.0", "t1.0-top_p0.9"])
-@pytest.mark.parametrize("tree_kind", ["static", "dynamic"])
+# Each case costs 20-40 s on 2 cores: the default suite runs one per tree kind (between them every
+# setting), -m slow the rest.
+SETTINGS = {"t0.7": SamplingParams(temperature=0.7), "t1.0": SamplingParams(temperature=1.0),
+            "t1.0-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9)}
+DEFAULT_CASES = {("static", "t1.0-top_p0.9"), ("dynamic", "t0.7")}
+
+
+@pytest.mark.parametrize("tree_kind, params", [
+    pytest.param(kind, params, id=f"{kind}-{name}", marks=() if (kind, name) in DEFAULT_CASES else pytest.mark.slow)
+    for kind in ("static", "dynamic") for name, params in SETTINGS.items()])
 def test_first_two_tokens_follow_the_target(setup, dynamic_decoder, params, tree_kind):
     target, decoder = setup
     if tree_kind == "dynamic":
@@ -131,7 +137,7 @@ def test_first_two_tokens_follow_the_target(setup, dynamic_decoder, params, tree
     assert_follows_the_target(target, decoder, params)
 
 
-@pytest.mark.parametrize("tree_kind", ["static", "dynamic"])
+@pytest.mark.parametrize("tree_kind", ["static", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_the_captured_path_samples_from_the_target(setup, dynamic_decoder, tree_kind):
     """What a CUDA graph records (the static-shape cache and verify, run eagerly here) keeps
     the sampled accept exact, for both drafters."""
@@ -143,7 +149,8 @@ def test_the_captured_path_samples_from_the_target(setup, dynamic_decoder, tree_
     assert_follows_the_target(target, decoder, params)
 
 
-@pytest.mark.parametrize("with_heads", [True, False], ids=["medusa+lookup", "lookup-alone"])
+@pytest.mark.parametrize("with_heads", [pytest.param(True, id="medusa+lookup"),
+                                        pytest.param(False, id="lookup-alone", marks=pytest.mark.slow)])
 def test_first_two_tokens_follow_the_target_with_lookup(setup, with_heads):
     """Lookup tokens are candidates fixed in advance, like the heads' top-k: the chain rides
     as the root's last child (beside the heads' tree), or is the whole tree (no heads,
