@@ -62,7 +62,8 @@ def decode(decoder: SpeculativeDecoder) -> tuple[list[list[int]], list[int]]:
     """A greedy and a seeded sampled row decoded together for NUM_STEPS steps (none ends: one
     batch shape, so one step variant per drafter set) -> (each row's tokens, its steps that
     drafted)."""
-    engine = BatchEngine(decoder, max_batch_size=2, max_cache_len=decoder.target.vocab_size + 16 + 64)
+    engine = BatchEngine(decoder, max_batch_size=2,
+                         max_cache_len=decoder.target.vocab_size + 16 + 64 + decoder.max_tree_nodes)
     for seq_id, sampling in enumerate([None, SamplingParams(temperature=0.9, top_k=30, seed=3)]):
         prompt = every_token_prompt(decoder.target, seq_id, 4 * seq_id)  # every token: lookup matches
         engine.add(engine.check(SequenceRequest(prompt, 64, sampling=sampling), seq_id))
