@@ -19,17 +19,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads.artefacts.reply_store import ReplyStore, write_store
 from specheads.heads.target.adapter import TargetAdapter
 from specheads.serving.decode.config import SpeculativeDecoder
 from specheads.serving.decode.engine import BatchEngine
 from specheads.serving.decode.lookup import LookupConfig
 from specheads.serving.decode.sampling import SamplingParams
 from specheads.serving.decode.sequence import SequenceRequest
-from specheads.serving.decode.store import StoreConfig, StoreDrafter
+from specheads.serving.decode.store import StoreDrafter
 from specheads.serving.decode.trees import DynamicTreeConfig
 
-from test_device_step import TREE, eagle_head, every_token_prompt, medusa_heads
+from test_device_step import TREE, eagle_head, every_token_prompt, every_token_store, medusa_heads
 
 NUM_STEPS = 4
 
@@ -41,11 +40,7 @@ def target(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def store(target, tmp_path_factory) -> StoreDrafter:
-    generator = torch.Generator().manual_seed(7)
-    replies = [torch.randperm(target.vocab_size, generator=generator).tolist() * 2 for _ in range(3)]
-    directory = tmp_path_factory.mktemp("store") / "s"
-    write_store(directory, replies, target=target.identity, tokenizer={"fingerprint": "-"})
-    return StoreDrafter(ReplyStore(directory), StoreConfig(num_tokens=3, min_match=1))
+    return every_token_store(target, tmp_path_factory.mktemp("store") / "s", num_tokens=3)
 
 
 DECODERS = {

@@ -185,14 +185,17 @@ def medusa_heads(target: TargetAdapter) -> MedusaHeads:
     return MedusaHeads(target.hidden_size, target.vocab_size, num_heads=3).eval()
 
 
-@pytest.fixture(scope="module")
-def store(target, tmp_path_factory) -> StoreDrafter:
+def every_token_store(target, directory, num_tokens: int) -> StoreDrafter:
     """A reply store in which every token is followed by others (a chain at every step)."""
     generator = torch.Generator().manual_seed(7)
     replies = [torch.randperm(target.vocab_size, generator=generator).tolist() * 2 for _ in range(3)]
-    directory = tmp_path_factory.mktemp("store") / "s"
     write_store(directory, replies, target=target.identity, tokenizer={"fingerprint": "-"})
-    return StoreDrafter(ReplyStore(directory), StoreConfig(num_tokens=4, min_match=1))
+    return StoreDrafter(ReplyStore(directory), StoreConfig(num_tokens=num_tokens, min_match=1))
+
+
+@pytest.fixture(scope="module")
+def store(target, tmp_path_factory) -> StoreDrafter:
+    return every_token_store(target, tmp_path_factory.mktemp("store") / "s", num_tokens=4)
 
 
 DRAFTERS = {
