@@ -6,6 +6,7 @@ Tiny random targets (Llama, Qwen2; 4 layers so the three taps differ) and random
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -22,8 +23,6 @@ from specheads.serving.decode.config import SpeculativeDecoder, TreeSpec
 from specheads.serving.decode.engine import BatchEngine
 from specheads.serving.decode.sequence import SequenceRequest
 from specheads.serving.decode.generate import generate
-from specheads.serving.decode.draft_batch import DraftBatch
-from specheads.serving.decode.trees import TreePlan
 from specheads.serving.decode.trees import DraftTree
 from specheads.training.losses import eagle_ttt_loss
 
@@ -176,8 +175,9 @@ def test_unrolled_training_forward_matches_one_step_at_a_time(target, num_layers
 def test_drafting_matches_the_training_forward_across_commits(target, monkeypatch, num_layers):
     """Every drafted node equals the TTT forward's candidate over the committed tokens plus
     the node's ancestors, also after commits of several tokens (the head cache's update, every
-    layer's). Runs the engine's own step; the drafter's tree is checked, then a chain of the
-    target's greedy tokens is verified in its place so that each step commits four positions."""
+    layer's). Runs the engine's own step; the drafter's tree is checked, then the target's greedy
+    tokens are put on the tree's first path ([0], [0, 0], [0, 0, 0]; its depth-4 node made wrong)
+    so that each step commits four positions."""
     head, config = random_head(target, seed=1, num_layers=num_layers)
     tree = DraftTree.from_paths(TREE_PATHS)
     decoder = SpeculativeDecoder(target, head, tree, tap_layers=config.tap_layers)
@@ -187,7 +187,7 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
     engine = BatchEngine(decoder, max_batch_size=1, max_cache_len=len(prompt) + 16 + decoder.max_tree_nodes)
     seq = engine.check(SequenceRequest(prompt, 16))
     engine.add(seq)
-    chain_plan = TreePlan(DraftTree.chain(3), target.device)
+    first_path = [TREE_PATHS.index([0] * depth) + 1 for depth in range(1, 5)]  # node 0 is the root
     drafter = engine.device_step.heads  # the engine's own copy of the decoder's drafter
     real_draft, checked = drafter.draft, []
 
@@ -207,8 +207,10 @@ def test_drafting_matches_the_training_forward_across_commits(target, monkeypatc
             ranked = logits[depth - 1, 0, len(context) - 2].topk(tree.max_rank + 1).indices
             assert int(tree_tokens[node]) == int(draft_ids[ranked[int(tree.ranks[node])]])
         checked.append(len(context))
-        forced = torch.tensor([[int(tree_tokens[0])] + greedy[len(seq.tokens):][:3]])
-        return DraftBatch.from_plan(chain_plan, forced)
+        forced, following = drafts.tokens.clone(), greedy[len(seq.tokens):][:4]
+        forced[0, first_path[:3]] = torch.tensor(following[:3])
+        forced[0, first_path[3]] = (following[3] + 1) % target.vocab_size
+        return dataclasses.replace(drafts, tokens=forced)
 
     monkeypatch.setattr(drafter, "draft", check_then_force)
     for _ in range(3):
