@@ -63,3 +63,15 @@ def random_tree_mask(num_tree: int, generator: torch.Generator) -> torch.Tensor:
     for node in range(1, num_tree):  # a parent comes before its children
         mask[node] |= mask[parents[node]]
     return mask
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes a forward reads in weights: every parameter but the input embedding (one row per token)."""
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - embedding.numel() * embedding.element_size()
+
+
+def kv_read_bytes(config, batch: int, keys: int, element_size: int = 2) -> int:
+    """Bytes of K and V a forward reads over `keys` positions in each of `batch` rows."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * batch * config.num_hidden_layers * config.num_key_value_heads * head_dim * keys * element_size

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specheads.bench.support import random_tree_mask
-from specheads.bench.support import time_ms, wall_s
+from specheads.bench.support import kv_read_bytes, time_ms, wall_s, weight_read_bytes
 from specheads.serving.decode.generate import generate
 
 # The Medusa tree of tests/serving/decode/test_decode_lossless.py: ranks 0 and 1, depth 4.
@@ -422,7 +422,6 @@ def _rate_rows(ctx, model, decoders: dict, prompts, num_new: int, batch: int, ch
     against HF's bf16 greedy, a difference scored by the fp32 target (near-tie or not:
     bench/divergence.py)."""
     from specheads.bench.divergence import summarise_divergences
-    from specheads.bench.gpu.steps import kv_read_bytes, weight_read_bytes
 
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     methods = {"hf-greedy": None, **decoders}

@@ -27,7 +27,7 @@ import torch
 from specheads.bench.gpu.engine import (adapters, free_device_memory, prefilled_cache, random_llama, step_ms,
                                         verify_call)
 from specheads.bench.gpu.kernels import graph_ms
-from specheads.bench.support import time_ms
+from specheads.bench.support import kv_read_bytes, time_ms, weight_read_bytes
 
 # Kernel names -> groups, first match wins (attention first: flash's "splitkv" is no split-K
 # GEMM). Inductor's fused kernels (triton_poi/red/per) are the norms, RoPE, SiLU and residual
@@ -39,18 +39,6 @@ KERNEL_GROUPS = (
     ("copies", r"copy|memcpy|memset|index|scatter|gather|\bcat\b|catarray|fill|arange|clone|contiguous"),
 )
 OTHER_GROUP = "norm_rotary_elementwise"  # elementwise kernels of the model's own forward (mul, add, pow, ...)
-
-
-def weight_read_bytes(model) -> int:
-    """Bytes a forward reads in weights: every parameter but the input embedding (one row per token)."""
-    embedding = model.get_input_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in model.parameters()) - embedding.numel() * embedding.element_size()
-
-
-def kv_read_bytes(config, batch: int, keys: int, element_size: int = 2) -> int:
-    """Bytes of K and V a forward reads over `keys` positions in each of `batch` rows."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * batch * config.num_hidden_layers * config.num_key_value_heads * head_dim * keys * element_size
 
 
 def with_floor(ctx, row: dict, weight_bytes: int, kv_bytes: int) -> dict:
