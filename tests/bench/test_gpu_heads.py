@@ -185,6 +185,7 @@ def _wheel(directory: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # 15 s: pip installs into a fresh venv
 def test_the_device_script_installs_the_wheels_once_and_runs_the_driver(tmp_path):
     """bench/gpu/heads_run.sh as the device runs it, from a repository root of links (the
     package comes from WORK/pkg), twice on one machine: the carried wheel installs once."""

@@ -179,6 +179,7 @@ def test_two_rank_zero3_partitions_the_frozen_target_and_trains(setup, tiny_llam
     assert manifest["zero_stage"] == 3 and manifest["world_size"] == 2
 
 
+@pytest.mark.slow  # 38 s; SIGTERM in one process: tests/training/test_training_system.py, by default
 def test_sigterm_stops_both_ranks_after_the_same_step_with_a_checkpoint(setup, uninterrupted):
     """SIGTERM to the whole process group (what a scheduler sends): both ranks finish the step,
     agree to stop, save one whole checkpoint at that step and exit; a re-run finishes exactly."""

@@ -149,8 +149,8 @@ def test_the_captured_path_samples_from_the_target(setup, dynamic_decoder, tree_
     assert_follows_the_target(target, decoder, params)
 
 
-@pytest.mark.parametrize("with_heads", [pytest.param(True, id="medusa+lookup"),
-                                        pytest.param(False, id="lookup-alone", marks=pytest.mark.slow)])
+@pytest.mark.slow  # lookup under sampling also runs in test_store.py (heads + lookup + store), by default
+@pytest.mark.parametrize("with_heads", [True, False], ids=["medusa+lookup", "lookup-alone"])
 def test_first_two_tokens_follow_the_target_with_lookup(setup, with_heads):
     """Lookup tokens are candidates fixed in advance, like the heads' top-k: the chain rides
     as the root's last child (beside the heads' tree), or is the whole tree (no heads,
@@ -169,6 +169,7 @@ def test_first_two_tokens_follow_the_target_with_lookup(setup, with_heads):
     assert chi_square_p_value(counts, exact_joint(target, params)) > P_VALUE
 
 
+@pytest.mark.slow  # 25 s; test_sampling.py's controls show the test detects a wrong rule, by default
 def test_typical_acceptance_is_detected_and_reported_lossy(setup):
     target, decoder = setup
     params = SamplingParams(temperature=1.0)

@@ -223,7 +223,7 @@ def every_token_prompt(target: TargetAdapter, seed: int, extra: int) -> list[int
 
 
 @pytest.mark.parametrize("kind, path", [(kind, path) for kind in sorted(DRAFTERS) for path in ("static", "dynamic")]
-                         + [("eagle3-lookup", "static-kernel")])
+                         + [pytest.param("eagle3-lookup", "static-kernel", marks=pytest.mark.slow)])  # 37 s
 def test_a_step_reads_the_device_once(target, store, kind, path, monkeypatch):
     """static: the cache and verify shapes a CUDA graph captures; static-kernel: with the tree
     attention kernel, as a GPU runs it (under the Triton interpreter here: slow, so one kind)."""

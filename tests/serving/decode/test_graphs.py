@@ -34,7 +34,7 @@ def corrupt(depth, position):  # rejections and rank-1 rescues, so accepted path
     return "rank1" if (depth + position) % 3 == 0 else ("wrong" if (depth * position) % 5 == 4 else None)
 
 
-@pytest.mark.parametrize("attn_impl", ["sdpa", "tree"])
+@pytest.mark.parametrize("attn_impl", ["sdpa", pytest.param("tree", marks=pytest.mark.slow)])  # tree: 41 s
 def test_static_verify_is_lossless_with_medusa(setup, tiny_llama_dir, attn_impl):
     target, cases = setup
     if attn_impl == "tree":  # its own model: the engine switches its attention

@@ -373,7 +373,8 @@ def sampling_setup(tmp_path_factory):
     torch.set_num_threads(num_threads)
 
 
-@pytest.mark.parametrize("with_heads", [True, False], ids=["medusa+lookup+store", "store-alone"])
+@pytest.mark.parametrize("with_heads", [pytest.param(True, id="medusa+lookup+store"),
+                                        pytest.param(False, id="store-alone", marks=pytest.mark.slow)])
 def test_first_two_tokens_follow_the_target_with_the_store(sampling_setup, with_heads):
     """Store tokens are candidates fixed in advance: beside the heads' tree and a lookup chain
     (the root's last child), or the whole tree (no heads)."""
