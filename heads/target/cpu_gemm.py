@@ -413,27 +413,12 @@ class PackedBf16Linear:
         return self._scratch
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.in_features or (
-                residual is not None) != (self.epilogue == "residual"):
-            raise ValueError(f"PackedBf16Linear({self.epilogue}) takes CPU bf16 [..., {self.in_features}]"
-                             f"{' and a residual' if self.epilogue == 'residual' else ''}, got {x.dtype} "
-                             f"{tuple(x.shape)}{'' if residual is None else ' and a residual'}")
-        x_NK = x.reshape(-1, self.in_features)
-        if x_NK.stride(-1) != 1:
-            x_NK = x_NK.contiguous()
-        out = x.new_empty(x.shape[:-1] + (self.out_features,))
+        x_NK, out, res_NO = cpu_kernels.bf16_rows(f"PackedBf16Linear({self.epilogue})", self.in_features,
+                                                  self.out_features, x, residual, self.epilogue == "residual")
         tokens = x_NK.shape[0]
         if tokens == 0:
             return out
-        res_pointer, res_stride = None, 0
-        if residual is not None:
-            if residual.shape != out.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
-                raise ValueError(f"PackedBf16Linear: residual {residual.dtype} {tuple(residual.shape)} does not match "
-                                 f"the output, CPU bf16 {tuple(out.shape)}")
-            res_NO = residual.reshape(-1, self.out_features)
-            if res_NO.stride(-1) != 1:
-                res_NO = res_NO.contiguous()
-            res_pointer, res_stride = res_NO.data_ptr(), res_NO.stride(0)
+        res_pointer, res_stride = (None, 0) if res_NO is None else (res_NO.data_ptr(), res_NO.stride(0))
         self._linear(self._plan_ref, x_NK.data_ptr(), tokens, x_NK.stride(0), out.data_ptr(), self.out_features,
                      res_pointer, res_stride, self._wide(tokens).data_ptr(), torch.get_num_threads())
         return out

@@ -256,27 +256,11 @@ class RowLinear:
         self._linear_rows = library.linear_rows
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.in_features or (
-                residual is not None) != self._residual:
-            raise ValueError(f"RowLinear({self.epilogue}) takes CPU bf16 [..., {self.in_features}]"
-                             f"{' and a residual' if self._residual else ''}, got {x.dtype} "
-                             f"{tuple(x.shape)}{'' if residual is None else ' and a residual'}")
-        x_NK = x.reshape(-1, self.in_features)
-        if x_NK.stride(-1) != 1:
-            x_NK = x_NK.contiguous()
-        out = x.new_empty(x.shape[:-1] + (self.out_features,))
-        if residual is None:
-            self._linear_rows(self._plan_ref, x_NK.data_ptr(), x_NK.shape[0], x_NK.stride(0), out.data_ptr(),
-                              self.out_features, None, 0, torch.get_num_threads())
-            return out
-        if residual.shape != out.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
-            raise ValueError(f"RowLinear: residual {residual.dtype} {tuple(residual.shape)} does not match "
-                             f"the output, CPU bf16 {tuple(out.shape)}")
-        res_NO = residual.reshape(-1, self.out_features)
-        if res_NO.stride(-1) != 1:
-            res_NO = res_NO.contiguous()
+        x_NK, out, res_NO = cpu_kernels.bf16_rows(f"RowLinear({self.epilogue})", self.in_features,
+                                                  self.out_features, x, residual, self._residual)
         self._linear_rows(self._plan_ref, x_NK.data_ptr(), x_NK.shape[0], x_NK.stride(0), out.data_ptr(),
-                          self.out_features, res_NO.data_ptr(), res_NO.stride(0), torch.get_num_threads())
+                          self.out_features, None if res_NO is None else res_NO.data_ptr(),
+                          0 if res_NO is None else res_NO.stride(0), torch.get_num_threads())
         return out
 
 

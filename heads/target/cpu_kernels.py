@@ -30,6 +30,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from specheads.heads import atomic
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
@@ -163,6 +165,29 @@ log = logging.getLogger("specheads.cpu_kernels")
 
 
 @functools.cache
+def bf16_rows(name: str, in_features: int, out_features: int, x: torch.Tensor, residual: torch.Tensor | None,
+              takes_residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What the bf16 linear kernels (heads/target/cpu_gemm.py, cpu_gemv.py) take, checked: x
+    [..., in_features] as rows with unit column stride, a new output [..., out_features], and the
+    residual's rows (None without one) -> (x_NK, out, res_NO). ValueError naming `name`."""
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != in_features or (residual is not None) != takes_residual:
+        raise ValueError(f"{name} takes CPU bf16 [..., {in_features}]{' and a residual' if takes_residual else ''}, "
+                         f"got {x.dtype} {tuple(x.shape)}{'' if residual is None else ' and a residual'}")
+    x_NK = x.reshape(-1, in_features)
+    if x_NK.stride(-1) != 1:
+        x_NK = x_NK.contiguous()
+    out = x.new_empty(x.shape[:-1] + (out_features,))
+    if residual is None:
+        return x_NK, out, None
+    if residual.shape != out.shape or residual.dtype != torch.bfloat16 or not residual.is_cpu:
+        raise ValueError(f"{name}: residual {residual.dtype} {tuple(residual.shape)} does not match the output, "
+                         f"CPU bf16 {tuple(out.shape)}")
+    res_NO = residual.reshape(-1, out_features)
+    if res_NO.stride(-1) != 1:
+        res_NO = res_NO.contiguous()
+    return x_NK, out, res_NO
+
+
 def say_once(message: str) -> None:
     """A fallback's one line, once per process."""
     log.warning(message)
