@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # EAGLE-3 heads for SmolLM2 trained from nothing on template and on broad data, and scored, on a
-# GPU machine that starts bare for each short session, over two calls (on a machine of your own, run
+# GPU machine that starts bare for each short rental, over two calls (on a machine of your own, run
 # python -m specheads.bench.gpu.heads directly: bench/gpu/README.md). Run it from the repository root:
 #
 #     OUT=<folder for the report> bash bench/gpu/heads_run.sh [gpu_heads options, e.g. --phases score,heads]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite's run on a GPU machine that starts bare for each short session (on a machine of your
+# The GPU suite's run on a GPU machine that starts bare for each short rental (on a machine of your
 # own, run the suite directly: bench/gpu/README.md). Run it from the repository root:
 #
 #     OUT=<folder for the report> bash bench/gpu/run.sh [gpu_suite options, e.g. --sections end_to_end]
