@@ -164,7 +164,6 @@ FALLBACKS = {"cpu_attention": "attention runs through torch's batched matmuls",
 log = logging.getLogger("specheads.cpu_kernels")
 
 
-@functools.cache
 def bf16_rows(name: str, in_features: int, out_features: int, x: torch.Tensor, residual: torch.Tensor | None,
               takes_residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What the bf16 linear kernels (heads/target/cpu_gemm.py, cpu_gemv.py) take, checked: x
@@ -188,6 +187,7 @@ def bf16_rows(name: str, in_features: int, out_features: int, x: torch.Tensor, r
     return x_NK, out, res_NO
 
 
+@functools.cache
 def say_once(message: str) -> None:
     """A fallback's one line, once per process."""
     log.warning(message)
