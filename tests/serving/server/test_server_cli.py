@@ -26,7 +26,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])  # 8-10 s each
 def test_serve_subcommand_end_to_end(tiny_setup, stop_signal):  # noqa: F811
     target_dir, heads_dir = tiny_setup
     port = free_port()
