@@ -440,22 +440,23 @@ def test_a_resume_against_another_model_is_refused_in_one_line(filling, tmp_path
     output = tmp_path / "out.jsonl"
     regenerate_with_servers([server.url], str(source), str(output), max_batches=1, **quiet())
     name, root = server.name, server.root
-    server.root = "/models/Qwen3-8B"
-    try:
-        assert cli(["--server", server.url, "--input", str(source), "--output", str(output), "--batch-size", "4",
-                    "--max-new-tokens", "10"]) == 2
-    finally:
-        server.root = root
+
+    def resume_as(**identity) -> int:
+        """The CLI's resume of `output` while the server reports `identity` (root, name)."""
+        kept = {key: getattr(server, key) for key in identity}
+        vars(server).update(identity)
+        try:
+            return cli(["--server", server.url, "--input", str(source), "--output", str(output), "--batch-size", "4",
+                        "--max-new-tokens", "10"])
+        finally:
+            vars(server).update(kept)
+
+    assert resume_as(root="/models/Qwen3-8B") == 2
     err = capsys.readouterr().err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
     assert f"holds replies of target {root!r} served as {name!r}, but this run's come from target " \
            f"'/models/Qwen3-8B' served as {name!r}" in err
-    server.name = "tiny-renamed"
-    try:
-        assert cli(["--server", server.url, "--input", str(source), "--output", str(output), "--batch-size", "4",
-                    "--max-new-tokens", "10"]) == 2
-    finally:
-        server.name = name
+    assert resume_as(name="tiny-renamed") == 2
     assert "served as 'tiny-renamed'" in capsys.readouterr().err
     # the same target made locally resumes it (one target, whoever decodes it)
     progress = regenerate(str(target_dir), str(source), str(output), dtype="float32", **quiet())
