@@ -5,9 +5,9 @@ kernel to PTX and a cubin for any SM with no GPU present, and `cuobjdump -res-us
 the cubin's registers per thread, stack (spill) bytes and shared memory. The default test
 suite compiles both kernels at the plan `triton_kernel.plan` makes for every SM, dtype and
 head dim we claim and a plain step and 16- and 64-node trees (tests/serving/kernels/
-test_native_compile.py), so a kernel that breaks for the GPU, needs more shared memory than
-an SM has, spills, or holds fewer programs per SM than the split rule counts on
-(`LaunchConfig.blocks_per_sm`), fails on every CI run, not only when a GPU is lent;
+test_native_compile.py, a slow test: about two minutes on 2 cores), so a kernel that breaks
+for the GPU, needs more shared memory than an SM has, spills, or holds fewer programs per SM
+than the split rule counts on (`LaunchConfig.blocks_per_sm`), fails on a machine without a GPU;
 `python -m specheads.bench.gpu.kernels --compile-report` prints the resources.
 
 What is compiled is what would run: the launcher's own `kernel_calls` on meta tensors of a
