@@ -3,7 +3,7 @@ kernel against its PyTorch references and SDPA's error (parity, with a torch.com
 and a bf16 control for the lossless section), and against SDPA and other launch
 configurations (speed), plus the timing helpers every section uses. Imports torch and the
 project's kernel modules (and, to time a graph, serving/decode/graphs.py; for the bf16
-control, bench/gpu/engine.py's random targets).
+control, bench/gpu/models.py's random targets).
 
 Shape legend: B batch, Hq / Hkv query / KV heads, T tree tokens, S prefix keys, D head dim.
 """
@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from specheads.bench.gpu.models import hf_greedy, random_llama, random_prompts
 from specheads.bench.support import random_tree_mask, time_ms
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # relative L2, as in the tests
@@ -125,7 +126,6 @@ def bf16_control(ctx) -> dict:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from specheads.bench.gpu.engine import hf_greedy, random_llama, random_prompts
     from specheads.serving.kernels.tree_attention import pack_tree_mask, use_tree_attention
 
     from transformers import DynamicCache

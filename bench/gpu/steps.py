@@ -24,7 +24,7 @@ import re
 
 import torch
 
-from specheads.bench.gpu.engine import (adapters, free_device_memory, prefilled_cache, random_llama, step_ms,
+from specheads.bench.gpu.models import (adapters, free_device_memory, prefilled_cache, random_llama, step_ms,
                                         verify_call)
 from specheads.bench.gpu.kernels import graph_ms
 from specheads.bench.support import kv_read_bytes, time_ms, weight_read_bytes

@@ -58,7 +58,8 @@ from types import SimpleNamespace
 import torch
 
 from specheads.heads import atomic
-from specheads.bench.gpu.engine import free_device_memory, section_end_to_end, section_lossless
+from specheads.bench.gpu.engine import section_end_to_end, section_lossless
+from specheads.bench.gpu.models import free_device_memory
 from specheads.bench.gpu.kernels import section_block_sizes, section_kernel_speed, section_parity
 from specheads.bench.gpu.steps import section_autotune_step, section_gemm, section_profile, section_step_time
 from specheads.bench.gpu.trained import section_trained_heads

@@ -24,8 +24,8 @@ import copy
 
 import torch
 
-from specheads.bench.gpu.engine import DENOMINATOR, _timed, graphs_mode, hf_greedy, random_eagle3, random_llama, \
-    random_prompts
+from specheads.bench.gpu.engine import DENOMINATOR, _timed
+from specheads.bench.gpu.models import graphs_mode, hf_greedy, random_eagle3, random_llama, random_prompts
 
 MIN_SPEEDUP = 1.3
 

@@ -45,7 +45,7 @@ def test_greedy_is_lossless_on_cuda(ctx):
 def test_compiled_forward_replays_in_a_cuda_graph(ctx, dtype):
     """The compiled forward captured over the static cache: its replay gives what it gives
     eagerly, and what the model's own forward gives (fp32: to rounding; bf16: to bf16's)."""
-    from specheads.bench.gpu.engine import adapters, prefilled_cache, random_llama, verify_call
+    from specheads.bench.gpu.models import adapters, prefilled_cache, random_llama, verify_call
     from specheads.serving.decode.graphs import capture
 
     forwards = adapters(ctx, random_llama(gpu_suite.LLAMA_TINY | dict(hidden_size=128), ctx.device, dtype))
@@ -63,7 +63,7 @@ def test_compiled_forward_replays_in_a_cuda_graph(ctx, dtype):
 
 
 def test_peaked_target_is_decided_beyond_bf16_rounding(ctx):
-    from specheads.bench.gpu.engine import peaked_llama
+    from specheads.bench.gpu.models import peaked_llama
 
     with torch.no_grad():
         peaked = peaked_llama(ctx, gpu_suite.SMOLLM2_SHAPE)

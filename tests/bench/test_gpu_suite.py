@@ -309,7 +309,7 @@ def test_verify_call_runs_the_tree_it_builds():
     """The step sections' verify forward attends through the tree kernel with the tree it drew:
     the same logits as the explicit 4-D tree mask, in both rows of a static cache of unequal
     lengths (a forward that dropped the tree arguments would run a causal chain instead)."""
-    from specheads.bench.gpu.engine import prefilled_cache, random_llama, verify_call
+    from specheads.bench.gpu.models import prefilled_cache, random_llama, verify_call
     from specheads.bench.gpu.kernels import random_tree_mask
     from specheads.heads.target.adapter import TargetAdapter
 
