@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.target import cpu_gemm, cpu_gemv, cpu_kernels, cpu_layout
+from specheads.heads.target import cpu_gemm, cpu_gemm_layer, cpu_gemv, cpu_kernels, cpu_layout
 from specheads.heads.target.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -186,7 +186,7 @@ class _Layer:
     q_norm: torch.Tensor | None = None  # [D] Qwen3's per-head RMSNorm weights of q and k, applied before RoPE
     k_norm: torch.Tensor | None = None
     # the layer around its attention in two C calls (heads/target/cpu_gemm.py), where its kernel runs
-    halves: cpu_gemm.PackedBf16Layer | None = None
+    halves: cpu_gemm_layer.PackedBf16Layer | None = None
 
 
 def architecture_reason(model: nn.Module) -> str | None:
@@ -327,9 +327,9 @@ class FusedDecoder:
         if self.layer_halves and self.row_kernel == "avx2" and self.kernels is not None:  # one C call each
             for layer in self.layers:
                 rows = layer.rows
-                layer.halves = cpu_gemm.PackedBf16Layer(rows.qkv, rows.attention_out, rows.mlp_in, rows.mlp_out,
-                                                        layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
-                                                        self.num_q_heads, self.num_kv_heads, self.head_dim, self.eps)
+                layer.halves = cpu_gemm_layer.PackedBf16Layer(
+                    rows.qkv, rows.attention_out, rows.mlp_in, rows.mlp_out, layer.input_norm, layer.post_norm,
+                    layer.q_norm, layer.k_norm, self.num_q_heads, self.num_kv_heads, self.head_dim, self.eps)
         self.lm_head = model.lm_head
         self.lm_head_rows = linear([weight], model.lm_head.bias) if linear is not None else None
         if max_rows is None:

@@ -200,7 +200,7 @@ def test_few_bf16_rows_run_the_row_kernel_and_many_run_onednn(tiny_llama_dir, mo
                     reason="needs heads/target/cpu_gemm.py's kernel as this CPU's bf16 kernel")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layer_halves_compute_the_ops_one_by_one_bit_for_bit(arch, request, monkeypatch):
-    """Each layer's two C calls (cpu_gemm.PackedBf16Layer) give exactly what its ops give one by
+    """Each layer's two C calls (cpu_gemm_layer.PackedBf16Layer) give exactly what its ops give one by
     one: a prefill of two rows, then a tree verify in the static cache (logits and every tap)."""
     target = TargetAdapter.from_pretrained(request.getfixturevalue(f"tiny_{arch}_dir"), dtype=torch.bfloat16,
                                            pack_weights=True)
