@@ -58,8 +58,8 @@ from pathlib import Path
 from specheads.data.chat import THINKING_MODES, THINKING_SWITCH
 from specheads.data.openai_wire import (CHAT_PATH, CONNECT_TIMEOUT_S, MODELS_PATH, NEUTRAL_SAMPLING, error_text,
                                          reply_of, retry_after, served_model, server_url, too_long, wire_message)
-from specheads.data.regenerate import (WRITE_EVERY, InOrderWriter, Progress, RecordJob, ReplyMeter, rejects_path,
-                                       start_progress)
+from specheads.data.regenerate import RecordJob, ReplyMeter
+from specheads.data.reply_progress import WRITE_EVERY, InOrderWriter, Progress, rejects_path, start_progress
 from specheads.data.text import DataError, load_records
 
 DEFAULT_CONCURRENCY = 8  # requests in flight per server

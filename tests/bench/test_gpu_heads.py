@@ -38,7 +38,7 @@ def run_driver(tmp_path: Path, *args: str, timeout: int = 600) -> subprocess.Com
 def test_figures_are_read_from_what_the_commands_print():
     from specheads.bench.tools import learning_curve
     from specheads.data.chat_prompts import format_report
-    from specheads.data.regenerate import Progress
+    from specheads.data.reply_progress import Progress
     from specheads.training.tracking import estimated_chain_tau, eval_metrics, format_metrics, step_metrics
 
     step = format_metrics(50, 100, step_metrics([2.0, 2.5], [0.61, 0.52], 1e-3,

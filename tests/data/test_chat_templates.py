@@ -335,7 +335,8 @@ def test_regenerate_refuses_a_thinking_mode_before_writing_anything(tokenizers, 
 def test_regenerate_records_its_thinking_mode_and_resumes_only_in_it(tokenizers, tmp_path):
     from conftest import make_tiny_model
 
-    from specheads.data.regenerate import progress_path, regenerate
+    from specheads.data.regenerate import regenerate
+    from specheads.data.reply_progress import progress_path
 
     target = make_tiny_model("llama", tmp_path / "target", vocab_size=512, hidden_size=32)
     source = tmp_path / "in.jsonl"

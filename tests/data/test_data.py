@@ -296,7 +296,8 @@ def test_regenerate_turns_records_into_multi_turn_conversations_with_the_targets
 
 
 def test_regenerate_resumes_after_an_interruption_without_duplicates(chat_tok, target_512, tmp_path):
-    from specheads.data.regenerate import progress_path, regenerate
+    from specheads.data.regenerate import regenerate
+    from specheads.data.reply_progress import progress_path
 
     source = write_jsonl(tmp_path / "in.jsonl", regen_records())
     run = dict(tokenizer_path=str(chat_tok), batch_size=2, max_new_tokens=5, log=lambda _: None)

@@ -175,7 +175,7 @@ def test_one_server_writes_every_record_in_order_with_the_conversation_so_far(se
 
 
 def test_two_servers_one_killed_mid_run_give_the_same_output(servers, source, reference, tmp_path):
-    from specheads.data.regenerate import progress_path
+    from specheads.data.reply_progress import progress_path
     from specheads.data.remote_replies import regenerate_with_servers
 
     output = tmp_path / "out.jsonl"
@@ -207,7 +207,7 @@ def test_two_servers_one_killed_mid_run_give_the_same_output(servers, source, re
 
 def test_a_run_whose_server_dies_stops_at_the_failed_record_and_a_rerun_resumes(servers, source, reference,
                                                                                 tmp_path):
-    from specheads.data.regenerate import progress_path
+    from specheads.data.reply_progress import progress_path
     from specheads.data.remote_replies import regenerate_with_servers
 
     output = tmp_path / "out.jsonl"
@@ -353,7 +353,7 @@ def test_replies_through_a_server_that_fills_omitted_fields_are_the_targets_own(
 
 
 def test_a_refused_record_goes_to_the_rejects_file_and_the_run_goes_on(filling, tmp_path):
-    from specheads.data.regenerate import rejects_path
+    from specheads.data.reply_progress import rejects_path
     from specheads.data.remote_replies import regenerate_with_servers
 
     server, _, source = filling
