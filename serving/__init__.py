@@ -28,8 +28,8 @@ kernels/   tree attention: the Triton kernels and their launch plan (triton_kern
            custom operator torch.compile sees (custom_op.py), the PyTorch references and
            the transformers attention function (tree_attention.py)
 server/    the HTTP server: app.py (FastAPI routes), state.py (its config and shared state),
-           worker.py (the engine thread), schema.py (request validation), responses.py
-           (OpenAI response bodies), metrics.py (Prometheus), detokenize.py (token deltas to
-           text), text_stream.py (one request's text deltas), server.py (uvicorn, shutdown),
+           worker.py (the engine thread), json_body.py (the raw body to JSON), schema.py
+           (request validation), responses.py (OpenAI response bodies), metrics.py
+           (Prometheus), detokenize.py (token deltas to text), text_stream.py (one request's text deltas), server.py (uvicorn, shutdown),
            reasoning.py (a reply's reasoning split off, --reasoning-parser)
 """

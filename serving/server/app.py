@@ -27,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specheads.serving.decode.scheduler import SequenceRequest
-from specheads.serving.server.schema import (APIError, ChatCompletionRequest, CompletionRequest, parse_json_body,
-                                             validate_request)
+from specheads.serving.server.json_body import parse_json_body
+from specheads.serving.server.schema import APIError, ChatCompletionRequest, CompletionRequest, validate_request
 from specheads.serving.decode.sampling import MAX_SEED, SamplingParams
 from specheads.serving.server.state import ServerState
 from specheads.serving.server.worker import Choice, EngineUnavailable, Event, Job, QueueFull
