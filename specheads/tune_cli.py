@@ -49,7 +49,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from specheads.bench.prompts import encode_prompts, load_prompts
-    from specheads.bench.tune import NODE_BUDGETS
+    from specheads.bench.tune_candidates import NODE_BUDGETS
     from specheads.bench_cli import int_list
 
     if args.max_new_tokens < 1:

@@ -10,8 +10,9 @@ import torch
 
 from conftest import make_tiny_model
 from specheads.bench.step_costs import StepCostTable
-from specheads.bench.tune import (ADAEDL_THRESHOLD, ADAEDL_TWINS, adaedl_twins, candidate_settings, dynamic_settings,
-                                  format_tuning, static_settings, tune_heads_dir)
+from specheads.bench.tune import format_tuning, tune_heads_dir
+from specheads.bench.tune_candidates import (ADAEDL_THRESHOLD, ADAEDL_TWINS, adaedl_twins, candidate_settings,
+                                             dynamic_settings, static_settings)
 from specheads.heads.artefacts.heads_dir import (HeadsConfig, TUNING_NAME, read_heads_config, read_tuning, save_heads,
                                                  update_tree)
 from specheads.heads.medusa import MedusaHeads
