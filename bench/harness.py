@@ -222,6 +222,8 @@ def run_methods(methods: list[Method], prompts: list[EncodedPrompt], max_new_tok
     if warmup:
         for method in methods:
             method.generate(prompts[0].input_ids, min(WARMUP_NEW_TOKENS, max_new_tokens))
+            if method.decoder is not None and method.decoder.store is not None:
+                method.decoder.store.forget()  # its replies learned from now on are the bench's own
     # Interleaved (prompt-major): load from other processes then hits every method alike.
     runs: dict[str, list[PromptRun]] = {method.name: [] for method in methods}
     for i, prompt in enumerate(prompts):
@@ -372,7 +374,8 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
     lookup_num_tokens > 0 adds the engine's n-gram lookup alone (`engine-lookup[N]`) and with
     each heads directory's first tree (`engine-<label>+lookup[...]`). store (a
     serving/decode/store.py StoreDrafter) adds it alone (`engine-store[N]`) and with each heads
-    directory's first tree and lookup (`engine-<label>+lookup+store[...]`)."""
+    directory's first tree and lookup (`engine-<label>+lookup+store[...]`), each method with its
+    own learned replies (empty at the start: what one method served never drafts for another)."""
     from specheads.serving.decode.config import SpeculativeDecoder
     from specheads.serving.decode.lookup import LookupConfig
 
@@ -402,7 +405,8 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
                 if any(m.name == name for m in methods):
                     continue
                 decoder = SpeculativeDecoder(target, module, tree, tap_layers=tap_layers, lookup=with_lookup,
-                                             store=with_store, entropy_threshold=info.get("entropy_threshold"),
+                                             store=with_store and with_store.fresh(),
+                                             entropy_threshold=info.get("entropy_threshold"),
                                              **engine_kwargs(fallback, cuda_graphs))
                 methods.append(engine_method(name, method_kind, decoder, eos_token_id,
                                              dict(info, heads=label, head_kind=config.kind,
@@ -414,7 +418,8 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
                                      eos_token_id))
     if store is not None:
         methods.append(engine_method(f"engine-store[{store.num_tokens}]", "engine-store",
-                                     SpeculativeDecoder(target, store=store, **engine_kwargs(fallback, cuda_graphs)),
+                                     SpeculativeDecoder(target, store=store.fresh(),
+                                                        **engine_kwargs(fallback, cuda_graphs)),
                                      eos_token_id))
     if prompt_lookup_num_tokens > 0:
         methods.append(hf_method(f"hf-prompt-lookup[{prompt_lookup_num_tokens}]", "hf-prompt-lookup", target,

@@ -106,7 +106,10 @@ def measure_store(target, heads, heads_config, setting: Setting, prompts: list[l
     """The winning setting (with `lookup`, a LookupConfig or None) without and with the reply
     store's chains (`store`: a serving/decode/store.py StoreDrafter), interleaved on `prompts`
     -> {"path", "config", "chosen", "without", "with"}."""
-    return {"path": str(store.store.directory.resolve()), "config": dataclasses.asdict(store.config),
+    from specheads.runner import STORE_LEARN
+
+    path = STORE_LEARN if store.store is None else str(store.store.directory.resolve())
+    return {"path": path, "config": dataclasses.asdict(store.config),
             **measure_branch(target, heads, heads_config, setting, prompts, plain, max_new_tokens, eos_token_id,
                              {"lookup": lookup, "cuda_graphs": cuda_graphs}, {"store": store})}
 

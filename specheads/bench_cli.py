@@ -2,7 +2,7 @@
 
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
-                    [--store DIR]
+                    [--store DIR|learn] [--passes N]
                     [--output-json OUT.json|-] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D]
                     [--device auto|cpu|cuda[:N]] [--enforce-eager]
                     [--llama-cpp DIR [--llama-cpp-draft-max N] [--llama-cpp-draft-p-min P] [--llama-cpp-args "FLAGS"]]
@@ -21,7 +21,9 @@ engine-lookup[N] (the engine's own n-gram lookup drafts, no heads) and engine-<h
 (each heads directory's first tree plus lookup; serving/decode/lookup.py), both off with
 --lookup-num-tokens 0; with --store DIR (a store of the target's replies, `specheads data store`),
 engine-store[N] (drafts from the store alone) and engine-<heads>+lookup+store[...] (each heads directory's
-first tree, lookup and the store; serving/decode/store.py); hf-prompt-lookup[N] (off with
+first tree, lookup and the store; serving/decode/store.py), each learning the replies it serves
+(--store learn: from those alone; --passes 2 serves the prompts twice, the second pass reported
+apart); hf-prompt-lookup[N] (off with
 --prompt-lookup-num-tokens 0), hf-assisted (--draft-model,
 which must share the target's tokenizer). How each metric is measured: bench/harness.py.
 
@@ -112,6 +114,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--per-category", type=int, default=None, metavar="N",
                    help="use only the first N prompts of each category (applied before --limit)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--passes", type=int, default=1, metavar="N",
+                   help="serve the prompts N times over, in order; pass k's figures are its own categories, "
+                        "'CATEGORY (pass k)': a workload that repeats (a learning store drafts pass 2 from pass 1)")
     p.add_argument("--tree-nodes", action="append", default=[], metavar="N[,N...]",
                    help="also bench calibrated trees of N draft nodes (repeatable or comma-separated)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
@@ -147,6 +152,8 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.passes < 1:
+        raise ValueError(f"--passes must be >= 1, got {args.passes}")
     for flag, value in (("--lookup-num-tokens", args.lookup_num_tokens),
                         ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)):
         if value < 0:
@@ -204,9 +211,9 @@ def run(args) -> int:
         draft_model = AutoModelForCausalLM.from_pretrained(draft_path, dtype=target.dtype,
                                                            trust_remote_code=args.trust_remote_code)
         draft_model.to(args.device).eval()
-    encoded = encode_prompts(tokenizer, prompts)
+    encoded = repeat_passes(encode_prompts(tokenizer, prompts), args.passes)
     config = {"target": args.target, "heads": heads_dirs or None, "prompts": args.prompts or "default",
-              "store": args.store,
+              "store": args.store, "passes": args.passes,
               "dtype_requested": args.dtype, "device": args.device, "cuda_graphs": args.cuda_graphs,
               "chat_template": bool(getattr(tokenizer, "chat_template", None)),
               "torch": torch.__version__, "transformers": transformers.__version__}
@@ -246,6 +253,14 @@ def run(args) -> int:
               f"rounding but a bug (tolerance {report['config']['tie_tolerance']} logits, bench/divergence.py)",
               file=sys.stderr)
     return 0
+
+
+def repeat_passes(prompts: list, passes: int) -> list:
+    """The prompts, then again for each later pass with its category marked '(pass k)'."""
+    import dataclasses
+
+    return prompts + [dataclasses.replace(prompt, category=f"{prompt.category} (pass {k})")
+                      for k in range(2, passes + 1) for prompt in prompts]
 
 
 def step_costs(target, heads_list: list[tuple]) -> list[dict]:

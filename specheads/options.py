@@ -26,7 +26,8 @@ from specheads.runner import DEVICE_HELP, ENFORCE_EAGER_HELP, STORE_OFF
 LOOKUP_HELP = ("draft up to N tokens by n-gram lookup in the context (serving/decode/lookup.py), beside the heads "
                "or alone; 0: off")
 STORE_HELP = ("draft from the store of the target's replies in DIR (`specheads data store`; serving/decode/store.py), "
-              "beside the heads and lookup")
+              "beside the heads and lookup; the replies served join it as they finish (bounded); 'learn': no built "
+              "store, draft from the replies served so far and the prompt")
 OUTPUT_JSON_HELP = "write the JSON report to PATH ('-': print it on stdout instead of the text)"
 
 
@@ -126,7 +127,7 @@ def add_lookup_option(parser: argparse.ArgumentParser, default: int | None = Non
 def add_store_option(parser: argparse.ArgumentParser, help_text: str | None = None) -> None:
     """--store DIR (dest store). Default None: what `specheads tune` stored in the heads directory;
     `--store none` turns that off."""
-    parser.add_argument("--store", metavar="DIR", default=None, help=help_text or STORE_HELP + (
+    parser.add_argument("--store", metavar="DIR|learn", default=None, help=help_text or STORE_HELP + (
         f" (default: what `specheads tune` stored in the heads directory, else off; {STORE_OFF}: off)"))
 
 

@@ -96,6 +96,7 @@ def load_inference_target(name_or_path: str, *, heads: Sequence[str] = (), dtype
 
 
 STORE_OFF = "none"  # --store none: no reply store, even where the heads directory records one
+STORE_LEARN = "learn"  # --store learn: no built store, drafts from the replies served so far (and the prompt)
 DEVICE_HELP = "auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N"
 ENFORCE_EAGER_HELP = ("run every forward eagerly, as vLLM's --enforce-eager: no CUDA graphs (by default, on a CUDA "
                       "device, the engine's forwards are captured once per shape and replayed, verifying with the "
@@ -146,7 +147,7 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens.
     store (a reply store's directory, serving/decode/store.py): None uses what the heads
     directory records (`specheads tune` stores it when it made the tree faster), "none" turns
-    it off. A store is checked against the target and its tokenizer before it is used.
+    it off, "learn" drafts from the replies served so far alone (no built store). A store is checked against the target and its tokenizer before it is used.
     cuda_graphs: verify through captured CUDA graphs and the tree-attention kernel (a CUDA
     device only; on an H200 a SmolLM2-shaped forward went from 30 ms eager to 3.1 ms)."""
     if cuda_graphs and not str(device).startswith("cuda"):
@@ -191,7 +192,7 @@ def check_store(store: str | None) -> None:
     """A missing or corrupt reply store fails here, before any target loads (None, STORE_OFF: none)."""
     from specheads.heads.artefacts.reply_store import ReplyStore
 
-    if store is not None and store != STORE_OFF:
+    if store is not None and store not in (STORE_OFF, STORE_LEARN):
         ReplyStore(store)
 
 
@@ -204,9 +205,15 @@ def store_drafter(store: str | None, spec, target, tokenizer, heads: str | None 
     from specheads.serving.decode.store import StoreConfig, StoreDrafter, open_store
 
     if store is None and spec is not None and spec.store_path is not None:
-        store = str(Path(heads).expanduser() / spec.store_path)  # an absolute recorded path stays as it is
+        store = spec.store_path if spec.store_path == STORE_LEARN else \
+            str(Path(heads).expanduser() / spec.store_path)  # an absolute recorded path stays as it is
     if store is None or store == STORE_OFF:
         return None
     config = spec.store if spec is not None and spec.store is not None else StoreConfig()
+    if store == STORE_LEARN:
+        if not config.learn_tokens:
+            raise ValueError("--store learn drafts from the replies it learns, but the recorded store settings have "
+                             "learn_tokens 0: give a store directory, or tune again with --store learn")
+        return StoreDrafter(None, config)
     return StoreDrafter(open_store(store, target.identity, tokenizer), config)
 

@@ -23,32 +23,19 @@ as it is read. A corrupt store (a size that disagrees with its manifest, a bad m
 format version, a suffix array out of order) and a store built for another target or tokenizer
 are refused with one line naming what is wrong.
 
-The search (`ReplyStore.propose`), given a context:
-1. the longest suffix of its last `max_match` tokens that occurs in the store, at least
-   `min_match` tokens long: a binary search over the suffix length (if a suffix occurs, every
-   shorter one does), each length found by two binary searches of the suffix array;
-2. the continuation that most often followed it, greedy token by token, counted over the
-   match's occurrences (one range of the suffix array), at most `max_occurrences` of them,
-   evenly spaced over the range when there are more (the range is sorted by what follows, so an
-   even spread keeps each continuation's share): the most frequent next token among them (ties:
-   the smallest id), then the most frequent next one among those that went on with it, and so
-   on, until num_tokens tokens or the replies' end. One read of max_occurrences x num_tokens
-   tokens; while every counted occurrence goes on alike (the first and the last in sorted order
-   agree), their shared tokens are taken at once.
-One step's work is bounded: O(log max_match) binary searches of the suffix array for the
-match, each O(max_match log N), then the continuation. The proposal is a function of the store
-and the context alone.
+The search (`ReplyStore.index`, `propose`): heads/artefacts/suffix_search.py, which also
+searches the replies a server learns and each request's prompt (serving/decode/store.py).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
 import os
 import struct
 import sys
-from bisect import bisect_left, bisect_right
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -56,6 +43,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from specheads.heads import atomic
+from specheads.heads.artefacts.suffix_search import (SEPARATOR, Proposal, SearchSettings, Searcher, SuffixIndex,
+                                                      suffix_array)
 from specheads.heads.target.adapter import TargetIdentity
 
 FORMAT_NAME = "specheads-reply-store"
@@ -66,13 +55,10 @@ SUFFIX_ARRAY_NAME = "suffix_array.bin"
 TOKENS_MAGIC = b"SHRSTOK1"
 SUFFIX_ARRAY_MAGIC = b"SHRSSUF1"
 HEADER_BYTES = 16
-SEPARATOR = 0xFFFFFFFF  # ends every reply; above every token id, so it sorts last
 TOKEN_DTYPE = np.dtype(">u4")
 NUM_ORDER_CHECKS = 64  # adjacent suffix-array pairs checked for order when a store is opened
 # The target's identity fields a store must share with the target it drafts for (its path may differ).
 IDENTITY_FIELDS = ("architecture", "model_type", "hidden_size", "vocab_size", "num_layers")
-
-_read_token = struct.Struct(">I").unpack_from
 
 
 class StoreError(ValueError):
@@ -84,30 +70,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     two tokenizers with the same fingerprint turn text into the same ids."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-
-
-def suffix_array(tokens: np.ndarray) -> np.ndarray:
-    """[N] int64: the positions of `tokens` ([N] unsigned ids) sorted by the suffix starting
-    there (a suffix that ends first sorts first), by prefix doubling: after the round of width k
-    every position's rank orders its first 2k tokens. O(N log N) per round, one round per
-    doubling of the longest repeat."""
-    num = int(tokens.shape[0])
-    if num == 0:
-        return np.zeros(0, dtype=np.int64)
-    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64).reshape(-1)
-    width = 1
-    while True:
-        second = np.zeros(num, dtype=np.int64)  # 0: past the end, before every real rank
-        second[:num - width] = rank[width:] + 1
-        key = rank * (num + 1) + second
-        order = np.argsort(key, kind="stable")
-        sorted_key = key[order]
-        new_rank = np.empty(num, dtype=np.int64)
-        new_rank[order] = np.concatenate([[0], np.cumsum(sorted_key[1:] != sorted_key[:-1])])
-        rank = new_rank
-        if int(rank.max()) == num - 1 or width >= num:
-            return order
-        width *= 2
 
 
 @dataclass(frozen=True)
@@ -198,7 +160,6 @@ class ReplyStore:
         self._positions = self._map(SUFFIX_ARRAY_NAME, SUFFIX_ARRAY_MAGIC,
                                     np.dtype(manifest.suffix_array_dtype).itemsize)
         self.num_tokens = manifest.num_tokens
-        self._base = HEADER_BYTES
         # the suffix array as a sequence of Python ints for bisect
         view = memoryview(self._positions)[HEADER_BYTES:]
         self.suffixes = view.cast("i" if manifest.suffix_array_dtype == "<i4" else "q") \
@@ -231,13 +192,14 @@ class ReplyStore:
         """Cheap checks that catch a damaged file: the last token is a separator; suffix-array
         entries spread over it are positions of reply tokens, in order."""
         num_entries = self.num_tokens + self.manifest.num_sequences
-        if self.token(num_entries - 1) != SEPARATOR:
+        if int(self._token_array[num_entries - 1]) != SEPARATOR:
             raise StoreError(f"reply store {str(self.directory)!r} is corrupt: {TOKENS_NAME} does not end a reply")
         step = max(1, (self.num_tokens - 1) // NUM_ORDER_CHECKS)
         for index in range(0, self.num_tokens - 1, step):
             left, right = self.suffixes[index], self.suffixes[index + 1]
             in_range = 0 <= left < num_entries and 0 <= right < num_entries
-            if not in_range or self.token(left) == SEPARATOR or self._suffix(left, 64) > self._suffix(right, 64):
+            if not in_range or int(self._token_array[left]) == SEPARATOR or \
+                    self._token_array[left:left + 64].tolist() > self._token_array[right:right + 64].tolist():
                 raise StoreError(f"reply store {str(self.directory)!r} is corrupt: {SUFFIX_ARRAY_NAME} is out of "
                                  f"order at entry {index}")
 
@@ -255,88 +217,13 @@ class ReplyStore:
                              f"target {target.name_or_path!r}: {'; '.join(problems)}; build one for this target with "
                              "`specheads data store --target T`")
 
-    # --- the search (module doc) -------------------------------------------------------------
+    # --- the search (heads/artefacts/suffix_search.py) ----------------------------------------
 
-    def token(self, position: int) -> int:
-        return _read_token(self._tokens, self._base + 4 * position)[0]
+    @functools.cached_property
+    def index(self) -> SuffixIndex:
+        """The store's files as one SuffixIndex (the mapped arrays: no copy)."""
+        return SuffixIndex(self._token_array, self._suffix_array)
 
-    def _suffix(self, position: int, length: int) -> bytes:
-        """The first `length` tokens from `position` as big-endian bytes (fewer at the end)."""
-        start = self._base + 4 * position
-        return self._tokens[start:start + 4 * length]
-
-    def _lower_bound(self, pattern: Sequence[int]) -> tuple[int, bytes]:
-        """(the first suffix-array index whose suffix is >= pattern, pattern as bytes)."""
-        key = struct.pack(f">{len(pattern)}I", *pattern)
-        tokens, base, width = self._tokens, self._base, len(key)
-        lo = bisect_left(self.suffixes, key, 0, self.num_tokens,
-                         key=lambda position: tokens[base + 4 * position:base + 4 * position + width])
-        return lo, key
-
-    def find(self, pattern: Sequence[int]) -> tuple[int, int]:
-        """[lo, hi): the suffix-array range of the suffixes that start with `pattern`."""
-        lo, key = self._lower_bound(pattern)
-        tokens, base, width = self._tokens, self._base, len(key)
-        hi = bisect_right(self.suffixes, key, lo, self.num_tokens,
-                          key=lambda position: tokens[base + 4 * position:base + 4 * position + width])
-        return lo, hi
-
-    def occurs(self, pattern: Sequence[int]) -> bool:
-        lo, key = self._lower_bound(pattern)
-        return lo < self.num_tokens and self._suffix(self.suffixes[lo], len(pattern)) == key
-
-    def longest_match(self, context: Sequence[int], max_match: int, min_match: int = 1) -> tuple[int, int, int]:
-        """(length, lo, hi): the longest suffix of context[-max_match:] that occurs, at least
-        min_match tokens long, and its range; (0, 0, 0) when there is none."""
-        low, high = min_match, min(max_match, len(context))
-        best = 0
-        while low <= high:
-            length = (low + high) // 2
-            if self.occurs(context[len(context) - length:]):
-                best, low = length, length + 1
-            else:
-                high = length - 1
-        return (best, *self.find(context[len(context) - best:])) if best else (0, 0, 0)
-
-    def continuation(self, lo: int, hi: int, offset: int, num_tokens: int, max_occurrences: int) -> list[int]:
-        """Up to num_tokens tokens that most often followed the occurrences [lo, hi) of a
-        match `offset` tokens long, greedy token by token (module doc)."""
-        size = hi - lo
-        index = np.arange(lo, hi) if size <= max_occurrences \
-            else lo + (np.arange(max_occurrences) * size) // max_occurrences  # evenly spaced
-        starts_k = self._suffix_array[index].astype(np.int64) + offset  # [k] where each continuation starts
-        # [k, num_tokens]: what follows each counted occurrence (read past its reply's end: never taken)
-        rows = self._token_array[np.minimum(starts_k[:, None] + np.arange(num_tokens), self._last)]
-        chain: list[int] = []
-        while len(chain) < num_tokens:
-            # rows are sorted (the suffix array's order) and share the chain so far: the first
-            # and the last agree on a token exactly when every row does
-            first, last = rows[0, len(chain):], rows[-1, len(chain):]
-            agree = first == last
-            shared = first.size if agree.all() else int(agree.argmin())
-            if shared:
-                taken = first[:shared].tolist()
-                if SEPARATOR in taken:  # the replies end here
-                    return chain + taken[:taken.index(SEPARATOR)]
-                chain += taken
-                continue
-            column = rows[:, len(chain)]
-            cuts = np.flatnonzero(column[1:] != column[:-1]) + 1
-            run_starts, run_ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [column.size]])
-            best = int((run_ends - run_starts).argmax())  # the first longest run: the smallest token on a tie
-            chosen = int(column[run_starts[best]])
-            if chosen == SEPARATOR:  # the most frequent continuation ends the reply here
-                break
-            chain.append(chosen)
-            rows = rows[run_starts[best]:run_ends[best]]
-        return chain
-
-    def propose(self, context: Sequence[int], num_tokens: int, max_match: int, min_match: int = 1,
-                max_occurrences: int = 64) -> tuple[list[int], int]:
-        """-> (the proposed continuation of `context`, up to num_tokens tokens; the length of
-        the match it continues, 0 for none)."""
-        length, lo, hi = self.longest_match(context, max_match, min_match)
-        if not length:
-            return [], 0
-        return self.continuation(lo, hi, length, num_tokens, max_occurrences), length
-
+    def propose(self, context: Sequence[int], settings: SearchSettings = SearchSettings()) -> Proposal:
+        """The store's proposal for `context` (suffix_search.py's rule, this store alone)."""
+        return Searcher([[self.index]], settings).propose(context)

@@ -86,7 +86,7 @@ class SpeculativeDecoder:
             raise ValueError(f"lookup must be None or a serving.decode.lookup.LookupConfig, got {lookup!r}")
         if store is not None and not isinstance(store, StoreDrafter):
             raise ValueError(f"store must be None or a serving.decode.store.StoreDrafter, got {store!r}")
-        if store is not None:
+        if store is not None and store.store is not None:
             store.store.check_fits(target.identity)
         if fallback is not None and not isinstance(fallback, FallbackPolicy):
             raise ValueError(f"fallback must be None or a serving.decode.fallback.FallbackPolicy, got {fallback!r}")

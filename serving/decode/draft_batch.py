@@ -184,3 +184,7 @@ class Drafter(Protocol):
         """What the step accepted (before the commit): the verify's taps at every node, each row's
         accepted path, count and emitted tokens; lens_n the committed lengths before it. Writes
         the drafter's state for the next step -> notes for the host [n, k] long, or None."""
+
+    def finish(self, seq) -> None:
+        """seq ended well (finish reason stop or length) in this engine: what the drafter may
+        learn from its reply (the reply store learns it: serving/decode/learned_store.py)."""

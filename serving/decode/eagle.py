@@ -114,6 +114,9 @@ class _EagleDrafter:
         self.feature_BH[row] = out[0, -1]
 
     @torch.no_grad()
+    def finish(self, seq) -> None:
+        return None
+
     def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
                 emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> None:
         """Run the head over each row's accepted nodes at the positions they commit to."""

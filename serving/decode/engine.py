@@ -327,6 +327,8 @@ class BatchEngine:
                         raise
                     self._fail(seq, err)
             ok = seq.error is None
+            if ok and seq.finish_reason is not None:  # it ended in this step
+                self.device_step.finish(seq)
             depths.append(one.depth if ok else 0)
             emitted.append(len(one.emitted) if ok else None)
             deltas[seq.seq_id] = seq.tokens[before:] if ok else []

@@ -143,6 +143,9 @@ class NgramLookup:
         return DraftBatch.chain(roots_n, self.chain_BL[rows], (matched_n > 0)[:, None].expand(-1, self.num_tokens),
                                 None if alone_at is None else matched_n >= alone_at)
 
+    def finish(self, seq) -> None:
+        return None
+
     def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
                 emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> torch.Tensor:
         """Append the emitted tokens to each row's context (past its count: dead data), then

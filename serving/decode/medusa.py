@@ -116,6 +116,9 @@ class MedusaDrafter:
         cut_n = entropy_cut_depths(logits_DnV, self.entropy_threshold)
         return replace(drafts, valid=self.plan.position_offsets[None, :] < cut_n[:, None])
 
+    def finish(self, seq) -> None:
+        return None
+
     def observe(self, rows: slice, taps_nTH: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
                 emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> None:
         """Keep the final hidden state at each row's last accepted node (it chose the next root)."""

@@ -257,6 +257,11 @@ class DeviceStep:
             at += int(note.shape[0])
         return values[0], kept
 
+    def finish(self, seq) -> None:
+        """seq ended well this step: every drafter may learn from it (draft_batch.py `Drafter.finish`)."""
+        for drafter in self.drafters:
+            drafter.finish(seq)
+
     def plan(self, seqs: list, drafting: list[bool]) -> tuple[Variant, torch.Tensor | None]:
         """The host's part before a step over the active rows (seqs, in row order; drafting:
         which of them draft) -> (the step's Variant, its uniforms). The chain drafters prepare

@@ -64,8 +64,8 @@ def test_the_store_holds_the_assistant_tokens(setup):
     position = 0
     for _ in range(manifest.num_sequences):
         reply = []
-        while store.token(position) != 0xFFFFFFFF:
-            reply.append(store.token(position))
+        while int(store.index.tokens[position]) != 0xFFFFFFFF:
+            reply.append(int(store.index.tokens[position]))
             position += 1
         held.append(reply)
         position += 1

@@ -16,8 +16,10 @@ joint law of the first two tokens (chi-square, as test_decode_sampling.py).
 
 from __future__ import annotations
 
+import math
 import struct
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
+from specheads.heads.artefacts.suffix_search import SearchSettings
 from specheads.heads.artefacts.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME,
                                                    TOKENS_NAME, ReplyStore, StoreError, suffix_array,
                                                    tokenizer_fingerprint, write_store)
@@ -59,27 +62,34 @@ def random_replies(seed: int, num: int, vocab: int, max_len: int = 30) -> list[l
     return [rng.integers(0, vocab, rng.integers(1, max_len)).tolist() for _ in range(num)]
 
 
-def reference_propose(replies, context, num_tokens, max_match, min_match=1):
-    """Brute force of the documented rule over every occurrence."""
-    context = list(context)[-max_match:]
-    for length in range(len(context), min_match - 1, -1):
+def reference_propose(replies, context, settings: SearchSettings):
+    """Brute force of the documented rule (heads/artefacts/suffix_search.py) over every
+    occurrence (no sampling: settings.max_occurrences is not used) -> (chain, match)."""
+    context = list(context)[-settings.max_match:]
+    best, best_score, last_count, taken = ([], 0), 0.0, -1, 0
+    for length in range(len(context), settings.min_match - 1, -1):
         pattern = context[len(context) - length:]
         ends = [(r, i + length) for r, reply in enumerate(replies) for i in range(len(reply) - length + 1)
                 if reply[i:i + length] == pattern]
-        if ends:
+        if not ends or len(ends) == last_count:
+            continue
+        last_count, taken = len(ends), taken + 1
+        chain, probability, score = [], 1.0, 0.0
+        while len(chain) < min(settings.num_tokens, math.ceil(settings.tokens_per_match * length)) and ends:
+            nexts = [replies[r][p] if p < len(replies[r]) else SEPARATOR for r, p in ends]
+            counts = Counter(nexts)
+            chosen = min(token for token, count in counts.items() if count == max(counts.values()))
+            share = probability * counts[chosen] / len(nexts)
+            if chosen == SEPARATOR or share < settings.min_probability:
+                break
+            probability, score = share, score + share
+            chain.append(chosen)
+            ends = [(r, p + 1) for (r, p), token in zip(ends, nexts) if token == chosen]
+        if chain and score > best_score + 1e-12:
+            best, best_score = (chain, length), score
+        if taken == settings.max_candidates:
             break
-    else:
-        return [], 0
-    chain = []
-    while len(chain) < num_tokens and ends:
-        nexts = [replies[r][p] if p < len(replies[r]) else SEPARATOR for r, p in ends]
-        counts = Counter(nexts)
-        chosen = min(token for token, count in counts.items() if count == max(counts.values()))
-        if chosen == SEPARATOR:
-            break
-        chain.append(chosen)
-        ends = [(r, p + 1) for (r, p), token in zip(ends, nexts) if token == chosen]
-    return chain, length
+    return best
 
 
 def occurs(replies, tokens) -> bool:
@@ -116,37 +126,49 @@ def test_proposals_follow_the_rule(tmp_path, vocab, max_match, min_match):
     replies += [replies[0][:12]] * 3 + [replies[5]]  # repeated replies: counts above one
     store = build(tmp_path / "s", replies)
     rng = np.random.default_rng(1)
-    for _ in range(150):
-        context = rng.integers(0, vocab, rng.integers(0, 12)).tolist()
-        expected = reference_propose(replies, context, 6, max_match, min_match)
-        assert store.propose(context, 6, max_match, min_match, max_occurrences=10 ** 6) == expected, context
+    proposed = 0
+    for probability, per_match in ((0.0, 1.0), (0.1, 1.0), (0.3, 2.0)):
+        settings = SearchSettings(num_tokens=6, max_match=max_match, min_match=min_match, max_occurrences=10 ** 6,
+                                  min_probability=probability, tokens_per_match=per_match)
+        for _ in range(50):
+            context = rng.integers(0, vocab, rng.integers(0, 12)).tolist()
+            found = store.propose(context, settings)
+            assert (found.tokens, found.match) == reference_propose(replies, context, settings), context
+            proposed += bool(found.tokens)
+    assert proposed > 40
+
+
+def fake_seqs(contexts, prompt_len=4):
+    return [SimpleNamespace(seq_id=i, prompt=c[:prompt_len], tokens=c[prompt_len:]) for i, c in enumerate(contexts)]
 
 
 def test_proposals_are_deterministic_across_calls_batches_and_reopening(tmp_path):
     replies = random_replies(2, 400, 5, max_len=60)
     build(tmp_path / "s", replies)
-    config = StoreConfig(num_tokens=8, max_match=6, min_match=1, max_occurrences=4)
+    config = StoreConfig(num_tokens=8, max_match=6, min_match=1, max_occurrences=4, min_probability=0.0,
+                         tokens_per_match=2.0, learn_tokens=0, prompt=False)
     rng = np.random.default_rng(3)
     contexts = [rng.integers(0, 5, 10).tolist() for _ in range(40)]
     first = StoreDrafter(ReplyStore(tmp_path / "s"), config)
     again = StoreDrafter(ReplyStore(tmp_path / "s"), config)
-    batched = first.chains(contexts)
-    alone = [again.chains([c])[0] for c in reversed(contexts)][::-1]
+    batched = [first.propose(seq) for seq in fake_seqs(contexts)]
+    alone = [again.propose(seq) for seq in reversed(fake_seqs(contexts))][::-1]
     assert batched == alone
-    assert sum(bool(chain) for chain, _ in batched) > len(contexts) // 2
-    for context, (chain, goes_alone) in zip(contexts, batched):
-        assert not goes_alone and len(chain) <= 8  # [] where the most frequent continuation ends the reply
-        matched = first.store.propose(context, 8, 6, 1, 4)[1]
+    assert sum(bool(one.tokens) for one in batched) > len(contexts) // 2
+    for context, one in zip(contexts, batched):
+        assert len(one.tokens) <= 8
         # a bounded count may not find the most frequent continuation, but what it proposes is in the store
-        assert occurs(replies, context[len(context) - matched:] + chain)
+        assert occurs(replies, context[len(context) - one.match:] + one.tokens)
 
 
 def test_alone_at_match_and_no_match(tmp_path):
     store = build(tmp_path / "s", [[1, 2, 3, 4, 5, 6]])
-    drafter = StoreDrafter(store, StoreConfig(num_tokens=3, max_match=4, min_match=2, alone_at_match=3))
-    assert drafter.chains([[9, 1, 2, 3], [9, 1, 2], [2, 7], None]) == [([4, 5, 6], True), ([3, 4, 5], False),
-                                                                     ([], False), ([], False)]
-    assert store.propose([5, 6], 4, 4) == ([], 2)  # the reply ends there
+    drafter = StoreDrafter(store, StoreConfig(num_tokens=3, max_match=4, min_match=2, alone_at_match=3,
+                                              learn_tokens=0, prompt=False))
+    seqs = fake_seqs([[9, 1, 2, 3], [9, 1, 2], [2, 7], [5, 6], [1, 2]], prompt_len=1)
+    assert drafter.prepare(seqs, [True, True, True, True, False]) == [2, 1, 0, 0, 0]
+    assert drafter.table_nX.tolist() == [[4, 5, 6, 3, 1], [3, 4, 0, 2, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0],
+                                         [0, 0, 0, 0, 0]]  # [5, 6]: the reply ends there
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -320,14 +342,14 @@ def test_the_store_survives_a_faulty_row(greedy_setup, monkeypatch):
     """A store search that fails for one sequence ends that sequence alone."""
     target, prompts, references, store = greedy_setup
     decoder = store_decoder(target, store, "store")
-    original = ReplyStore.propose
+    original = StoreDrafter.propose
 
-    def faulty(self, context, *args):
-        if list(context[:3]) == prompts[1][:3]:  # the second sequence's first steps
+    def faulty(self, seq):
+        if seq.prompt == list(prompts[1]):  # the second sequence
             raise RuntimeError("injected store fault")
-        return original(self, context, *args)
+        return original(self, seq)
 
-    monkeypatch.setattr(ReplyStore, "propose", faulty)
+    monkeypatch.setattr(StoreDrafter, "propose", faulty)
     from specheads.serving.decode.sequence import SequenceRequest
 
     tokens, results, _ = run_session(decoder, [SequenceRequest(p, NUM_NEW) for p in prompts[:3]])

@@ -1,0 +1,408 @@
+"""The search of a reply store: frequency-scored continuations of a context, SuffixDecoding's way.
+
+A `SuffixIndex` is token sequences, each followed by SEPARATOR, and the suffix array of their
+tokens (the positions of every non-separator token, sorted by the suffix that starts there):
+the reply store's files (heads/artefacts/reply_store.py, memory-mapped), one segment of the
+replies a server learns as it serves, or one request's prompt (serving/decode/store.py).
+
+`propose(groups, context, settings)` drafts one chain for a context. Each group is a list of
+indexes searched as one body of text (the store and the learned replies; a request's prompt):
+
+1. For every match length m up to max_match, the suffix-array range of the context's last m
+   tokens in each index (two binary searches per length). Their occurrence count, summed over
+   the group, can only fall as m grows; the longest m with any occurrence is the match.
+2. Candidates: from the longest match down to min_match, each length where the count changes
+   (a length whose count equals the next longer one's has the same occurrences, shifted, and a
+   shorter cap: it cannot score higher), at most max_candidates of them.
+3. A candidate's chain, token by token, from its occurrences (at most max_occurrences per index,
+   evenly spaced over the range, each weighing range / taken, so an index keeps its share): the
+   next token with the largest weight among the occurrences that followed the chain so far
+   (ties: the smallest id); its probability is that weight's share times its parent's. The chain
+   stops where the most likely next step ends the reply, where the probability would fall under
+   min_probability, or at its cap: ceil(tokens_per_match x m) tokens, at most num_tokens (a
+   long match earns a long draft, a short one a short draft).
+4. A candidate's score is the sum of its tokens' probabilities (the tokens it expects to get
+   accepted); the best over all groups and lengths is proposed (ties: the longer match, the
+   earlier group).
+
+The search runs as native code (one C call per context, built once per machine by
+heads/target/cpu_kernels.py `compile_library`): about 10 us where the Python rule below took
+hundreds. Without a C compiler the same rule runs in Python (`propose_reference`), with
+identical results (tests/heads/test_suffix_search.py compares them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+SEPARATOR = 0xFFFFFFFF  # ends every sequence; above every token id, so it sorts last
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """num_tokens: the longest chain; max_match / min_match: the longest context suffix matched
+    and the shortest that proposes; max_occurrences: occurrences read per index and candidate;
+    min_probability: a chain stops before a token below it; tokens_per_match: the chain's cap
+    per matched token; max_candidates: match lengths scored."""
+
+    num_tokens: int = 10
+    max_match: int = 16
+    min_match: int = 2
+    max_occurrences: int = 64
+    min_probability: float = 0.1
+    tokens_per_match: float = 1.0
+    max_candidates: int = 4
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]  # the chain, [] for none
+    match: int  # the match length it continues (0: none)
+    score: float  # its tokens' probabilities summed
+    group: int  # the group it came from (-1: none)
+
+
+NONE = Proposal([], 0, 0.0, -1)
+
+
+class SuffixIndex:
+    """Sequences and their suffix array (module doc). tokens: [N] uint32 values (big-endian
+    '>u4' where they come from a store file, native otherwise), every sequence followed by
+    SEPARATOR, the last entry one; suffix_array: [num_suffixes] int32 or int64 positions."""
+
+    def __init__(self, tokens: np.ndarray, suffix_array: np.ndarray):
+        if tokens.dtype not in (np.dtype(">u4"), np.dtype("<u4")) or suffix_array.dtype not in \
+                (np.dtype("<i4"), np.dtype("<i8")):
+            raise ValueError(f"a suffix index takes uint32 tokens and int32/int64 positions, got {tokens.dtype} "
+                             f"and {suffix_array.dtype}")
+        self.tokens = tokens
+        self.suffix_array = suffix_array
+        self.num_suffixes = int(suffix_array.shape[0])
+        self.num_tokens = int(tokens.shape[0])
+
+    @classmethod
+    def build(cls, sequences: Sequence[Sequence[int]]) -> "SuffixIndex":
+        """An index of `sequences` (lists of token ids; empty ones are left out)."""
+        parts = [np.asarray(seq, dtype=np.int64) for seq in sequences if len(seq)]
+        if not parts:
+            return cls(np.full(1, SEPARATOR, dtype="<u4"), np.zeros(0, dtype="<i8"))
+        ends = np.cumsum([part.size + 1 for part in parts]) - 1
+        tokens = np.insert(np.concatenate(parts), ends - np.arange(len(parts)), SEPARATOR).astype("<u4")
+        order = suffix_array(tokens)
+        return cls(tokens, order[tokens[order] != SEPARATOR].astype("<i8"))
+
+    def find(self, pattern: Sequence[int]) -> tuple[int, int]:
+        """[lo, hi): the suffix-array range of the suffixes that start with `pattern`."""
+        lo, hi = 0, self.num_suffixes
+        tokens, positions = self.tokens, self.suffix_array
+        for offset, token in enumerate(pattern):  # the range of pattern[:offset + 1] inside the last one's
+            first = lo
+            left, right = lo, hi
+            while left < right:
+                mid = (left + right) // 2
+                if _token_at(tokens, int(positions[mid]) + offset) < token:
+                    left = mid + 1
+                else:
+                    right = mid
+            lo = left
+            left, right = lo, hi
+            while left < right:
+                mid = (left + right) // 2
+                if _token_at(tokens, int(positions[mid]) + offset) <= token:
+                    left = mid + 1
+                else:
+                    right = mid
+            hi = left
+            if lo >= hi:
+                return first, first
+        return lo, hi
+
+
+def _token_at(tokens: np.ndarray, position: int) -> int:
+    return int(tokens[position]) if position < tokens.shape[0] else -1  # past the end sorts first
+
+
+def suffix_array(tokens: np.ndarray) -> np.ndarray:
+    """[N] int64: the positions of `tokens` ([N] unsigned ids) sorted by the suffix starting
+    there (a suffix that ends first sorts first), by prefix doubling: after the round of width k
+    every position's rank orders its first 2k tokens. O(N log N) per round, one round per
+    doubling of the longest repeat."""
+    num = int(tokens.shape[0])
+    if num == 0:
+        return np.zeros(0, dtype=np.int64)
+    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64).reshape(-1)
+    width = 1
+    while True:
+        second = np.zeros(num, dtype=np.int64)  # 0: past the end, before every real rank
+        second[:num - width] = rank[width:] + 1
+        key = rank * (num + 1) + second
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        new_rank = np.empty(num, dtype=np.int64)
+        new_rank[order] = np.concatenate([[0], np.cumsum(sorted_key[1:] != sorted_key[:-1])])
+        rank = new_rank
+        if int(rank.max()) == num - 1 or width >= num:
+            return order
+        width *= 2
+
+
+# --- the rule in Python (module doc) -------------------------------------------------------
+
+
+def propose_reference(groups: Sequence[Sequence[SuffixIndex]], context: Sequence[int],
+                      settings: SearchSettings) -> Proposal:
+    """The module doc's rule, written plainly: the fallback without a C compiler, and the
+    reference the native search is tested against."""
+    width = min(settings.max_match, len(context))
+    best = NONE
+    for group_id, group in enumerate(groups):
+        ranges = [[index.find(context[len(context) - m:]) for m in range(1, width + 1)] for index in group]
+        counts = [sum(hi - lo for lo, hi in (per[m - 1] for per in ranges)) for m in range(1, width + 1)]
+        taken, last_count = 0, -1
+        for m in range(width, settings.min_match - 1, -1):
+            count = counts[m - 1]
+            if count == 0 or count == last_count:
+                continue
+            last_count = count
+            samples = []  # (index, position after the match, weight), in index then range order
+            for index, per in zip(group, ranges):
+                lo, hi = per[m - 1]
+                size = hi - lo
+                if size <= 0:
+                    continue
+                num = min(size, settings.max_occurrences)
+                for j in range(num):
+                    samples.append((index, int(index.suffix_array[lo + (j * size) // num]) + m, size / num))
+            tokens, score = _chain(samples, min(settings.num_tokens, math.ceil(settings.tokens_per_match * m)),
+                                   settings.min_probability)
+            if tokens and score > best.score:
+                best = Proposal(tokens, m, score, group_id)
+            taken += 1
+            if taken == settings.max_candidates:
+                break
+    return best
+
+
+def _chain(samples: list, cap: int, min_probability: float) -> tuple[list[int], float]:
+    chain, probability, score = [], 1.0, 0.0
+    while len(chain) < cap and samples:
+        weights: dict[int, float] = {}
+        total = 0.0
+        for index, position, weight in samples:
+            token = int(index.tokens[position + len(chain)])
+            weights[token] = weights.get(token, 0.0) + weight
+            total += weight
+        token = min(weights, key=lambda t: (-weights[t], t))
+        share = probability * (weights[token] / total)
+        if token == SEPARATOR or share < min_probability:
+            break
+        probability = share
+        score += probability
+        samples = [s for s in samples if int(s[0].tokens[s[1] + len(chain)]) == token]
+        chain.append(token)
+    return chain, score
+
+
+# --- the native search ----------------------------------------------------------------------
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+
+#define SEP 0xFFFFFFFFu
+
+typedef struct {
+    const uint32_t *tokens; const void *positions; int64_t num_tokens; int64_t num_suffixes;
+    int32_t big_endian; int32_t wide;
+} Index;
+
+static inline uint32_t tok(const Index *x, int64_t i) {
+    if (i >= x->num_tokens) return 0; /* never read: every sequence ends with SEP */
+    uint32_t v = x->tokens[i];
+    return x->big_endian ? __builtin_bswap32(v) : v;
+}
+static inline int64_t pos(const Index *x, int64_t k) {
+    return x->wide ? ((const int64_t *)x->positions)[k] : (int64_t)((const int32_t *)x->positions)[k];
+}
+/* the token at offset `at` of the suffix at k, -1 past the end (sorts first) */
+static inline int64_t at(const Index *x, int64_t k, int64_t offset) {
+    int64_t p = pos(x, k) + offset;
+    return p < x->num_tokens ? (int64_t)tok(x, p) : -1;
+}
+
+/* [lo, hi) of the suffixes that start with pattern[0..m), narrowed token by token */
+static void find(const Index *x, const int64_t *pattern, int64_t m, int64_t *lo_out, int64_t *hi_out) {
+    int64_t lo = 0, hi = x->num_suffixes;
+    for (int64_t o = 0; o < m && lo < hi; o++) {
+        int64_t t = pattern[o], l = lo, r = hi;
+        while (l < r) { int64_t mid = l + (r - l) / 2; if (at(x, mid, o) < t) l = mid + 1; else r = mid; }
+        int64_t first = l;
+        r = hi;
+        while (l < r) { int64_t mid = l + (r - l) / 2; if (at(x, mid, o) <= t) l = mid + 1; else r = mid; }
+        lo = first; hi = l;
+    }
+    *lo_out = lo; *hi_out = lo < hi ? hi : lo;
+}
+
+typedef struct { const Index *x; int64_t p; double w; } Sample;
+
+/* the chain of one candidate (module doc, step 3) -> its length; its score in *score */
+static int64_t chain(Sample *s, int64_t n, int64_t cap, double min_p, int64_t *out, double *score,
+                     uint32_t *dtok, double *dw) {
+    double prob = 1.0; *score = 0.0;
+    int64_t len = 0;
+    while (len < cap && n > 0) {
+        int64_t nd = 0; double total = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t t = tok(s[i].x, s[i].p + len);
+            int64_t d = 0;
+            while (d < nd && dtok[d] != t) d++;
+            if (d == nd) { dtok[nd] = t; dw[nd] = 0.0; nd++; }
+            dw[d] += s[i].w; total += s[i].w;
+        }
+        int64_t b = 0;
+        for (int64_t d = 1; d < nd; d++) if (dw[d] > dw[b] || (dw[d] == dw[b] && dtok[d] < dtok[b])) b = d;
+        double share = prob * (dw[b] / total);
+        if (dtok[b] == SEP || share < min_p) break;
+        prob = share; *score += prob;
+        uint32_t t = dtok[b];
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; i++) if (tok(s[i].x, s[i].p + len) == t) s[kept++] = s[i];
+        n = kept;
+        out[len++] = t;
+    }
+    return len;
+}
+
+/* The module doc's rule for one context -> the chain's length (0: none). indexes[k] belongs to
+   group[k] (groups numbered from 0, each index's group >= the one before); ranges: workspace of
+   2 * num_indexes * max_match; samples: num_indexes * max_occurrences; dtok/dw: as many.
+   out: num_tokens; info: score, match, group. */
+int64_t suffix_propose(const Index *indexes, const int32_t *group, int64_t num_indexes, const int64_t *context,
+                       int64_t context_len, int64_t num_tokens, int64_t max_match, int64_t min_match,
+                       int64_t max_occ, double min_p, double per_match, int64_t max_candidates, int64_t *out,
+                       double *info, int64_t *ranges, Sample *samples, uint32_t *dtok, double *dw, int64_t *work) {
+    int64_t width = max_match < context_len ? max_match : context_len, best_len = 0;
+    double best_score = 0.0;
+    info[0] = 0.0; info[1] = 0.0; info[2] = -1.0;
+    for (int64_t k = 0; k < num_indexes; k++)
+        for (int64_t m = 1; m <= width; m++) {
+            int64_t *r = ranges + 2 * (k * max_match + m - 1);
+            if (m > 1 && r[-1] <= r[-2]) { r[0] = r[1] = 0; continue; }  /* no occurrence of the shorter one */
+            find(&indexes[k], context + context_len - m, m, r, r + 1);
+        }
+    for (int64_t first = 0; first < num_indexes;) {
+        int64_t last = first;
+        while (last < num_indexes && group[last] == group[first]) last++;
+        int64_t taken = 0, last_count = -1;
+        for (int64_t m = width; m >= min_match && taken < max_candidates; m--) {
+            int64_t count = 0, n = 0;
+            for (int64_t k = first; k < last; k++) {
+                int64_t *r = ranges + 2 * (k * max_match + m - 1);
+                count += r[1] - r[0];
+            }
+            if (count == 0 || count == last_count) continue;
+            last_count = count;
+            for (int64_t k = first; k < last; k++) {
+                int64_t *r = ranges + 2 * (k * max_match + m - 1), size = r[1] - r[0];
+                if (size <= 0) continue;
+                int64_t num = size < max_occ ? size : max_occ;
+                for (int64_t j = 0; j < num; j++) {
+                    samples[n].x = &indexes[k];
+                    samples[n].p = pos(&indexes[k], r[0] + (j * size) / num) + m;
+                    samples[n].w = (double)size / (double)num;
+                    n++;
+                }
+            }
+            int64_t cap = (int64_t)ceil(per_match * (double)m);
+            if (cap > num_tokens) cap = num_tokens;
+            double score;
+            int64_t len = chain(samples, n, cap, min_p, work, &score, dtok, dw);
+            if (len > 0 && score > best_score) {
+                best_score = score; best_len = len;
+                for (int64_t i = 0; i < len; i++) out[i] = work[i];
+                info[0] = score; info[1] = (double)m; info[2] = (double)group[first];
+            }
+            taken++;
+        }
+        first = last;
+    }
+    return best_len;
+}
+"""
+
+
+class _Index(ctypes.Structure):
+    _fields_ = [("tokens", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("num_tokens", ctypes.c_int64),
+                ("num_suffixes", ctypes.c_int64), ("big_endian", ctypes.c_int32), ("wide", ctypes.c_int32)]
+
+
+class _Sample(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("p", ctypes.c_int64), ("w", ctypes.c_double)]
+
+
+_library = None
+
+
+def _native():
+    """The compiled search, or None (no C compiler: the Python rule runs)."""
+    global _library
+    if _library is None:
+        from specheads.heads.target.cpu_kernels import compile_library
+
+        library = compile_library("suffix_search", SOURCE)
+        if library is not None:
+            pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+            library.suffix_propose.restype = i64
+            library.suffix_propose.argtypes = [pointer, pointer, i64, pointer, i64, i64, i64, i64, i64, ctypes.c_double,
+                                               ctypes.c_double, i64, pointer, pointer, pointer, pointer, pointer,
+                                               pointer, pointer]
+        _library = library or False
+    return _library or None
+
+
+class Searcher:
+    """`propose` over a fixed list of groups, with the native call's arguments built once."""
+
+    def __init__(self, groups: Sequence[Sequence[SuffixIndex]], settings: SearchSettings, native: bool = True):
+        self.groups = [list(group) for group in groups]
+        self.settings = settings
+        self.library = _native() if native else None
+        indexes = [index for group in self.groups for index in group]
+        if self.library is None or not indexes:
+            return
+        self._indexes = (_Index * len(indexes))(*[
+            _Index(index.tokens.ctypes.data, index.suffix_array.ctypes.data, index.num_tokens, index.num_suffixes,
+                   int(index.tokens.dtype.byteorder == ">"), int(index.suffix_array.dtype.itemsize == 8))
+            for index in indexes])
+        self._group = np.array([g for g, group in enumerate(self.groups) for _ in group], dtype=np.int32)
+        num, s = len(indexes), settings
+        self._ranges = np.zeros(2 * num * s.max_match, dtype=np.int64)
+        self._samples = (_Sample * (num * s.max_occurrences))()
+        self._dtok = np.zeros(num * s.max_occurrences, dtype=np.uint32)
+        self._dw = np.zeros(num * s.max_occurrences, dtype=np.float64)
+        self._out = np.zeros(s.num_tokens, dtype=np.int64)
+        self._work = np.zeros(s.num_tokens, dtype=np.int64)
+        self._info = np.zeros(3, dtype=np.float64)
+        self._keep = indexes  # the arrays the structs point into stay alive with this searcher
+
+    def propose(self, context: Sequence[int]) -> Proposal:
+        s = self.settings
+        if self.library is None or not any(self.groups):
+            return propose_reference(self.groups, context, s)
+        context_arr = np.ascontiguousarray(context[-s.max_match:], dtype=np.int64)
+        length = self.library.suffix_propose(
+            ctypes.addressof(self._indexes), self._group.ctypes.data, len(self._keep), context_arr.ctypes.data,
+            context_arr.shape[0], s.num_tokens, s.max_match, s.min_match, s.max_occurrences, s.min_probability,
+            s.tokens_per_match, s.max_candidates, self._out.ctypes.data, self._info.ctypes.data,
+            self._ranges.ctypes.data, ctypes.addressof(self._samples), self._dtok.ctypes.data, self._dw.ctypes.data,
+            self._work.ctypes.data)
+        if not length:
+            return NONE
+        return Proposal(self._out[:length].tolist(), int(self._info[1]), float(self._info[0]), int(self._info[2]))
