@@ -431,8 +431,11 @@ def make_methods(target, *, heads=None, heads_config=None, heads_list: list[tupl
 
 
 def run_bench(target, prompts: list[EncodedPrompt], max_new_tokens: int, *, config: dict | None = None,
-              warmup: bool = True, log: Callable[[str], None] | None = None, scorer=None, **method_kwargs) -> dict:
-    """Python entry point: build the methods, decode, return the JSON report. Every first
+              warmup: bool = True, log: Callable[[str], None] | None = None, scorer=None, next_turns=None,
+              **method_kwargs) -> dict:
+    """Python entry point: build the methods, decode, return the JSON report. next_turns:
+    (prompts, the reference's runs on them) -> the prompts of the next turn, decoded after them by
+    the same methods (None: one turn; bench/prompts.py next_turn_prompts). Every first
     difference from hf-greedy is scored by an fp32 copy of the target (`scorer()` builds
     it; bench/divergence.py); the report's config names the dtype and weight layout."""
     if max_new_tokens < 1:
@@ -441,6 +444,11 @@ def run_bench(target, prompts: list[EncodedPrompt], max_new_tokens: int, *, conf
         raise ValueError("no prompts to bench")
     methods = make_methods(target, **method_kwargs)
     runs = run_methods(methods, prompts, max_new_tokens, warmup=warmup, log=log)
+    later = next_turns(prompts, runs[methods[0].name]) if next_turns is not None else []
+    if later:  # the same methods go on (a learning store keeps what the first turns taught it)
+        more = run_methods(methods, later, max_new_tokens, warmup=False, log=log)
+        prompts = prompts + later
+        runs = {name: runs[name] + more[name] for name in runs}
     checker = None
     reference = runs[methods[0].name]
     if any(run.tokens != ref.tokens for method in methods for run, ref in zip(runs[method.name], reference)):

@@ -1,7 +1,8 @@
 """Benchmark prompts: Spec-Bench `question.jsonl` records and their tokenization.
 
 One JSON object per line: {"question_id": int | str, "category": str, "turns": [str, ...]}.
-The bench decodes the first turn only. The default is the project's own prompt set (6
+The bench decodes the first turn; with `--turns 2` also the second, after the reference's reply
+to the first (`next_turn_prompts`), as MT-bench does. The default is the project's own prompt set (6
 categories: chat, code, math, summarisation, translation, retrieval), shipped with MT-bench's
 questions in prompts/ (specheads.prompts).
 """
@@ -24,6 +25,7 @@ class BenchPrompt:
     question_id: int | str
     category: str
     text: str  # first turn
+    later_turns: tuple[str, ...] = ()  # the user's next turns
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,10 @@ def _parse_line(line: str, where: str) -> BenchPrompt:
         raise ValueError(f"{where}: 'category' must be a non-empty string")
     if not isinstance(record["question_id"], (int, str)) or isinstance(record["question_id"], bool):
         raise ValueError(f"{where}: 'question_id' must be an int or a string")
-    return BenchPrompt(record["question_id"], category, turns[0])
+    later = tuple(turn for turn in turns[1:] if isinstance(turn, str) and turn.strip())
+    if len(later) != len(turns) - 1:
+        raise ValueError(f"{where}: every item of 'turns' must be non-empty text")
+    return BenchPrompt(record["question_id"], category, turns[0], later)
 
 
 def load_prompts(path: str | Path | None = None, limit: int | None = None,
@@ -81,15 +86,31 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None,
 def encode_prompts(tokenizer, prompts: list[BenchPrompt]) -> list[EncodedPrompt]:
     """Token ids per prompt: through the tokenizer's chat template (one user turn plus the
     generation prompt) when it has one, else the raw text without special tokens."""
+    return [_encode(tokenizer, prompt, [{"role": "user", "content": prompt.text}], prompt.category)
+            for prompt in prompts]
+
+
+def next_turn_prompts(tokenizer, prompts: list[BenchPrompt], replies: list[list[int]]) -> list[EncodedPrompt]:
+    """The second turn of each prompt that has one: its first turn, `replies` (the reference's
+    reply to it, token ids), then the user's second turn, as one conversation; category
+    'CATEGORY (turn 2)'. Without a chat template the turns are joined as plain text."""
     encoded = []
-    for prompt in prompts:
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = prompt.text
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError(f"prompt {prompt.question_id!r} is empty after tokenization")
-        encoded.append(EncodedPrompt(prompt.question_id, prompt.category, list(ids)))
+    for prompt, reply in zip(prompts, replies):
+        if not prompt.later_turns:
+            continue
+        answer = tokenizer.decode(reply, skip_special_tokens=True)
+        messages = [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": prompt.later_turns[0]}]
+        encoded.append(_encode(tokenizer, prompt, messages, f"{prompt.category} (turn 2)"))
     return encoded
+
+
+def _encode(tokenizer, prompt: BenchPrompt, messages: list[dict], category: str) -> EncodedPrompt:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n\n".join(message["content"] for message in messages)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"prompt {prompt.question_id!r} is empty after tokenization")
+    return EncodedPrompt(prompt.question_id, category, list(ids))

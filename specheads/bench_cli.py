@@ -2,13 +2,14 @@
 
     specheads bench --target T [--heads H [--heads H2 ...]] [--prompts FILE.jsonl] [--max-new-tokens N]
                     [--tree-nodes 8,16,32] [--draft-model D] [--prompt-lookup-num-tokens N] [--lookup-num-tokens N]
-                    [--store DIR|learn] [--passes N]
+                    [--store DIR|learn] [--passes N] [--turns 1|2]
                     [--output-json OUT.json|-] [--plot OUT.png] [--limit N] [--per-category N] [--dtype D]
                     [--device auto|cpu|cuda[:N]] [--enforce-eager]
                     [--llama-cpp DIR [--llama-cpp-draft-max N] [--llama-cpp-draft-p-min P] [--llama-cpp-args "FLAGS"]]
 
 Prompts: Spec-Bench `question.jsonl` (question_id, category, turns); the first turn of
-each, through the target tokenizer's chat template when it has one, else raw text.
+each, through the target tokenizer's chat template when it has one, else raw text (--turns 2:
+then the second turns, after the reference's first replies).
 Default: the shipped set (prompts/default.jsonl, 6 categories).
 
 Methods: hf-greedy (the reference), engine-plain (speculation off), engine-heads[tuned,N]
@@ -114,6 +115,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--per-category", type=int, default=None, metavar="N",
                    help="use only the first N prompts of each category (applied before --limit)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--turns", type=int, default=1, choices=(1, 2),
+                   help="2: after the first turns, decode each prompt's second turn (MT-bench's), its conversation "
+                        "holding the reference's first reply; reported as 'CATEGORY (turn 2)'")
     p.add_argument("--passes", type=int, default=1, metavar="N",
                    help="serve the prompts N times over, in order; pass k's figures are its own categories, "
                         "'CATEGORY (pass k)': a workload that repeats (a learning store drafts pass 2 from pass 1)")
@@ -148,12 +152,14 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from specheads.bench.prompts import encode_prompts, load_prompts
+    from specheads.bench.prompts import encode_prompts, load_prompts, next_turn_prompts
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.passes < 1:
         raise ValueError(f"--passes must be >= 1, got {args.passes}")
+    if args.passes > 1 and args.turns > 1:
+        raise ValueError("--passes and --turns 2 do not combine: bench the repeats and the second turns apart")
     for flag, value in (("--lookup-num-tokens", args.lookup_num_tokens),
                         ("--prompt-lookup-num-tokens", args.prompt_lookup_num_tokens)):
         if value < 0:
@@ -213,10 +219,16 @@ def run(args) -> int:
         draft_model.to(args.device).eval()
     encoded = repeat_passes(encode_prompts(tokenizer, prompts), args.passes)
     config = {"target": args.target, "heads": heads_dirs or None, "prompts": args.prompts or "default",
-              "store": args.store, "passes": args.passes,
+              "store": args.store, "passes": args.passes, "turns": args.turns,
               "dtype_requested": args.dtype, "device": args.device, "cuda_graphs": args.cuda_graphs,
               "chat_template": bool(getattr(tokenizer, "chat_template", None)),
               "torch": torch.__version__, "transformers": transformers.__version__}
+    later: list = []  # the second turns (--turns 2), built from the reference's first replies
+
+    def next_turns(_, runs) -> list:
+        later.extend(next_turn_prompts(tokenizer, prompts, [run.tokens for run in runs]))
+        return later
+
     report = run_bench(target, encoded, args.max_new_tokens, config=config, warmup=not args.no_warmup,
                        log=lambda msg: print(msg, file=sys.stderr, flush=True), heads_list=heads_list,
                        tree_nodes=tree_nodes, fallback=not args.no_fallback,
@@ -224,12 +236,14 @@ def run(args) -> int:
                        eos_token_id=tokenizer.eos_token_id,
                        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                        lookup_num_tokens=args.lookup_num_tokens, draft_model=draft_model, store=store,
+                       next_turns=None if args.turns == 1 else next_turns,
                        scorer=lambda: TargetAdapter.from_pretrained(target.identity.name_or_path, dtype="float32",
                                                                     device=args.device,
                                                                     trust_remote_code=args.trust_remote_code))
     report["tuning"] = tuning
     if args.llama_cpp is not None:
-        report["llama_cpp"] = llama_cpp_rows(args, llama_cpp_extra, report, encoded, target, heads_list, heads_dirs)
+        report["llama_cpp"] = llama_cpp_rows(args, llama_cpp_extra, report, encoded + later, target, heads_list,
+                                             heads_dirs)
     report["step_costs"] = step_costs(target, heads_list)
     out = human_output(args)
     print(format_report(report), file=out)

@@ -8,9 +8,10 @@ The store is synthetic but shaped like chat replies: each reply strings together
 a bank (chosen by a Zipf law, so a few openings and idioms recur often and most rarely) with
 random tokens between them. The contexts searched are cut from replies made the same way but
 not stored, so matches are partial as they are at serving time. Per step and sequence the
-drafter runs `ReplyStore.propose` once (num_tokens 10, max_match 16, min_match 2); the table
-gives its time per call (mean, p50, p99) for each max_occurrences, after one pass that pages
-the store in, as a served store is.
+drafter runs one search (heads/artefacts/suffix_search.py, the serving defaults: num_tokens 10,
+max_match 16, min_match 2, min_probability 0.1); the table gives its time per call (mean, p50,
+p99) for each max_occurrences, native and (on a tenth of the contexts) the Python rule, after
+one pass that pages the store in, as a served store is.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from specheads.heads.artefacts.reply_store import ReplyStore, write_store
+from specheads.heads.artefacts.suffix_search import SearchSettings, Searcher
 from specheads.heads.target.adapter import TargetIdentity
 
 NUM_TOKENS, MAX_MATCH, MIN_MATCH = 10, 16, 2
@@ -64,21 +66,30 @@ def measure(num_tokens: int, vocab: int, num_queries: int, occurrences: list[int
             contexts.append(reply[max(0, end - MAX_MATCH):end].tolist())
         rows = []
         for cap in occurrences:
-            for context in contexts:  # page the store in, as serving has
-                store.propose(context, NUM_TOKENS, MAX_MATCH, MIN_MATCH, cap)
-            times, lengths = [], []
-            for context in contexts:
-                start = time.perf_counter()
-                chain, _ = store.propose(context, NUM_TOKENS, MAX_MATCH, MIN_MATCH, cap)
-                times.append(time.perf_counter() - start)
-                lengths.append(len(chain))
-            micro = 1e6 * np.array(times)
-            rows.append({"max_occurrences": cap, "mean_us": float(micro.mean()),
-                         "p50_us": float(np.percentile(micro, 50)), "p99_us": float(np.percentile(micro, 99)), "mean_chain": float(np.mean(lengths)),
-                         "proposed": float(np.mean([n > 0 for n in lengths]))})
+            for native in (True, False):
+                searcher = Searcher([[store.index]], SearchSettings(num_tokens=NUM_TOKENS, max_match=MAX_MATCH,
+                                                                    min_match=MIN_MATCH, max_occurrences=cap),
+                                    native=native)
+                rows.append(dict(_time(searcher, contexts if native else contexts[::10]), max_occurrences=cap,
+                                 search="native" if searcher.library is not None else "python"))
     return {"num_tokens": manifest.num_tokens, "num_sequences": manifest.num_sequences, "vocab": vocab,
             "index_bytes": manifest.index_bytes, "bytes_per_token": manifest.index_bytes / manifest.num_tokens,
             "build_s": build_s, "open_ms": open_ms, "num_queries": num_queries, "search": rows}
+
+
+def _time(searcher: Searcher, contexts: list[list[int]]) -> dict:
+    for context in contexts:  # page the store in, as serving has
+        searcher.propose(context)
+    times, lengths = [], []
+    for context in contexts:
+        start = time.perf_counter()
+        chain = searcher.propose(context).tokens
+        times.append(time.perf_counter() - start)
+        lengths.append(len(chain))
+    micro = 1e6 * np.array(times)
+    return {"mean_us": float(micro.mean()), "p50_us": float(np.percentile(micro, 50)),
+            "p99_us": float(np.percentile(micro, 99)), "mean_chain": float(np.mean(lengths)),
+            "proposed": float(np.mean([n > 0 for n in lengths]))}
 
 
 def format_report(report: dict) -> str:
@@ -88,10 +99,10 @@ def format_report(report: dict) -> str:
              f"built in {report['build_s']:.1f} s, opened in {report['open_ms']:.2f} ms", "",
              f"one propose per sequence and step (num_tokens {NUM_TOKENS}, max_match {MAX_MATCH}, min_match "
              f"{MIN_MATCH}), {report['num_queries']} contexts:", "",
-             "| max_occurrences | mean us | p50 us | p99 us | contexts with a chain | mean chain |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| max_occurrences | search | mean us | p50 us | p99 us | contexts with a chain | mean chain |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     for row in report["search"]:
-        lines.append(f"| {row['max_occurrences']} | {row['mean_us']:.0f} | {row['p50_us']:.0f} | {row['p99_us']:.0f} "
+        lines.append(f"| {row['max_occurrences']} | {row['search']} | {row['mean_us']:.0f} | {row['p50_us']:.0f} | {row['p99_us']:.0f} "
                      f"| {100 * row['proposed']:.0f}% | {row['mean_chain']:.1f} |")
     return "\n".join(lines)
 

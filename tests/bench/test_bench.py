@@ -240,3 +240,27 @@ def test_run_bench_with_a_reply_store(bench_setup, tmp_path):
     hybrid = next(m for m in report["methods"] if m["kind"] == "engine-heads+store")
     assert hybrid["tree"]["store_num_tokens"] == 4 and hybrid["tree"]["lookup_num_tokens"] == 3
     assert "acc. from lookup/store" in format_report(report)
+
+
+def test_bench_cli_second_turns_with_a_learning_store(bench_setup, tmp_path):
+    """--turns 2 decodes each prompt's second turn after the reference's first reply, reported
+    apart; --store learn benches a store that starts empty and learns the replies it serves."""
+    from specheads import bench_cli
+
+    target_dir, _, _ = bench_setup
+    lines = [json.dumps({"question_id": i, "category": c, "turns": [f"Question {i} about {c}?", f"And {i} again?"]})
+             for i, c in enumerate(CATEGORIES[:2])]
+    prompts = write_prompts(tmp_path / "q.jsonl", lines)
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "report.json"
+    common = ["bench", "--target", str(target_dir), "--prompts", str(prompts), "--max-new-tokens", "6", "--no-warmup",
+              "--dtype", "float32", "--lookup-num-tokens", "0", "--prompt-lookup-num-tokens", "0", "--store", "learn"]
+    assert bench_cli.run(parser.parse_args(common + ["--turns", "2", "--output-json", str(out)])) == 0
+    report = json.loads(out.read_text())
+    assert report["categories"] == ["chat", "code", "chat (turn 2)", "code (turn 2)"]
+    assert report["config"]["turns"] == 2
+    store = next(m for m in report["methods"] if m["kind"] == "engine-store")
+    assert store["overall"]["identical"] and len(store["prompts"]) == 4
+    with pytest.raises(ValueError, match="--passes and --turns 2"):
+        bench_cli.run(parser.parse_args(common + ["--turns", "2", "--passes", "2"]))
