@@ -1,15 +1,18 @@
 """Building a reply store (heads/artefacts/reply_store.py) from chat records: `specheads data store`.
 
     specheads data store --input REPLIES.jsonl --target T --output DIR [--tokenizer PATH]
-                         [--thinking default|on|off]
+                         [--thinking default|on|off] [--mark-tokens 8]
 
 The store holds what the target says: the assistant replies of chat records (the output of
 `specheads data regenerate`, whose replies are the target's own), tokenized with the target's
 tokenizer exactly as training sees them (data/text.py `tokenize_documents`: the chat template,
 assistant-only loss masks). Each maximal run of assistant tokens (one reply, through its
-end-of-turn marker) becomes one sequence of the store. Records that are not chats (text,
-pre-tokenized ids) hold no replies and are counted as skipped, as are chats the template
-cannot split; nothing is left out silently.
+end-of-turn marker) becomes one sequence of the store, after its mark: the mark_tokens tokens
+before it in the tokenized conversation (the tail of its prompt: the template's assistant
+header, and for a later turn the end of the turn before; fewer where the conversation starts
+closer), so that a context ending in a prompt drafts the opening of a reply. Records that are
+not chats (text, pre-tokenized ids) hold no replies and are counted as skipped, as are chats the
+template cannot split; nothing is left out silently.
 
 The manifest records the target's identity (config only: no weights are loaded) and its
 tokenizer's fingerprint, so serving refuses the store for another target or tokenizer.
@@ -26,6 +29,7 @@ from specheads.data.text import DataError, extract_documents, load_records, load
 from specheads.heads.artefacts.reply_store import StoreManifest, tokenizer_fingerprint, write_store
 
 NOT_A_CHAT = "not a chat record (a store holds assistant replies only)"
+MARK_TOKENS = 8  # a chat template's assistant header is a few tokens (ChatML's "<|im_start|>assistant\n": 3)
 
 
 @dataclass
@@ -34,13 +38,16 @@ class StoreReport:
     num_records: int = 0
     num_conversations: int = 0  # chats whose replies went into the store
     num_replies: int = 0
-    num_tokens: int = 0
+    num_tokens: int = 0  # reply tokens
+    num_mark_tokens: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # records left out, by reason
     seconds: float = 0.0
 
     def summary(self, manifest: StoreManifest | None = None) -> str:
         text = (f"{self.input}: {self.num_conversations}/{self.num_records} records, {self.num_replies} replies, "
                 f"{self.num_tokens} tokens")
+        if self.num_mark_tokens:
+            text += f" (+ {self.num_mark_tokens} mark tokens)"
         if manifest is not None:
             text += f"; index {manifest.index_bytes / 2 ** 20:.1f} MiB"
         if self.skipped:
@@ -49,27 +56,39 @@ class StoreReport:
         return text + f"; {self.seconds:.1f} s"
 
 
-def reply_runs(token_ids: list[int], loss_mask: list[bool] | None) -> list[list[int]]:
-    """The maximal runs of tokens with loss (the assistant's replies) of one sequence."""
+def reply_spans(loss_mask: list[bool] | None) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of tokens with loss (the assistant's replies) of one sequence."""
     if loss_mask is None:
         return []
-    runs, current = [], []
-    for token, is_reply in zip(token_ids, loss_mask):
-        if is_reply:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    return runs + [current] if current else runs
+    spans, start = [], None
+    for index, is_reply in enumerate(loss_mask):
+        if is_reply and start is None:
+            start = index
+        elif not is_reply and start is not None:
+            spans.append((start, index))
+            start = None
+    return spans + [(start, len(loss_mask))] if start is not None else spans
+
+
+def marked_replies(token_ids: list[int], loss_mask: list[bool] | None,
+                   mark_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(mark, reply) for each reply of one sequence: the reply's tokens and the up to
+    mark_tokens tokens before it."""
+    return [(list(token_ids[max(0, start - mark_tokens):start]), list(token_ids[start:end]))
+            for start, end in reply_spans(loss_mask)]
 
 
 def build_store(input_path: str, target: str, output: str, *, tokenizer_path: str | None = None,
-                thinking: str = "default", trust_remote_code: bool = False) -> tuple[StoreManifest, StoreReport]:
+                thinking: str = "default", trust_remote_code: bool = False,
+                mark_tokens: int = MARK_TOKENS) -> tuple[StoreManifest, StoreReport]:
     """Read the chat records of `input_path`, tokenize their replies with `target`'s tokenizer
-    (or tokenizer_path's) and write the store into `output` -> (its manifest, the report).
+    (or tokenizer_path's) and write the store into `output`, each reply after its mark of up to
+    mark_tokens tokens (0: none) -> (its manifest, the report).
     target: a resolved target path or hub id (its config gives the identity)."""
     from specheads.heads.artefacts.export import resolve_target
 
+    if isinstance(mark_tokens, bool) or not isinstance(mark_tokens, int) or mark_tokens < 0:
+        raise DataError(f"--mark-tokens must be an int >= 0, got {mark_tokens!r}")
     start = time.perf_counter()
     identity = resolve_target(target)
     records = load_records(input_path)
@@ -83,14 +102,17 @@ def build_store(input_path: str, target: str, output: str, *, tokenizer_path: st
     tokenizer = load_tokenizer(tokenizer_path or target, trust_remote_code)
     tokenized = tokenize_documents(chats, None, tokenizer=tokenizer, thinking=thinking)
     skipped.update(tokenized.skipped)
-    replies = [run for ids, mask in zip(tokenized.token_ids, tokenized.loss_masks) for run in reply_runs(ids, mask)]
+    pairs = [pair for ids, mask in zip(tokenized.token_ids, tokenized.loss_masks)
+             for pair in marked_replies(ids, mask, mark_tokens)]
+    marks, replies = [mark for mark, _ in pairs], [reply for _, reply in pairs]
     report.num_conversations = tokenized.num_conversations
     report.num_replies = len(replies)
     report.num_tokens = sum(len(reply) for reply in replies)
+    report.num_mark_tokens = sum(len(mark) for mark in marks)
     report.skipped = dict(Counter(skipped))
     if not replies:
         raise DataError(f"{input_path}: the chat records hold no assistant tokens ({report.summary()})")
-    manifest = write_store(output, replies, target=identity,
+    manifest = write_store(output, replies, marks=marks, mark_tokens=mark_tokens, target=identity,
                            tokenizer={"name_or_path": str(tokenizer_path or target),
                                       "fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer)},
                            source={"input": str(input_path), "num_records": report.num_records,

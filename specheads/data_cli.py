@@ -10,6 +10,7 @@
                               [--temperature T] [--top-p P] [--top-k K] [--seed S] [--max-new-tokens N] [--thinking M]
     specheads data cache --target T --input SOURCE --taps 2,5,8 --output DIR [--max-gb G] [--top-k K]
     specheads data store --input REPLIES.jsonl --target T --output DIR [--tokenizer PATH] [--thinking MODE]
+                         [--mark-tokens N]
 
 --device defaults to auto (CUDA when torch sees a GPU, else the CPU); on a CUDA device
 regenerate replays its decode steps as CUDA graphs unless --enforce-eager. With --server,
@@ -126,6 +127,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the store's directory (written whole, replacing one there)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     p.add_argument("--thinking", default="default", help=THINKING_HELP)
+    p.add_argument("--mark-tokens", type=int, default=None,
+                   help="store each reply after this many tokens of its prompt's tail (the template's assistant "
+                        "header), so replies' openings are drafted too; 0: bare replies (default 8)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code")
     return parser
 
@@ -302,13 +306,14 @@ def _cache(args) -> int:
 
 
 def _store(args) -> int:
-    from specheads.data.reply_store import build_store
+    from specheads.data.reply_store import MARK_TOKENS, build_store
     from specheads.runner import resolve_target_name
 
     _check_inputs(args)
     manifest, report = build_store(args.input, resolve_target_name(args.target), args.output,
                                    tokenizer_path=args.tokenizer, thinking=args.thinking,
-                                   trust_remote_code=args.trust_remote_code)
+                                   trust_remote_code=args.trust_remote_code,
+                                   mark_tokens=MARK_TOKENS if args.mark_tokens is None else args.mark_tokens)
     print(f"store: {args.output}: {report.summary(manifest)} "
           f"({manifest.index_bytes / max(manifest.num_tokens, 1):.1f} bytes per token)")
     return 0

@@ -1,25 +1,29 @@
 """`specheads data store` (data/reply_store.py) and the store on the command line.
 
 The builder keeps exactly the assistant tokens of chat records (through the template's
-end-of-turn marker, as training's loss mask has them), one store sequence per reply, counts
-the records it leaves out, and records the target and its tokenizer. `generate --store` drafts
-from it with greedy output unchanged; a heads directory that records a store (relative to
-itself) is used by default and `--store none` turns it off; a store built with another tokenizer
-is refused with one line (exit status 2).
+end-of-turn marker, as training's loss mask has them), one store sequence per reply after its
+mark (the last --mark-tokens tokens of the prompt serving feeds for that turn; 0: bare replies),
+counts the records it leaves out, and records the target and its tokenizer. `generate --store`
+over a store of the target's own greedy reply drafts it from the first step, with greedy output
+unchanged; a heads directory that records a store (relative to itself) is used by default and
+`--store none` turns it off; a store built with another tokenizer is refused with one line (exit
+status 2).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from specheads.cli import main
-from specheads.data.reply_store import NOT_A_CHAT, build_store, reply_runs
+from specheads.data.reply_store import NOT_A_CHAT, build_store, marked_replies, reply_spans
 from specheads.data.text import DataError, load_tokenizer
 from specheads.heads.artefacts.heads_dir import update_tree
-from specheads.heads.artefacts.reply_store import ReplyStore, tokenizer_fingerprint
+from specheads.heads.artefacts.reply_store import SEPARATOR, ReplyStore, tokenizer_fingerprint
 from specheads.heads.target.adapter import TargetAdapter
 
 from conftest import make_byte_bpe_tokenizer
@@ -43,35 +47,51 @@ def setup(tmp_path_factory):
     return root, target_dir, heads_dir, records
 
 
-def test_reply_runs_are_the_masked_spans():
-    assert reply_runs([1, 2, 3, 4, 5, 6], [False, True, True, False, True, False]) == [[2, 3], [5]]
-    assert reply_runs([1, 2], [True, True]) == [[1, 2]] and reply_runs([1], None) == []
+def stored_sequences(store: ReplyStore) -> list[list[int]]:
+    """The store's token array cut at its separators."""
+    tokens = store._token_array.astype(np.int64)
+    ends = np.flatnonzero(tokens == SEPARATOR)
+    return [tokens[start:end].tolist() for start, end in zip(np.concatenate([[0], ends[:-1] + 1]), ends)]
 
 
-def test_the_store_holds_the_assistant_tokens(setup):
-    from specheads.data.chat import ensure_chat_template, reply_turns
+def test_reply_spans_are_the_masked_runs_and_marks_what_comes_before():
+    assert reply_spans([False, True, True, False, True, False]) == [(1, 3), (4, 5)]
+    assert reply_spans([True, True]) == [(0, 2)] and reply_spans(None) == []
+    ids, mask = [1, 2, 3, 4, 5, 6], [False, True, True, False, True, False]
+    assert marked_replies(ids, mask, 2) == [([1], [2, 3]), ([3, 4], [5])]  # the first reply's prompt is shorter
+    assert marked_replies(ids, mask, 0) == [([], [2, 3]), ([], [5])]
+
+
+@pytest.mark.parametrize("mark_tokens", [8, 40, 0])
+def test_the_store_holds_each_reply_after_its_prompt_s_tail(setup, tmp_path, mark_tokens):
+    """Each sequence: the last mark_tokens tokens of the prompt serving feeds for that turn
+    (the template's generation prompt; for turn 2 with 40, the end of turn 1 too), then the
+    reply's text through its end-of-turn marker."""
+    from specheads.data.chat import ensure_chat_template, generation_prompt_ids, reply_turns
 
     root, target_dir, _, records = setup
-    manifest, report = build_store(str(records), str(target_dir), str(root / "store"))
+    manifest, report = build_store(str(records), str(target_dir), str(tmp_path / "store"), mark_tokens=mark_tokens)
     tokenizer = load_tokenizer(str(target_dir))
     ensure_chat_template(tokenizer)
-    expected = []
+    expected_marks, expected_replies = [], []
     for record in CHATS[:2]:
-        for turn in reply_turns(tokenizer, record["messages"]):
-            expected.append(turn.reply)  # the reply's text through its end-of-turn marker
-    store = ReplyStore(root / "store")
-    held = []
-    position = 0
-    for _ in range(manifest.num_sequences):
-        reply = []
-        while int(store.index.tokens[position]) != 0xFFFFFFFF:
-            reply.append(int(store.index.tokens[position]))
-            position += 1
-        held.append(reply)
-        position += 1
-    assert [tokenizer.decode(reply) for reply in held] == expected
+        messages = record["messages"]
+        turns = reply_turns(tokenizer, messages)
+        for turn, index in zip(turns, [i for i, message in enumerate(messages) if message["role"] == "assistant"]):
+            prompt = generation_prompt_ids(tokenizer, messages[:index])
+            expected_marks.append(prompt[len(prompt) - min(mark_tokens, len(prompt)):])
+            expected_replies.append(turn.reply)  # the reply's text through its end-of-turn marker
+    assert max(map(len, expected_marks)) == mark_tokens
+    if mark_tokens == 40:  # the first prompt is shorter; the second's tail holds the end of turn 1
+        assert len(expected_marks[0]) < 40 and "return x" in tokenizer.decode(expected_marks[1])
+    held = stored_sequences(ReplyStore(tmp_path / "store"))
+    marks = [sequence[:len(mark)] for sequence, mark in zip(held, expected_marks)]
+    assert marks == expected_marks
+    assert [tokenizer.decode(sequence[len(mark):]) for sequence, mark in zip(held, expected_marks)] == expected_replies
     assert report.num_replies == manifest.num_sequences == 3 and report.num_conversations == 2
-    assert report.num_tokens == manifest.num_tokens == sum(len(reply) for reply in held)
+    assert report.num_mark_tokens == manifest.num_mark_tokens == sum(map(len, expected_marks))
+    assert report.num_tokens == manifest.num_reply_tokens == sum(map(len, held)) - manifest.num_mark_tokens
+    assert manifest.num_tokens == sum(map(len, held)) and manifest.mark_tokens == mark_tokens
     assert report.skipped[NOT_A_CHAT] == 1 and sum(report.skipped.values()) == 2  # the text and the turn-less chat
     assert manifest.target == TargetAdapter.from_pretrained(target_dir).identity
     assert manifest.tokenizer["fingerprint"] == tokenizer_fingerprint(tokenizer)
@@ -87,20 +107,63 @@ def test_no_replies_is_an_error(setup, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_the_command_line(setup, capsys):
-    root, target_dir, heads_dir, records = setup
-    store = root / "cli-store"
-    assert main(["data", "store", "--input", str(records), "--target", str(target_dir), "--output", str(store)]) == 0
+def char_level_target(target_dir, directory):
+    """The tiny target beside a tokenizer of one character per id over its whole vocabulary, no
+    merges: any ids decode to text that tokenizes back to the same ids. (The random target's
+    greedy ids, decoded with the byte-level BPE, are broken UTF-8 and ids that BPE would never
+    produce: tokenized again they are other ids, so no store built from text could draft them.)"""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(target_dir / name, directory / name)
+    specials = ["<pad>", "<bos>", "<eos>"]  # the tiny target's pad, bos and eos ids
+    chars = [chr(code) for code in (9, 10, *range(32, 127))]
+    num_others = AutoConfig.from_pretrained(directory).vocab_size - len(specials) - len(chars)
+    chars += [chr(0x400 + k) for k in range(num_others)]
+    backend = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(specials + chars)}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                            clean_up_tokenization_spaces=False).save_pretrained(directory)
+    return directory
+
+
+def test_the_command_line(setup, tmp_path, capsys):
+    """`data store` over the target's own greedy reply to a chat prompt, then `generate --store`
+    on that prompt: the store's chain is accepted and the text is plain greedy's; with marks the
+    first step drafts (the prompt's assistant header matches the mark), without them it cannot."""
+    from specheads.data.chat import ensure_chat_template, render
+
+    root, target_dir, _, records = setup
+    assert main(["data", "store", "--input", str(records), "--target", str(target_dir), "--output",
+                 str(tmp_path / "chats")]) == 0
     assert "3 replies" in capsys.readouterr().out
-    prompt = "the cat sat"
-    common = ["generate", "--target", str(target_dir), "--prompt", prompt, "--max-new-tokens", "12", "--dtype",
-              "float32", "--output-json", "-"]
-    assert main(common) == 0
-    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(common + ["--store", str(store)]) == 0
-    stored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert stored["text"] == plain["text"] and stored["speculative"] and not plain["speculative"]
-    assert 0 <= stored["store_accepted"] <= stored["accepted_tokens"]
+    target = char_level_target(target_dir, tmp_path / "char-target")
+    tokenizer = load_tokenizer(str(target))
+    ensure_chat_template(tokenizer)
+    messages = [{"role": "user", "content": "the cat sat"}]
+    common = ["generate", "--target", str(target), "--prompt", render(tokenizer, messages, True), "--max-new-tokens",
+              "12", "--dtype", "float32", "--output-json", "-"]
+
+    def generate(*extra) -> dict:
+        assert main(common + list(extra)) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    plain = generate()
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"messages": messages + [{"role": "assistant", "content": plain["text"]}]}) + "\n")
+    stored = {}
+    for mark_tokens in (8, 0):
+        store = tmp_path / f"store-{mark_tokens}"
+        assert main(["data", "store", "--input", str(own), "--target", str(target), "--output", str(store),
+                     "--mark-tokens", str(mark_tokens)]) == 0
+        capsys.readouterr()
+        stored[mark_tokens] = generate("--store", str(store))
+    for run in stored.values():
+        assert run["text"] == plain["text"] and run["speculative"] and not plain["speculative"]
+        assert 0 < run["store_accepted"] == run["accepted_tokens"]
+    assert plain["num_tokens"] == 12 and stored[8]["steps"] < stored[0]["steps"]
 
 
 def test_bench_and_tune_take_a_store_on_the_command_line(setup, tmp_path):

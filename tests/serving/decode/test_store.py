@@ -1,11 +1,11 @@
 """The store of the target's replies (heads/artefacts/reply_store.py, serving/decode/store.py).
 
-Unit level: the suffix array against sorting the suffixes; the store's proposals against a
-brute force of the documented rule (the longest matching suffix, then the most frequent
-continuation token by token, the smallest id on a tie, stopping at a reply's end), the same for
-every call, batch and reopening; the bounded count (max_occurrences) still proposes what the
-store holds. A corrupt store (sizes, magic, version, order) and one built for another target or
-tokenizer are refused with one line. `DraftBatch.join` with a lookup and a store chain per row.
+Unit level: the store's proposals against a brute force of the documented rule (the longest
+matching suffix, then the most frequent continuation token by token, the smallest id on a tie,
+stopping at a reply's end), the same for every call, batch and reopening; the bounded count
+(max_occurrences) still proposes what the store holds. A store built for another target or
+tokenizer is refused with one line (the format and a corrupt store: tests/heads/
+test_reply_store_format.py). `DraftBatch.join` with a lookup and a store chain per row.
 
 Engine level, on the tiny random Llama: greedy decoding with the store (alone, beside random
 Medusa heads and lookup, beside an EAGLE-3 head's dynamic tree) equals HF greedy in a batch of
@@ -17,7 +17,6 @@ joint law of the first two tokens (chi-square, as test_decode_sampling.py).
 from __future__ import annotations
 
 import math
-import struct
 from collections import Counter
 from types import SimpleNamespace
 
@@ -28,9 +27,8 @@ from torch import nn
 
 from specheads.heads.medusa import MedusaHeads
 from specheads.heads.artefacts.suffix_search import SearchSettings
-from specheads.heads.artefacts.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME,
-                                                   TOKENS_NAME, ReplyStore, StoreError, suffix_array,
-                                                   tokenizer_fingerprint, write_store)
+from specheads.heads.artefacts.reply_store import (SEPARATOR, ReplyStore, StoreError, tokenizer_fingerprint,
+                                                   write_store)
 from specheads.heads.target.adapter import TargetAdapter, TargetIdentity
 from specheads.serving.decode.config import SpeculativeDecoder, parse_tree_field
 from specheads.serving.decode.draft_batch import DraftBatch
@@ -99,27 +97,6 @@ def occurs(replies, tokens) -> bool:
 # -- the format and the search --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vocab", [2, 7])
-def test_suffix_array_sorts_the_suffixes(vocab):
-    rng = np.random.default_rng(vocab)
-    for size in (1, 2, 9, 200):
-        tokens = rng.integers(0, vocab, size).astype(np.uint32)
-        assert suffix_array(tokens).tolist() == sorted(range(size), key=lambda i: tokens[i:].tolist())
-
-
-def test_a_store_states_its_size_and_its_target(tmp_path):
-    replies = random_replies(0, 50, 9)
-    store = build(tmp_path / "s", replies)
-    manifest = store.manifest
-    num_tokens = sum(len(r) for r in replies)
-    assert (manifest.num_sequences, manifest.num_tokens, store.num_tokens) == (50, num_tokens, num_tokens)
-    sizes = {name: (tmp_path / "s" / name).stat().st_size for name in (TOKENS_NAME, SUFFIX_ARRAY_NAME)}
-    assert manifest.files == sizes and manifest.index_bytes == sum(sizes.values())
-    assert manifest.index_bytes == 2 * HEADER_BYTES + 8 * num_tokens + 4 * len(replies)  # 8 bytes a token
-    assert manifest.target == IDENTITY and manifest.tokenizer["fingerprint"] == "f" * 64
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp files left behind"
-
-
 @pytest.mark.parametrize("vocab, max_match, min_match", [(3, 4, 1), (6, 8, 2), (20, 16, 1)])
 def test_proposals_follow_the_rule(tmp_path, vocab, max_match, min_match):
     replies = random_replies(vocab, 60, vocab)
@@ -178,40 +155,6 @@ def test_alone_at_match_and_no_match(tmp_path):
 def test_store_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         StoreConfig(**kwargs)
-
-
-def corrupt(directory, name: str, change) -> None:
-    path = directory / name
-    path.write_bytes(change(path.read_bytes()))
-
-
-@pytest.mark.parametrize("name, change, message", [
-    (TOKENS_NAME, lambda data: data[:-4], "corrupt: tokens.bin is"),
-    (SUFFIX_ARRAY_NAME, lambda data: data + b"\0\0\0\0", "corrupt: suffix_array.bin is"),
-    (TOKENS_NAME, lambda data: b"NOTMAGIC" + data[8:], "magic"),
-    (SUFFIX_ARRAY_NAME, lambda data: data[:8] + struct.pack("<Q", 3) + data[16:], "entry count"),
-    (SUFFIX_ARRAY_NAME, lambda data: data[:16] + data[20:24] + data[16:20] + data[24:], "out of order"),
-    (SUFFIX_ARRAY_NAME, lambda data: data[:16] + struct.pack("<i", 10 ** 6) + data[20:], "out of order"),
-    (TOKENS_NAME, lambda data: data[:-4] + b"\0\0\0\1", "does not end a reply"),
-    (MANIFEST_NAME, lambda data: data.replace(b'"format_version": 1', b'"format_version": 9'), "format_version=9"),
-    (MANIFEST_NAME, lambda data: data.replace(b"specheads-reply-store", b"other"), "not a reply-store manifest"),
-    (MANIFEST_NAME, lambda data: data[:20], "not readable JSON"),
-])
-def test_a_corrupt_store_is_refused_with_one_line(tmp_path, name, change, message):
-    build(tmp_path / "s", random_replies(4, 30, 6))
-    corrupt(tmp_path / "s", name, change)
-    with pytest.raises(StoreError, match=message) as caught:
-        ReplyStore(tmp_path / "s")
-    assert "\n" not in str(caught.value)
-
-
-def test_a_missing_store_is_refused(tmp_path):
-    with pytest.raises(StoreError, match="not a reply store .*specheads data store"):
-        ReplyStore(tmp_path / "nothing")
-    with pytest.raises(StoreError, match="at least one non-empty reply"):
-        write_store(tmp_path / "s", [[], []], target=IDENTITY, tokenizer=TOKENIZER)
-    with pytest.raises(StoreError, match="not a vocabulary id"):
-        write_store(tmp_path / "s", [[1, -2]], target=IDENTITY, tokenizer=TOKENIZER)
 
 
 class VocabTokenizer:
