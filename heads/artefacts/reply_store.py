@@ -1,8 +1,8 @@
 """A reply store: the target's own replies as token ids, with a suffix array over them.
 
-Format, search and validation live here, in heads/, because both the builder (data/reply_store.py,
-`specheads data store`) and the drafter (serving/decode/store.py) use them. A store is a
-directory, written whole (heads/atomic.py `staged_dir`):
+Format and validation live here (the search in heads/artefacts/suffix_search.py), in heads/,
+because both the builder (data/reply_store.py, `specheads data store`) and the drafter
+(serving/decode/store.py) use them. A store is a directory, written whole (heads/atomic.py `staged_dir`):
 
     store.json          manifest: format name and version, the target's identity (what a heads
                         directory records: heads/target/adapter.py `TargetIdentity`), the tokenizer's
