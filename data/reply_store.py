@@ -109,7 +109,7 @@ def build_store(input_path: str, target: str, output: str, *, tokenizer_path: st
     report.num_replies = len(replies)
     report.num_tokens = sum(len(reply) for reply in replies)
     report.num_mark_tokens = sum(len(mark) for mark in marks)
-    report.skipped = dict(Counter(skipped))
+    report.skipped = {reason: count for reason, count in Counter(skipped).items() if count}
     if not replies:
         raise DataError(f"{input_path}: the chat records hold no assistant tokens ({report.summary()})")
     manifest = write_store(output, replies, marks=marks, mark_tokens=mark_tokens, target=identity,
