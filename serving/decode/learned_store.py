@@ -9,12 +9,15 @@ draft whole replies.
 Memory is bounded: at most `capacity` tokens (each costs 12 bytes: its id and its suffix-array
 entry). The replies live in segments, each a SuffixIndex (heads/artefacts/suffix_search.py)
 searched as one body with the built store. A new reply is a segment of its own (indexed at
-once: a few ms); the newest segments merge while the one before is at most twice as large, so
-there are O(log) of them and each token is re-indexed O(log) times. No segment grows past a
-quarter of the capacity; when the store is over capacity the oldest segment leaves first.
+once, in about a millisecond); adjacent segments merge, newest first, while the older one is at
+most twice as large, so there are O(log) of them and each token is re-indexed O(log) times. A
+merge of large segments takes a few hundred ms, so merges run on a background thread and are
+published when done: no step waits for one (unless replies arrive so fast that the segments
+pass MAX_SEGMENTS: `add` then merges the newest, small ones itself). No segment grows past a quarter of the capacity;
+when the store is over capacity the oldest segment leaves first.
 
 `segments()` is a snapshot (a tuple that later additions do not change) with its `version`, so
-searches never see a segment half built; `add` holds a lock, so engines in several threads may
+searches never see a segment half built; changes hold a lock, so engines in several threads may
 share one store.
 """
 
@@ -25,6 +28,9 @@ import threading
 import numpy as np
 
 from specheads.heads.artefacts.suffix_search import SEPARATOR, SuffixIndex, suffix_array
+
+
+MAX_SEGMENTS = 32  # beyond this, `add` merges the newest small segments itself (the search reads every segment)
 
 
 def index_of(tokens: np.ndarray) -> SuffixIndex:
@@ -48,6 +54,7 @@ class LearnedStore:
         self.version = 0
         self.num_replies = 0
         self._lock = threading.Lock()
+        self._merger: threading.Thread | None = None  # the thread running the merges that are due
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +65,8 @@ class LearnedStore:
         return self._segments, self.version
 
     def add(self, prompt: list[int], reply: list[int]) -> None:
-        """Learn `reply` (token ids), marked by the tail of `prompt`. A reply longer than the
-        capacity keeps its last tokens that fit."""
+        """Learn `reply` (token ids), marked by the tail of `prompt`: searchable when this returns.
+        A reply longer than the capacity keeps its last tokens that fit."""
         if not reply:
             return
         mark = prompt[len(prompt) - self.mark_tokens:] if self.mark_tokens else []
@@ -68,22 +75,72 @@ class LearnedStore:
             return
         if max(sequence) >= SEPARATOR or min(sequence) < 0:
             raise ValueError(f"a learned reply holds a token id outside [0, {SEPARATOR}): {max(sequence)}")
-        tokens = np.array(sequence + [SEPARATOR], dtype="<u4")
+        segment = index_of(np.array(sequence + [SEPARATOR], dtype="<u4"))
         with self._lock:
-            segments = list(self._segments) + [index_of(tokens)]
-            while len(segments) > 1 and segments[-2].num_tokens <= 2 * segments[-1].num_tokens \
-                    and segments[-2].num_tokens + segments[-1].num_tokens <= self.max_segment:
-                merged = np.concatenate([segments[-2].tokens, segments[-1].tokens])
-                segments[-2:] = [index_of(merged)]
-            while sum(segment.num_tokens for segment in segments) > self.capacity:
+            segments = list(self._segments) + [segment]
+            while sum(one.num_tokens for one in segments) > self.capacity:
                 segments.pop(0)
-            self._segments = tuple(segments)
-            self.version += 1
+            self._publish(segments)
             self.num_replies += 1
+            behind = len(segments) > MAX_SEGMENTS
+            start = self._merger is None
+            if start:
+                self._merger = threading.Thread(target=self._merge, name="learned-store-merge", daemon=True)
+        if start:
+            self._merger.start()
+        while behind:  # replies arrive faster than the thread merges: merge the newest small ones here
+            with self._lock:
+                pair = self._due()
+                behind = pair is not None and len(self._segments) > MAX_SEGMENTS
+            if behind:
+                self._merge_pair(*pair)
+
+    def flush(self) -> None:
+        """Wait until the merges that are due have run."""
+        with self._lock:
+            merger = self._merger
+        if merger is not None:
+            merger.join()
 
     def clear(self) -> None:
         """Forget every learned reply."""
+        self.flush()
         with self._lock:
-            self._segments = ()
-            self.version += 1
+            self._publish([])
             self.num_replies = 0
+
+    def _publish(self, segments: list[SuffixIndex]) -> None:  # under the lock
+        self._segments = tuple(segments)
+        self.version += 1
+
+    def _merge(self) -> None:
+        """The merges that are due (module doc), one at a time, each indexed outside the lock
+        (numpy's sort lets the engine run meanwhile) and published if its two segments are
+        still there."""
+        while True:
+            with self._lock:
+                pair = self._due()
+                if pair is None:
+                    self._merger = None
+                    return
+            self._merge_pair(*pair)
+
+    def _merge_pair(self, older: SuffixIndex, newer: SuffixIndex) -> None:
+        """Index two adjacent segments as one, outside the lock; publish it if they are still there."""
+        merged = index_of(np.concatenate([older.tokens, newer.tokens]))
+        with self._lock:
+            segments = list(self._segments)
+            at = next((i for i in range(len(segments) - 1) if segments[i] is older and segments[i + 1] is newer), None)
+            if at is not None:
+                segments[at:at + 2] = [merged]
+                self._publish(segments)
+
+    def _due(self) -> tuple[SuffixIndex, SuffixIndex] | None:  # under the lock
+        """The newest adjacent pair whose older one is at most twice the newer one, together
+        within max_segment."""
+        segments = self._segments
+        for i in range(len(segments) - 2, -1, -1):
+            older, newer = segments[i], segments[i + 1]
+            if older.num_tokens <= 2 * newer.num_tokens and older.num_tokens + newer.num_tokens <= self.max_segment:
+                return older, newer
+        return None

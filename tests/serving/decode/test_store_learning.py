@@ -1,7 +1,8 @@
 """A store that learns as it serves (serving/decode/learned_store.py, serving/decode/store.py).
 
 Unit level: a learned reply is searchable at once, marked by its prompt's tail; memory stays
-within the capacity, the oldest replies leaving first; segments stay few. Engine level, on the
+within the capacity, the oldest replies leaving first; segments stay few; merges on their own
+thread lose nothing that is added meanwhile. Engine level, on the
 tiny random Llama: a prompt served again is drafted from the first reply (whole runs accepted,
 its opening included), greedy output still the target's own; a sequence that fails is not
 learned; the bench gives each method its own learned replies and reports a second pass apart.
@@ -46,11 +47,22 @@ def test_memory_is_bounded_and_the_oldest_leave_first():
     for k in range(200):
         store.add([], [1000 + k, 2000 + k, 3000 + k])  # 4 tokens each with the separator
         assert store.num_tokens <= 400
+        store.flush()  # the merges run on their own thread
         assert len(store.segments()[0]) <= 12  # O(log) segments
     assert search(store, [1199, 2199]) == [3199]  # the newest are there
     assert search(store, [1000, 2000]) == []  # the oldest left
     kept = [k for k in range(200) if search(store, [1000 + k, 2000 + k])]
     assert kept == list(range(kept[0], 200)) and len(kept) >= 300 // 4  # a suffix of the history, most of it
+
+
+def test_replies_added_while_merges_run_are_all_kept():
+    store = LearnedStore(capacity=1 << 20, mark_tokens=0)
+    for k in range(300):
+        store.add([], list(range(10_000 + 50 * k, 10_050 + 50 * k)))  # distinct replies of 50 tokens
+    store.flush()
+    assert store.num_tokens == 300 * 51 and len(store.segments()[0]) <= 12
+    for k in (0, 150, 299):
+        assert search(store, [10_000 + 50 * k, 10_001 + 50 * k]) == [10_002 + 50 * k, 10_003 + 50 * k]
 
 
 def test_a_long_reply_keeps_its_last_tokens():
