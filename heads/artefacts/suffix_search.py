@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -86,6 +87,9 @@ class SuffixIndex:
         self.suffix_array = suffix_array
         self.num_suffixes = int(suffix_array.shape[0])
         self.num_tokens = int(tokens.shape[0])
+        # what the native search reads (C's Index): where the arrays are, their sizes and layouts
+        self.record = (tokens.ctypes.data, suffix_array.ctypes.data, self.num_tokens, self.num_suffixes,
+                       int(tokens.dtype.byteorder == ">"), int(suffix_array.dtype.itemsize == 8))
 
     @classmethod
     def build(cls, sequences: Sequence[Sequence[int]]) -> "SuffixIndex":
@@ -363,26 +367,15 @@ int64_t suffix_propose(const Index *indexes, const int32_t *group, int64_t num_i
 """
 
 
-class _Index(ctypes.Structure):
-    _fields_ = [("tokens", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("num_tokens", ctypes.c_int64),
-                ("num_suffixes", ctypes.c_int64), ("big_endian", ctypes.c_int32), ("wide", ctypes.c_int32)]
-
-
-class _Sample(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_void_p), ("p", ctypes.c_int64), ("w", ctypes.c_double)]
-
-
-class _Params(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("num_tokens", "max_match", "min_match", "max_occ",
-                                                    "max_candidates")] + \
-               [("min_p", ctypes.c_double), ("per_match", ctypes.c_double)]
-
-
-class _Work(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("ranges", "samples", "dtok", "dw", "out", "work", "info")]
-
+# The C structs as numpy records (building these is microseconds; ctypes structures took a millisecond)
+_INDEX = np.dtype([("tokens", "<u8"), ("positions", "<u8"), ("num_tokens", "<i8"), ("num_suffixes", "<i8"),
+                   ("big_endian", "<i4"), ("wide", "<i4")])
+_PARAMS = np.dtype([(name, "<i8") for name in ("num_tokens", "max_match", "min_match", "max_occ", "max_candidates")]
+                   + [("min_p", "<f8"), ("per_match", "<f8")])
+SAMPLE_BYTES = 24  # C's Sample: a pointer, an int64, a double
 
 _library = None
+_workspaces = threading.local()  # one workspace per thread, grown to the largest call it has seen
 
 
 def _native():
@@ -400,6 +393,35 @@ def _native():
     return _library or None
 
 
+class _Workspace:
+    """The C search's scratch arrays, for up to num_indexes indexes and these settings' sizes;
+    `pointers` is C's Work struct (seven pointers)."""
+
+    def __init__(self, num_indexes: int, settings: SearchSettings):
+        self.key = (num_indexes, settings.max_match, settings.max_occurrences, settings.num_tokens)
+        num_samples = num_indexes * settings.max_occurrences
+        self.ranges = np.zeros(3 * num_indexes * settings.max_match, dtype=np.int64)
+        self.samples = np.zeros(num_samples * SAMPLE_BYTES, dtype=np.uint8)
+        self.dtok = np.zeros(num_samples, dtype=np.uint32)
+        self.dw = np.zeros(num_samples, dtype=np.float64)
+        self.out = np.zeros(settings.num_tokens, dtype=np.int64)
+        self.work = np.zeros(settings.num_tokens, dtype=np.int64)
+        self.info = np.zeros(3, dtype=np.float64)
+        self.pointers = np.array([a.ctypes.data for a in (self.ranges, self.samples, self.dtok, self.dw, self.out,
+                                                          self.work, self.info)], dtype=np.uint64)
+
+    @staticmethod
+    def get(num_indexes: int, settings: SearchSettings) -> "_Workspace":
+        """This thread's workspace, large enough."""
+        have = getattr(_workspaces, "one", None)
+        need = (num_indexes, settings.max_match, settings.max_occurrences, settings.num_tokens)
+        if have is None or any(n > h for n, h in zip(need, have.key)):
+            size = need if have is None else tuple(max(n, h) for n, h in zip(need, have.key))
+            have = _workspaces.one = _Workspace(size[0], SearchSettings(num_tokens=size[3], max_match=size[1],
+                                                                        max_occurrences=size[2]))
+        return have
+
+
 class Searcher:
     """`propose` over a fixed list of groups, with the native call's arguments built once."""
 
@@ -407,37 +429,24 @@ class Searcher:
         self.groups = [list(group) for group in groups]
         self.settings = settings
         self.library = _native() if native else None
-        indexes = [index for group in self.groups for index in group]
-        if self.library is None or not indexes:
+        self._indexes = [index for group in self.groups for index in group]  # kept alive while the C side reads them
+        if self.library is None or not self._indexes:
             return
-        self._indexes = (_Index * len(indexes))(*[
-            _Index(index.tokens.ctypes.data, index.suffix_array.ctypes.data, index.num_tokens, index.num_suffixes,
-                   int(index.tokens.dtype.byteorder == ">"), int(index.suffix_array.dtype.itemsize == 8))
-            for index in indexes])
+        self._records = np.array([index.record for index in self._indexes], dtype=_INDEX)
         self._group = np.array([g for g, group in enumerate(self.groups) for _ in group], dtype=np.int32)
-        num, s = len(indexes), settings
-        self._ranges = np.zeros(3 * num * s.max_match, dtype=np.int64)
-        self._samples = (_Sample * (num * s.max_occurrences))()
-        self._dtok = np.zeros(num * s.max_occurrences, dtype=np.uint32)
-        self._dw = np.zeros(num * s.max_occurrences, dtype=np.float64)
-        self._out = np.zeros(s.num_tokens, dtype=np.int64)
-        self._work = np.zeros(s.num_tokens, dtype=np.int64)
-        self._info = np.zeros(3, dtype=np.float64)
-        self._params = _Params(s.num_tokens, s.max_match, s.min_match, s.max_occurrences, s.max_candidates,
-                               s.min_probability, s.tokens_per_match)
-        self._work_ptrs = _Work(self._ranges.ctypes.data, ctypes.addressof(self._samples), self._dtok.ctypes.data,
-                                self._dw.ctypes.data, self._out.ctypes.data, self._work.ctypes.data,
-                                self._info.ctypes.data)
-        self._call = (ctypes.addressof(self._indexes), self._group.ctypes.data, num)
-        self._tail = (ctypes.addressof(self._params), ctypes.addressof(self._work_ptrs))
-        self._keep = indexes  # the arrays the structs point into stay alive with this searcher
+        s = settings
+        self._params = np.array((s.num_tokens, s.max_match, s.min_match, s.max_occurrences, s.max_candidates,
+                                 s.min_probability, s.tokens_per_match), dtype=_PARAMS)
 
     def propose(self, context: Sequence[int]) -> Proposal:
         s = self.settings
-        if self.library is None or not any(self.groups):
+        if self.library is None or not self._indexes:
             return propose_reference(self.groups, context, s)
         context_arr = np.ascontiguousarray(context[-s.max_match:], dtype=np.int64)
-        length = self.library.suffix_propose(*self._call, context_arr.ctypes.data, context_arr.shape[0], *self._tail)
+        work = _Workspace.get(len(self._indexes), s)
+        length = self.library.suffix_propose(self._records.ctypes.data, self._group.ctypes.data, len(self._indexes),
+                                             context_arr.ctypes.data, context_arr.shape[0], self._params.ctypes.data,
+                                             work.pointers.ctypes.data)
         if not length:
             return NONE
-        return Proposal(self._out[:length].tolist(), int(self._info[1]), float(self._info[0]), int(self._info[2]))
+        return Proposal(work.out[:length].tolist(), int(work.info[1]), float(work.info[0]), int(work.info[2]))
