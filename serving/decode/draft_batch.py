@@ -130,10 +130,10 @@ class DraftBatch:
 
         The chain shares its first m tokens with the tree so far when a path from the root
         holds them, each node the first valid child of its parent with its token (first_nT:
-        the nodes that are; a later sibling with the same token is never accepted under
-        sampling). Those m nodes are the chain's; its own nodes 1..m are invalid duplicates
-        (under the shared node's parent), and its nodes m+1..L hang below the m-th shared
-        node (the root when m = 0)."""
+        the nodes that are, updated here with the chain's own; a later sibling with the same
+        token is never accepted under sampling). Those m nodes are the chain's; its own nodes
+        1..m are invalid duplicates (under the shared node's parent), and its nodes m+1..L
+        hang below the m-th shared node (the root when m = 0)."""
         length, device = int(chain_nL.shape[1]), chain_nL.device
         depths_nS, mask_nSS = self.depths[:, :size], self.tree_mask[:, :size, :size]
         in_chain_nS = (depths_nS >= 1) & (depths_nS <= length)
@@ -155,7 +155,8 @@ class DraftBatch:
         first_nT[:, own] = self.valid[:, own]  # its own valid nodes are new tokens under their parents
         self.parents[:, own] = torch.where(position_L <= shared_n[:, None] + 1, path_nX.gather(1, (position_L - 1)
                                            .expand_as(chain_nL)), size + position_L - 2)
-        # a node attends to the deepest shared node at or above it, its path, and its own nodes below that
+        # a node's mask row: the row of the shared node above it (its parent for a duplicate, the m-th for
+        # the rest), then its own nodes from m + 1 down to itself (itself alone for a duplicate)
         above_nL = path_nX.gather(1, torch.minimum(position_L - 1, shared_n[:, None]))
         self.tree_mask[:, own] = self.tree_mask.gather(1, above_nL[:, :, None].expand(-1, -1, self.num_nodes))
         after_nL = position_L > shared_n[:, None]  # [n, L] the chain positions it does not share
