@@ -10,12 +10,19 @@ invalid node is verified like the others but never accepted, and never anyone's 
 field is a device tensor and every shape is known on the host, so the accept step
 (serving/decode/accept.py) reads nothing back.
 
-Each drafter of a step returns its own tree for the rows; `DraftBatch.join` hangs the chain
-sources' trees (n-gram lookup, the reply store) under the root after the heads' nodes, in the
-decoder's order. Node order among siblings is the order in which the sampled accept rule tries
-them: a static tree's rank order, then the chains.
+Each drafter of a step returns its own tree for the rows; `DraftBatch.join` merges the chain
+sources' chains (n-gram lookup, the reply store) into the heads' tree, one after the other in the
+decoder's order. A chain follows the tree built so far from the root while its next token is a
+valid child's there (that node becomes the chain's; the chain's own node is left in as an invalid
+duplicate, so shapes stay static), and its remaining tokens hang below the last node it shares.
+So a chain token that is one of the heads' candidates is one node, not two siblings: under
+sampling a repeated sibling could never be accepted (the first took its mass), and under greedy
+it would cost a node. Node order among siblings is the order in which the sampled accept rule
+tries them: a static tree's rank order, then the chains' nodes. `on_chains` marks each chain's
+nodes (its own and those it merged into), which the step counts for the per-source stats.
 
-Shape legend: n rows, T nodes (padded), C most children of one node, L a chain's tokens.
+Shape legend: n rows, T nodes (padded), C most children of one node, L a chain's tokens, K the
+chains joined, S the nodes of the tree built so far (join).
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ class DraftBatch:
     max_children: int  # C, the most children any node may have (host; sizes the sampled accept)
     is_chain: bool = False  # one row whose nodes form a chain: the causal mask is its tree mask
     alone: torch.Tensor | None = None  # [n] bool (a chain's): the heads' nodes are not needed in the row
+    # [n, K, T] bool (join's, K chains): node t holds a token of chain k (its own valid node or the node it
+    # merged into; never the root), for the per-source stats
+    on_chains: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -80,36 +90,82 @@ class DraftBatch:
                    valid=torch.cat([valid_nL.new_ones(num_rows, 1), valid_nL], 1), max_depth=int(length),
                    max_children=1, is_chain=num_rows == 1, alone=alone_n)
 
-    def join(self, branches: list["DraftBatch"]) -> "DraftBatch":
-        """This tree (the heads', or the roots alone) with each branch's draft nodes hung under
-        the same root after it, in order. A row that a branch marks `alone` keeps none of this
-        tree's draft nodes (its chain is verified alone; the heads' candidates are not needed)."""
-        if not branches:
+    def join(self, chains: list["DraftBatch"]) -> "DraftBatch":
+        """This tree (the heads', or the roots alone) with each chain (a chain source's
+        `DraftBatch.chain`) merged into the tree built so far, in order (module doc). A row that
+        a chain marks `alone` keeps none of this tree's draft nodes (its chain is verified
+        alone; the heads' candidates are not needed), so the chains merge under its root alone.
+        Each chain's nodes take the next L node slots; where the chain merged, its own node is
+        an invalid duplicate (static shapes)."""
+        if not chains:
             return self
+        if any(chain.max_children > 1 for chain in chains):
+            raise ValueError("join merges chains (DraftBatch.chain), not trees")
         valid = self.valid
-        for branch in branches:
-            if branch.alone is not None and self.num_nodes > 1:
-                valid = valid & ~(branch.alone[:, None] & (self.depths > 0))
-        tokens, parents, depths, valids = [self.tokens], [self.parents], [self.depths], [valid]
-        num_rows, total = self.tokens.shape[0], self.num_nodes + sum(b.num_nodes - 1 for b in branches)
-        mask = torch.zeros(num_rows, total, total, dtype=torch.bool, device=self.tokens.device)
-        mask[:, :self.num_nodes, :self.num_nodes] = self.tree_mask
-        offset = self.num_nodes
-        for branch in branches:
-            size = branch.num_nodes - 1
-            kids = branch.parents[:, 1:]
-            tokens.append(branch.tokens[:, 1:])
-            parents.append(torch.where(kids > 0, kids + offset - 1, kids))
-            depths.append(branch.depths[:, 1:])
-            valids.append(branch.valid[:, 1:])
-            mask[:, offset:offset + size, 0] = branch.tree_mask[:, 1:, 0]
-            mask[:, offset:offset + size, offset:offset + size] = branch.tree_mask[:, 1:, 1:]
-            offset += size
-        return DraftBatch(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1), depths=torch.cat(depths, 1),
-                          tree_mask=mask, valid=torch.cat(valids, 1),
-                          max_depth=max([self.max_depth] + [b.max_depth for b in branches]),
-                          max_children=self.max_children + len(branches),
-                          is_chain=self.is_chain and self.num_nodes == 1 and len(branches) == 1 and branches[0].is_chain)
+        for chain in chains:
+            if chain.alone is not None and self.num_nodes > 1:
+                valid = valid & ~(chain.alone[:, None] & (self.depths > 0))
+        num_rows, size = int(self.tokens.shape[0]), self.num_nodes
+        total = size + sum(chain.num_nodes - 1 for chain in chains)
+        tree = DraftBatch(tokens=_pad(self.tokens, total - size, 0), parents=_pad(self.parents, total - size, -1),
+                          depths=_pad(self.depths, total - size, 0),
+                          tree_mask=torch.zeros(num_rows, total, total, dtype=torch.bool, device=self.tokens.device),
+                          valid=_pad(valid, total - size, False),
+                          max_depth=max([self.max_depth] + [chain.max_depth for chain in chains]),
+                          max_children=self.max_children + len(chains),  # a chain adds at most one child to a node
+                          is_chain=self.is_chain and size == 1 and len(chains) == 1 and chains[0].is_chain)
+        tree.tree_mask[:, :size, :size] = self.tree_mask
+        first_nT = _pad(_first_of_their_token(self.parents, self.tokens, valid), total - size, False)
+        on_chains = []
+        for chain in chains:
+            on_chains.append(tree._merge(size, chain.tokens[:, 1:], chain.valid[:, 1:], first_nT))
+            size += chain.num_nodes - 1
+        tree.on_chains = torch.stack(on_chains, 1)
+        return tree
+
+    def _merge(self, size: int, chain_nL: torch.Tensor, chain_valid_nL: torch.Tensor,
+               first_nT: torch.Tensor) -> torch.Tensor:
+        """Merge one chain into this tree's first `size` nodes (the tree so far), writing its
+        nodes into slots [size, size + L) (join) -> [n, T] bool, the nodes on the chain.
+
+        The chain shares its first m tokens with the tree so far when a path from the root
+        holds them, each node the first valid child of its parent with its token (first_nT:
+        the nodes that are, updated here with the chain's own; a later sibling with the same
+        token is never accepted under sampling). Those m nodes are the chain's; its own nodes
+        1..m are invalid duplicates (under the shared node's parent), and its nodes m+1..L
+        hang below the m-th shared node (the root when m = 0)."""
+        length, device = int(chain_nL.shape[1]), chain_nL.device
+        depths_nS, mask_nSS = self.depths[:, :size], self.tree_mask[:, :size, :size]
+        in_chain_nS = (depths_nS >= 1) & (depths_nS <= length)
+        at_nS = (depths_nS - 1).clamp(0, length - 1)  # the chain position a node at this depth would be
+        same_nS = first_nT[:, :size] & in_chain_nS & (self.tokens[:, :size] == chain_nL.gather(1, at_nS)) \
+            & chain_valid_nL.gather(1, at_nS)
+        same_nS[:, 0] = True  # the root
+        shared_nS = ~(mask_nSS & ~same_nS[:, None, :]).any(-1) & in_chain_nS  # its path is the chain's prefix
+        shared_n = shared_nS.sum(-1)  # m: at most one shared node per depth, on one path
+        # path_nX [n, L + 2]: the shared node at depth k (the root at 0); slot L + 1 takes the rest
+        slot_nS = torch.where(shared_nS, depths_nS, length + 1)
+        path_nX = torch.zeros(shared_n.shape[0], length + 2, dtype=torch.long, device=device)
+        path_nX.scatter_(1, slot_nS, torch.arange(size, device=device).expand_as(slot_nS))
+        position_L = torch.arange(1, length + 1, device=device)  # k, the chain position = depth
+        merged_nL = position_L <= shared_n[:, None]
+        own = slice(size, size + length)
+        self.tokens[:, own], self.depths[:, own] = chain_nL, position_L.expand_as(chain_nL)
+        self.valid[:, own] = chain_valid_nL & ~merged_nL
+        first_nT[:, own] = self.valid[:, own]  # its own valid nodes are new tokens under their parents
+        self.parents[:, own] = torch.where(position_L <= shared_n[:, None] + 1, path_nX.gather(1, (position_L - 1)
+                                           .expand_as(chain_nL)), size + position_L - 2)
+        # a node's mask row: the row of the shared node above it (its parent for a duplicate, the m-th for
+        # the rest), then its own nodes from m + 1 down to itself (itself alone for a duplicate)
+        above_nL = path_nX.gather(1, torch.minimum(position_L - 1, shared_n[:, None]))
+        self.tree_mask[:, own] = self.tree_mask.gather(1, above_nL[:, :, None].expand(-1, -1, self.num_nodes))
+        after_nL = position_L > shared_n[:, None]  # [n, L] the chain positions it does not share
+        self.tree_mask[:, own, own] = torch.eye(length, dtype=torch.bool, device=device) \
+            | (after_nL[:, None, :] & (position_L[None, :, None] >= position_L[None, None, :]))
+        on_nT = torch.zeros_like(self.valid)
+        on_nT[:, :size] = shared_nS
+        on_nT[:, own] = self.valid[:, own]
+        return on_nT
 
     def padded(self, num_nodes: int) -> "DraftBatch":
         """The same rows with invalid padding nodes up to num_nodes (>= T): a padding node
@@ -122,9 +178,11 @@ class DraftBatch:
         num_rows, device = int(self.tokens.shape[0]), self.tokens.device
         mask = torch.eye(num_nodes, dtype=torch.bool, device=device).repeat(num_rows, 1, 1)
         mask[:, :self.num_nodes, :self.num_nodes] = self.tree_mask
+        on_chains = None if self.on_chains is None else \
+            torch.cat([self.on_chains, self.on_chains.new_zeros(num_rows, self.on_chains.shape[1], pad)], 2)
         return replace(self, tokens=_pad(self.tokens, pad, 0), parents=_pad(self.parents, pad, -1),
                        depths=_pad(self.depths, pad, 0), tree_mask=mask, valid=_pad(self.valid, pad, False),
-                       is_chain=self.is_chain and num_rows == 1)
+                       is_chain=self.is_chain and num_rows == 1, on_chains=on_chains)
 
     def children(self) -> torch.Tensor:
         """[n, T, C] long: each node's valid children in node order, padded with -1."""
@@ -140,6 +198,16 @@ class DraftBatch:
 
 def _pad(values_nT: torch.Tensor, pad: int, fill) -> torch.Tensor:
     return torch.cat([values_nT, values_nT.new_full((values_nT.shape[0], pad), fill)], 1)
+
+
+def _first_of_their_token(parents_nT: torch.Tensor, tokens_nT: torch.Tensor, valid_nT: torch.Tensor) -> torch.Tensor:
+    """[n, T] bool: the valid nodes that no earlier valid sibling has the token of (the one a
+    walk down the tree takes for that token; a repeat is never accepted)."""
+    num_nodes = int(tokens_nT.shape[1])
+    earlier_TT = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=tokens_nT.device).tril(-1)
+    repeat_nTT = (parents_nT[:, :, None] == parents_nT[:, None, :]) & (tokens_nT[:, :, None] == tokens_nT[:, None, :]) \
+        & valid_nT[:, None, :] & earlier_TT
+    return valid_nT & ~repeat_nTT.any(-1)
 
 
 class Drafter(Protocol):

@@ -1,4 +1,4 @@
-"""N-gram lookup drafts from the sequence's own context, alone or as one more tree branch.
+"""N-gram lookup drafts from the sequence's own context, alone or merged into the heads' tree.
 
 Prompt-lookup decoding (vLLM's `ngram` method, HF `prompt_lookup_num_tokens`) drafts the
 tokens that followed the last occurrence of the context's final n-gram. It costs no model
@@ -8,13 +8,14 @@ the other way round. The engine combines them per step (`LookupConfig`):
 
 - a match of at least `alone_at_ngram` tokens: the step verifies the lookup chain alone and
   skips the heads' draft (on a CPU an EAGLE draft costs about a target step);
-- a shorter match: the heads' tree plus the lookup chain as one more branch under the root;
+- a shorter match: the heads' tree with the lookup chain merged into it (serving/decode/draft_batch.py
+  `DraftBatch.join`: where the chain begins with the heads' candidates it shares their nodes);
 - no match: the heads' tree alone (or, without heads, a plain step).
 Verification and acceptance are unchanged, so greedy output is still the target's own.
 Sampled requests use it too: a lookup token is a candidate fixed in advance (a point-mass
 draft), exactly like the heads' top-k candidates, so the tree's recursive rejection
-sampling (serving/decode/sampling.py) keeps the target's distribution; the chain is the root's
-last child, tried after the heads' candidates. The proposal depends only on the tokens, so
+sampling (serving/decode/sampling.py) keeps the target's distribution; where the chain leaves
+the heads' tree its node is the last child, tried after the heads' candidates. The proposal depends only on the tokens, so
 a seed still gives the same output.
 
 The lookup runs on the target's device, inside the decode step (serving/decode/draft_batch.py

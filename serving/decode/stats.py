@@ -44,6 +44,8 @@ class DecodeStats:
     fallbacks: int = 0  # times the request fell back (it retries speculation after a while)
     spec_tokens_per_s: float | None = None  # the measured rates the fallback decision compared
     plain_tokens_per_s: float | None = None
+    # Chains are merged into the heads' tree (serving/decode/draft_batch.py join): an accepted token that a
+    # chain shares with the heads' tree or another chain counts for each of them.
     lookup_steps: int = 0  # steps that verified an n-gram lookup chain (serving/decode/lookup.py)
     lookup_accepted: int = 0  # draft tokens accepted from lookup chains (part of accepted_tokens)
     store_steps: int = 0  # steps that verified a reply-store chain (serving/decode/store.py)

@@ -18,8 +18,10 @@ uniforms drawn from the rows' generators on the device, and, with a reply store,
 chains: the one upload, searched on the host (serving/decode/store.py).
 
 - draft: every drafter that drafts this step proposes a tree for every row (serving/decode/
-  draft_batch.py `Drafter`): the heads' tree, or the root alone, with each chain hung under
-  the root; rows that do not draft keep their root alone (their other nodes are invalid).
+  draft_batch.py `Drafter`): the heads' tree, or the root alone, with each chain merged into
+  it (`DraftBatch.join`: a prefix the chain shares with the tree is one path, the rest hangs
+  below it); rows that do not draft keep their root alone (their other nodes are invalid). The
+  read counts, per chain a row verified, the accepted nodes on it (`chain_counts`).
 - verify: ONE target forward over every row's tree, padded to the largest T; node i of row b
   sits at position S_b + depth(i) and attends to b's S_b committed keys plus its own
   ancestors (a 4-D bool mask [n, 1, T, K], or the tree-attention kernel with per-row prefix
@@ -174,6 +176,17 @@ def verify(decoder, cache: TreeStaticCache, drafts: DraftBatch, num_nodes: int, 
     return out.logits, torch.cat(out.taps, dim=-1)
 
 
+def chain_counts(drafts: DraftBatch, path_nW: torch.Tensor, count_n: torch.Tensor) -> torch.Tensor:
+    """[n, K] long, per joined chain (drafts.on_chains): the accepted path's nodes on it (its
+    accepted tokens, those it shares with the heads' tree or an earlier chain included), or -1
+    where the row did not verify it (no node of it is valid in the row)."""
+    on_nKT = drafts.on_chains
+    present_nK = (on_nKT & drafts.valid[:, None, :]).any(-1)
+    taken_nW = torch.arange(path_nW.shape[1], device=path_nW.device) < count_n[:, None]  # past the count: padding
+    on_path_nKW = on_nKT.gather(2, path_nW[:, None, :].expand(-1, on_nKT.shape[1], -1)) & taken_nW[:, None, :]
+    return torch.where(present_nK, on_path_nKW.sum(-1), -1)
+
+
 def emit(out_tokens: list[int], new_tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int],
          stop_sequences: list[list[int]]) -> str | None:
     """Append new_tokens up to the first EOS, the end of a stop sequence, or max_new_tokens;
@@ -323,13 +336,9 @@ class DeviceStep:
                  for drafter in self.drafters]
         self.roots_B[rows] = emitted_nW.gather(1, (count_n - 1)[:, None])[:, 0]
         cache.commit_accepted(path_nW, count_n)
-        offset, present = base.tokens.shape[1], []
-        for chain in chains:  # which rows verified each chain
-            size = chain.tokens.shape[1] - 1
-            present.append(drafts.valid[:, offset:offset + size].any(-1).long()[:, None])
-            offset += size
         packed = torch.cat([count_n[:, None], accepted.depth[:, None], accepted.bad.long()[:, None], path_nW,
-                            emitted_nW] + present + [note for note in notes if note is not None], 1)
+                            emitted_nW] + ([chain_counts(drafts, path_nW, count_n)] if chains else [])
+                           + [note for note in notes if note is not None], 1)
         if variant.num_top_logprobs is None:
             return packed
         # float64 holds the ints exactly (token ids and node indices are far below 2**53)
@@ -346,18 +355,13 @@ class DeviceStep:
                 torch.cuda.current_stream(packed_nX.device).synchronize()
             packed_nX = host
         depths = [self.heads.max_depth if variant.heads else 0] + [self.chains[i].max_depth for i in variant.chains]
-        width, spans = max(depths) + 1, []
-        offset = self.heads.num_nodes if variant.heads else 1
-        for i in variant.chains:  # where each chain's nodes are: (name, first node, end)
-            spans.append((self.chains[i].name, offset, offset + self.chains[i].num_nodes - 1))
-            offset = spans[-1][2]
+        width, names = max(depths) + 1, [self.chains[i].name for i in variant.chains]
         noted = [(drafter.name, drafter.num_notes) for drafter in self.drafters if drafter.num_notes]
         out = []
         for row in packed_nX.tolist():
-            count, at = int(row[0]), 3 + 2 * width + len(spans)
+            count, at = int(row[0]), 3 + 2 * width + len(names)
             path = [int(value) for value in row[3:3 + count]]
-            chains = {name: sum(first <= node < end for node in path)
-                      for (name, first, end), present in zip(spans, row[3 + 2 * width:at]) if present}
+            chains = {name: int(accepted) for name, accepted in zip(names, row[3 + 2 * width:at]) if accepted >= 0}
             notes = {}
             for name, size in noted:
                 notes[name] = [int(value) for value in row[at:at + size]]

@@ -152,8 +152,8 @@ def test_the_captured_path_samples_from_the_target(setup, dynamic_decoder, tree_
 @pytest.mark.slow  # lookup under sampling also runs in test_store.py (heads + lookup + store), by default
 @pytest.mark.parametrize("with_heads", [True, False], ids=["medusa+lookup", "lookup-alone"])
 def test_first_two_tokens_follow_the_target_with_lookup(setup, with_heads):
-    """Lookup tokens are candidates fixed in advance, like the heads' top-k: the chain rides
-    as the root's last child (beside the heads' tree), or is the whole tree (no heads,
+    """Lookup tokens are candidates fixed in advance, like the heads' top-k: the chain is
+    merged into the heads' tree (test_draft_merge.py), or is the whole tree (no heads,
     alone_at_ngram=1). A second token that occurs in the prompt makes the first verify step
     look up (the prompt's own continuation of it)."""
     target, decoder = setup

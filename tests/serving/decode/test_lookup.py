@@ -247,23 +247,27 @@ def test_a_chain_on_a_root_alone_is_a_pure_chain(length):
 
 def test_accept_on_a_combined_tree_picks_the_longest_match():
     tokens = torch.tensor([[10, 11, 12, 13]])
-    drafts = plan_batch([[0], [1], [0, 0]], tokens).join([chain_batch(tokens[:, 0], [[11, 5, 6]])])  # nodes 4, 5, 6
+    # The chain's 11 is the heads' node 1: it merges there (its own node 4 is an invalid
+    # duplicate) and its 5, 6 hang below node 1 as nodes 5, 6.
+    drafts = plan_batch([[0], [1], [0, 0]], tokens).join([chain_batch(tokens[:, 0], [[11, 5, 6]])])
+    assert drafts.parents[0].tolist() == [-1, 0, 0, 1, 0, 1, 5] and not drafts.valid[0, 4]
+    apart = plan_batch([[0], [1], [0, 0]], torch.tensor([[10, 99, 98, 97]])).join(
+        [chain_batch(tokens[:, 0], [[20, 21, 22]])])  # shares nothing: nodes 4, 5, 6 under the root
 
-    def run(target_after_node: list[int], draft_tokens: torch.Tensor = drafts.tokens):
-        one = DraftBatch(**{**drafts.__dict__, "tokens": draft_tokens})
-        accepted = accept_greedy(one, torch.tensor([target_after_node]))
+    def run(target_after_node: list[int], tree: DraftBatch = drafts):
+        accepted = accept_greedy(tree, torch.tensor([target_after_node]))
         count = int(accepted.num_nodes[0])
         return accepted.path[0, :count].tolist(), accepted.emitted[0, :count].tolist()
 
-    # The heads' branch 0 -> 1 -> 3 matches (3 nodes), the chain 0 -> 4 -> 5 -> 6 matches (4 nodes).
-    assert run([11, 13, 0, 40, 5, 6, 23]) == ([0, 4, 5, 6], [11, 5, 6, 23])
-    # The chain breaks after one token: the heads' longer branch wins.
-    assert run([11, 13, 0, 40, 7, 6, 23]) == ([0, 1, 3], [11, 13, 40])
+    # The chain 0 -> 1 -> 5 -> 6 matches (4 nodes) through the heads' node 1.
+    assert run([11, 5, 0, 40, 0, 6, 23]) == ([0, 1, 5, 6], [11, 5, 6, 23])
+    # The chain breaks after its shared token: the heads' branch 0 -> 1 -> 3 wins.
+    assert run([11, 13, 0, 40, 0, 6, 23]) == ([0, 1, 3], [11, 13, 40])
     # Only the root: nothing matches.
     assert run([11 + 100, 0, 0, 0, 9, 0, 0]) == ([0], [111])
-    assert run([20, 0, 0, 0, 21, 9, 0], torch.tensor([[10, 99, 98, 97, 20, 21, 22]])) == ([0, 4, 5], [20, 21, 9])
-    # The chain repeats the heads' first token, and both match as far: the lower node wins, same tokens.
-    assert run([11, 40, 0, 0, 9, 0, 0]) == ([0, 1], [11, 40])
+    assert run([20, 0, 0, 0, 21, 9, 0], apart) == ([0, 4, 5], [20, 21, 9])
+    # The invalid duplicate of node 1 is never accepted, though its token matches.
+    assert run([11, 40, 0, 0, 5, 0, 0]) == ([0, 1], [11, 40])
 
 
 # -- the engine -------------------------------------------------------------------------------------

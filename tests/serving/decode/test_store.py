@@ -10,7 +10,7 @@ test_reply_store_format.py). `DraftBatch.join` with a lookup and a store chain p
 Engine level, on the tiny random Llama: greedy decoding with the store (alone, beside random
 Medusa heads and lookup, beside an EAGLE-3 head's dynamic tree) equals HF greedy in a batch of
 several sequences, and store chains are accepted where the store holds the target's reply;
-sampling with the store as a branch (beside heads and lookup, and alone) keeps the target's
+sampling with the store merged into the tree (beside heads and lookup, and alone) keeps the target's
 joint law of the first two tokens (chi-square, as test_decode_sampling.py).
 """
 
@@ -196,15 +196,25 @@ def test_the_tree_field_records_a_store(tmp_path):
 # -- two chains per row ---------------------------------------------------------------------------
 
 
-def test_join_puts_each_source_s_chain_on_its_own_branch():
+def test_join_merges_each_source_s_chain_into_the_tree_so_far():
     plan = TreePlan(DraftTree.from_paths([[0], [1], [0, 0]]), torch.device("cpu"))
-    base = DraftBatch.from_plan(plan, torch.arange(8).reshape(2, 4))
+    base = DraftBatch.from_plan(plan, torch.arange(8).reshape(2, 4))  # row 0: 1, 2 under the root, 3 under 1
     roots = base.tokens[:, 0]
-    drafts = base.join([chain_batch(roots, [[5, 6], []]), chain_batch(roots, [[7, 8, 9], [3]])])
-    assert drafts.num_nodes == 4 + 5 and drafts.max_depth == 3 and drafts.max_children == 2 + 2
-    assert drafts.tokens[0, 4:].tolist() == [5, 6, 7, 8, 9] and drafts.parents[0, 4:].tolist() == [0, 4, 0, 6, 7]
-    assert drafts.tokens[1, 6].item() == 3 and drafts.valid[1].tolist() == [True] * 4 + [False] * 2 + [True] + [False] * 2
-    assert drafts.children()[0, 0].tolist()[:4] == [1, 2, 4, 6]  # heads' candidates, then lookup, then store
+    # Row 0: the lookup chain follows the heads' 1, 3, then adds 6 (node 6); the store chain
+    # follows 1, 3 and the lookup's 6, then adds 8 (node 10). Row 1: no lookup chain; the store
+    # chain follows the heads' 5 (node 1) and adds 9 (node 8).
+    drafts = base.join([chain_batch(roots, [[1, 3, 6], []]), chain_batch(roots, [[1, 3, 6, 8], [5, 9]])])
+    assert drafts.num_nodes == 4 + 3 + 4 and drafts.max_depth == 4 and drafts.max_children == 2 + 2
+    assert drafts.tokens[0, 4:].tolist() == [1, 3, 6, 1, 3, 6, 8]
+    assert drafts.parents[0, 4:].tolist() == [0, 1, 3, 0, 1, 3, 6]
+    assert drafts.valid[0, 4:].tolist() == [False, False, True, False, False, False, True]
+    assert drafts.parents[1, 7:9].tolist() == [0, 1] and drafts.tokens[1, 8].item() == 9
+    assert drafts.valid[1, 4:].tolist() == [False] * 4 + [True] + [False] * 2
+    assert drafts.children()[0, 3].tolist()[:1] == [6] and drafts.children()[0, 6].tolist()[:1] == [10]
+    assert drafts.children()[1, 1].tolist()[:2] == [3, 8]  # the heads' child, then the store's
+    on = drafts.on_chains
+    assert [on[0, k].nonzero()[:, 0].tolist() for k in range(2)] == [[1, 3, 6], [1, 3, 6, 10]]
+    assert [on[1, k].nonzero()[:, 0].tolist() for k in range(2)] == [[], [1, 8]]
     for row in range(2):
         check_row(drafts, row)
     single = DraftBatch.roots(roots[:1]).join([chain_batch(roots[:1], [[2, 3]]), chain_batch(roots[:1], [[4]])])
@@ -342,7 +352,7 @@ def sampling_setup(tmp_path_factory):
                                         pytest.param(False, id="store-alone", marks=pytest.mark.slow)])
 def test_first_two_tokens_follow_the_target_with_the_store(sampling_setup, with_heads):
     """Store tokens are candidates fixed in advance: beside the heads' tree and a lookup chain
-    (the root's last child), or the whole tree (no heads)."""
+    (merged into the heads' tree), or the whole tree (no heads)."""
     target, heads, store, params, joint = sampling_setup
     drafter = StoreDrafter(store, StoreConfig(num_tokens=3, max_match=4, min_match=1))
     decoder = SpeculativeDecoder(target, heads if with_heads else None,
@@ -357,7 +367,7 @@ def test_first_two_tokens_follow_the_target_with_the_store(sampling_setup, with_
         store_steps += result.stats.store_steps
         store_accepted += result.stats.store_accepted
         assert result.lossless
-    # beside the heads, a store token that a head's candidate repeats is accepted there, not from the store
+    # beside the heads, a store token that a head's candidate repeats shares its node (and counts for both)
     least = NUM_SAMPLES // 50 if with_heads else NUM_SAMPLES // 10
     assert store_steps > NUM_SAMPLES // 2 and store_accepted > least, (store_steps, store_accepted)
     assert chi_square_p_value(counts, joint) > P_VALUE

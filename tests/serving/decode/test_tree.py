@@ -90,15 +90,15 @@ def test_from_calibration_uses_expand_paths():
     assert tree.rank_paths[0] == (0,)
 
 
-def greedy_reference(parents: list[int], tokens: list[int], target_tokens: list[int]) -> list[int]:
-    """Walked node by node in plain Python: a node is correct when its token is the target's
-    argmax at its parent; the path ends at the deepest node whose ancestors are all correct,
-    the lowest-numbered one on a tie (two correct siblings need a repeated token, and then
-    both emit the same tokens)."""
+def greedy_reference(parents: list[int], tokens: list[int], target_tokens: list[int], valid: list[bool]) -> list[int]:
+    """Walked node by node in plain Python: a node is correct when it is valid and its token is
+    the target's argmax at its parent; the path ends at the deepest node whose ancestors are all
+    correct, the lowest-numbered one on a tie (two correct siblings need a repeated token, and
+    then both emit the same tokens)."""
     def run(node):
         chain = []
         while node > 0:
-            if tokens[node] != target_tokens[parents[node]]:
+            if not valid[node] or tokens[node] != target_tokens[parents[node]]:
                 return None
             chain.append(node)
             node = parents[node]
@@ -122,7 +122,7 @@ def test_accept_greedy_matches_the_reference():
         plan = TreePlan(tree, torch.device("cpu"))
         for _ in range(200):
             drafts = DraftBatch.from_plan(plan, torch.randint(0, vocab, (1, tree.num_nodes), generator=gen))
-            if chain:  # a lookup and a store chain
+            if chain:  # a lookup and a store chain, merged where they repeat the tree's tokens
                 drafts = drafts.join([DraftBatch.chain(drafts.tokens[:, 0], torch.randint(0, vocab, (1, length),
                                                                                           generator=gen),
                                                        torch.ones(1, length, dtype=torch.bool))
@@ -134,7 +134,7 @@ def test_accept_greedy_matches_the_reference():
             tokens[1:] = torch.where(hit[1:], target_tokens[drafts.parents[0, 1:]], tokens[1:])
             drafts.tokens = tokens[None]
             path, emitted = accept_one(drafts, target_tokens)
-            expected = greedy_reference(parents, tokens.tolist(), target_tokens.tolist())
+            expected = greedy_reference(parents, tokens.tolist(), target_tokens.tolist(), drafts.valid[0].tolist())
             assert path == expected
             assert emitted == [int(tokens[n]) for n in expected[1:]] + [int(target_tokens[expected[-1]])]
 
