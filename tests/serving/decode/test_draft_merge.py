@@ -38,7 +38,7 @@ from specheads.serving.decode.trees import DraftTree, TreePlan
 from conftest import make_tiny_model
 from test_decode_sampling import chi_square_p_value
 from test_lookup import chain_batch, plan_batch
-from test_sampling import BRANCHING, CONTEXT, NUM_SAMPLES, TARGET, V, chi_square, complete, draft_tree_tokens, \
+from test_sampling import BRANCHING, CONTEXT, NUM_SAMPLES, TARGET, chi_square, complete, draft_tree_tokens, \
     exact_joint
 
 # Nodes: 0 root, 1 (0,), 2 (1,), 3 (0, 0), 4 (0, 1), 5 (1, 0), 6 (0, 0, 0)
