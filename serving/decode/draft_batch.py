@@ -245,7 +245,10 @@ class Drafter(Protocol):
 
     def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
         """The rows' trees under their roots [n]; lens_n: their committed lengths (device);
-        key_bound: the positions an attention over a row's cache may need (a host bound)."""
+        key_bound: the positions an attention over a row's cache may need (a host bound). A chain
+        source's draft takes one more argument, num_tokens: the chain's length this step (its
+        `step_tokens`, which `prepare` sets: the longest chain it proposes, so the verify spends no
+        node on padding; or its full num_tokens where the step's shapes are fixed)."""
 
     def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
                 emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> torch.Tensor | None:

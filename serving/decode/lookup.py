@@ -107,6 +107,7 @@ class NgramLookup:
         self.config = config
         self.num_tokens = self.max_depth = config.num_tokens
         self.num_nodes = config.num_tokens + 1
+        self.step_tokens = config.num_tokens  # a matched chain is always whole (it repeats its period)
         self.history_BM: torch.Tensor | None = None  # [B, M] each row's context (prompt + output)
         self.chain_BL: torch.Tensor | None = None  # [B, L] the next step's chain
         self.matched_B: torch.Tensor | None = None  # [B] its matched n-gram's length (0: no chain)
@@ -138,10 +139,12 @@ class NgramLookup:
             codes.append(0 if not draws or matched == 0 else 2 if alone_at is not None and matched >= alone_at else 1)
         return codes
 
-    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int,
+              num_tokens: int) -> DraftBatch:
         matched_n = self.matched_B[rows]
         alone_at = self.config.alone_at_ngram
-        return DraftBatch.chain(roots_n, self.chain_BL[rows], (matched_n > 0)[:, None].expand(-1, self.num_tokens),
+        return DraftBatch.chain(roots_n, self.chain_BL[rows, :num_tokens],
+                                (matched_n > 0)[:, None].expand(-1, num_tokens),
                                 None if alone_at is None else matched_n >= alone_at)
 
     def finish(self, seq) -> None:

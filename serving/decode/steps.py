@@ -207,6 +207,7 @@ class Variant:
 
     heads: bool  # the heads draft (some drafting row has no chain that goes alone)
     chains: tuple[int, ...]  # the chain drafters (indices into DeviceStep.chains) that draft
+    chain_tokens: tuple[int, ...]  # the nodes each of them gets: its longest chain this step where known
     some_plain: bool  # some row does not draft this step (its draft nodes are left out)
     num_nodes: int  # the verify's tree size (padded to a CUDA-graph bucket)
     key_bound: int  # keys an attention over a row's cache may need (max_cache_len with static shapes)
@@ -289,7 +290,11 @@ class DeviceStep:
         alone = [any(code[i] == 2 for code in codes) for i in range(len(seqs))]
         heads = self.heads is not None and any(draws and not goes for draws, goes in zip(drafting, alone))
         chains = tuple(i for i, code in enumerate(codes) if any(code))
-        num_nodes = (self.heads.num_nodes if heads else 1) + sum(self.chains[i].num_nodes - 1 for i in chains)
+        # a chain gets as many nodes as its longest proposal (on a CPU every verified node costs, padding
+        # too); with CUDA graphs or a compiled step, its full length (fewer shapes to record)
+        fixed = self.graphs is not None or self.decoder.compile_step is not None
+        chain_tokens = tuple(self.chains[i].num_tokens if fixed else self.chains[i].step_tokens for i in chains)
+        num_nodes = (self.heads.num_nodes if heads else 1) + sum(chain_tokens)
         if self.graphs is not None:  # a few tree sizes, so a few graphs
             num_nodes = bucket(num_nodes, self.decoder.max_tree_nodes)
         cache = self.cache
@@ -297,7 +302,8 @@ class DeviceStep:
             else max(cache.lengths.host[start:start + len(seqs)]) + num_nodes
         sampled = [seq.sampling is not None for seq in seqs]
         asks = [seq.num_top_logprobs for seq in seqs if seq.logprobs is not None]
-        variant = Variant(heads=heads, chains=chains, some_plain=not all(drafting) and num_nodes > 1,
+        variant = Variant(heads=heads, chains=chains, chain_tokens=chain_tokens,
+                          some_plain=not all(drafting) and num_nodes > 1,
                           num_nodes=num_nodes, key_bound=key_bound,
                           rejection=any(s and seq.acceptance == "rejection" for s, seq in zip(sampled, seqs)),
                           typical=any(s and seq.acceptance == "typical" for s, seq in zip(sampled, seqs)),
@@ -317,7 +323,8 @@ class DeviceStep:
         lens_n, roots_n = cache.lengths.device_lens[rows], self.roots_B[rows]
         key_bound = variant.key_bound
         base = self.heads.draft(rows, roots_n, lens_n, key_bound) if variant.heads else DraftBatch.roots(roots_n)
-        chains = [self.chains[i].draft(rows, roots_n, lens_n, key_bound) for i in variant.chains]
+        chains = [self.chains[i].draft(rows, roots_n, lens_n, key_bound, size)
+                  for i, size in zip(variant.chains, variant.chain_tokens)]
         drafts = base.join(chains) if chains else base
         if variant.some_plain:  # those rows keep their root alone
             nodes_T = torch.arange(drafts.tokens.shape[1], device=roots_n.device)
@@ -354,7 +361,7 @@ class DeviceStep:
             with declared_sync():
                 torch.cuda.current_stream(packed_nX.device).synchronize()
             packed_nX = host
-        depths = [self.heads.max_depth if variant.heads else 0] + [self.chains[i].max_depth for i in variant.chains]
+        depths = [self.heads.max_depth if variant.heads else 0] + list(variant.chain_tokens)
         width, names = max(depths) + 1, [self.chains[i].name for i in variant.chains]
         noted = [(drafter.name, drafter.num_notes) for drafter in self.drafters if drafter.num_notes]
         out = []

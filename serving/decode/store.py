@@ -133,6 +133,7 @@ class StoreDrafter:
         self.learned = learned
         self.num_tokens = self.max_depth = config.num_tokens
         self.num_nodes = config.num_tokens + 1
+        self.step_tokens = 0  # the longest chain of this step (`prepare`)
         self.device = torch.device("cpu")
         self.table_nX: torch.Tensor | None = None  # [n, L + 2] this step's chains, their lengths, alone
         self._requests: dict[int, _Request] = {}  # seq_id -> its prompt's index and its searcher
@@ -192,13 +193,15 @@ class StoreDrafter:
                               for chain, alone in chains], dtype=torch.long,
                              pin_memory=self.device.type == "cuda")  # [n, L + 2]
         self.table_nX = table.to(self.device, non_blocking=True)  # the step's one declared upload
+        self.step_tokens = max(len(chain) for chain, _ in chains) if chains else 0
         return [0 if not chain else 2 if alone else 1 for chain, alone in chains]
 
-    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> DraftBatch:
+    def draft(self, rows: slice, roots_n: torch.Tensor, lens_n: torch.Tensor, key_bound: int,
+              num_tokens: int) -> DraftBatch:
         table_nX = self.table_nX[rows]  # the batch is the engine's rows [0, n)
         length = self.num_tokens
-        valid_nL = torch.arange(length, device=table_nX.device) < table_nX[:, length:length + 1]
-        return DraftBatch.chain(roots_n, table_nX[:, :length], valid_nL, table_nX[:, length + 1] > 0)
+        valid_nL = torch.arange(num_tokens, device=table_nX.device) < table_nX[:, length:length + 1]
+        return DraftBatch.chain(roots_n, table_nX[:, :num_tokens], valid_nL, table_nX[:, length + 1] > 0)
 
     def observe(self, rows: slice, taps_nTX: torch.Tensor, path_nW: torch.Tensor, num_nodes_n: torch.Tensor,
                 emitted_nW: torch.Tensor, lens_n: torch.Tensor, key_bound: int) -> None:
