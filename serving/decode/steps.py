@@ -286,7 +286,11 @@ class DeviceStep:
             if seq.drafting_on_device != draws:  # a fallback decision changed
                 self.drafting_B[row].fill_(draws)
                 seq.drafting_on_device = draws
-        codes = [chain.prepare(seqs, drafting) for chain in self.chains]
+        codes, covered = [], [False] * len(seqs)
+        for chain in self.chains:  # in order; with one_chain_per_row a row's first proposal is its only one
+            codes.append(chain.prepare(seqs, [draws and not done for draws, done in zip(drafting, covered)]
+                                       if self.decoder.one_chain_per_row else drafting))
+            covered = [done or code > 0 for done, code in zip(covered, codes[-1])]
         alone = [any(code[i] == 2 for code in codes) for i in range(len(seqs))]
         heads = self.heads is not None and any(draws and not goes for draws, goes in zip(drafting, alone))
         chains = tuple(i for i, code in enumerate(codes) if any(code))

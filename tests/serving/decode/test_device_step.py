@@ -211,7 +211,8 @@ DRAFTERS = {
     "store-alone": lambda target, store: dict(store=store),
     "medusa-lookup-store": lambda target, store: dict(heads=medusa_heads(target), tree=TREE, store=store,
                                                       lookup=LookupConfig(num_tokens=4, max_ngram=2,
-                                                                          alone_at_ngram=None)),
+                                                                          alone_at_ngram=None),
+                                                      one_chain_per_row=False),  # both chains in one step
 }
 
 

@@ -282,6 +282,8 @@ def test_greedy_decoding_with_the_store_in_a_batch_is_the_target_s_own(greedy_se
         assert tokens[row] == results[row].tokens == reference[:length], (kind, row)
         stats = results[row].stats
         assert 0 <= stats.store_accepted <= stats.accepted_tokens and stats.store_steps <= stats.steps
+        # on a CPU a row drafts from one chain source a step (SpeculativeDecoder.one_chain_per_row)
+        assert stats.lookup_steps + stats.store_steps <= stats.steps
     for row in range(4):  # the store holds these replies: whole runs of them are accepted
         assert results[row].stats.store_accepted >= lengths[row] // 2, (kind, row, results[row].stats)
         assert results[row].stats.steps < lengths[row] // 2
@@ -358,7 +360,7 @@ def test_first_two_tokens_follow_the_target_with_the_store(sampling_setup, with_
     decoder = SpeculativeDecoder(target, heads if with_heads else None,
                                  DraftTree.from_paths([[0], [1], [2], [0, 0], [1, 0]]) if with_heads else None,
                                  lookup=LookupConfig(num_tokens=3, alone_at_ngram=None) if with_heads else None,
-                                 store=drafter)
+                                 store=drafter, one_chain_per_row=False)  # a row's lookup and store chains merged
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     store_steps = store_accepted = 0
     for seed in range(NUM_SAMPLES):
