@@ -52,7 +52,8 @@ class StoreConfig:
     and candidate (bounds a step's work); min_probability: a chain stops before a token whose
     estimated probability falls below it; tokens_per_match: a chain's cap per matched token;
     max_candidates: match lengths scored; alone_at_match: a match at least this long skips the
-    heads' draft for the step (None: the heads always draft too); prompt: search each request's
+    heads' draft for the step (None: the heads always draft too); alone_at_score: so does a chain
+    that expects at least this many accepted tokens (its score; None: off); prompt: search each request's
     prompt too; learn_tokens: the bound of the replies learned as they finish (0: none);
     mark_tokens: the prompt tokens that mark a learned reply's start."""
 
@@ -64,6 +65,7 @@ class StoreConfig:
     tokens_per_match: float = 1.0
     max_candidates: int = 4
     alone_at_match: int | None = None
+    alone_at_score: float | None = None
     prompt: bool = True
     learn_tokens: int = LEARN_TOKENS
     mark_tokens: int = 8
@@ -87,6 +89,9 @@ class StoreConfig:
                                  f"got {value!r}")
         if not isinstance(self.prompt, bool):
             raise ValueError(f"store prompt must be true or false, got {self.prompt!r}")
+        score = self.alone_at_score
+        if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float)) or score <= 0):
+            raise ValueError(f"store alone_at_score must be None or a number > 0, got {score!r}")
         alone = self.alone_at_match
         if alone is not None and (isinstance(alone, bool) or not isinstance(alone, int)
                                   or not self.min_match <= alone <= self.max_match):
@@ -181,13 +186,14 @@ class StoreDrafter:
 
     def prepare(self, seqs: list, drafting: list[bool]) -> list[int]:
         """Search for every drafting sequence, and send the chains to the device."""
-        alone_at = self.config.alone_at_match
+        alone_at, alone_score = self.config.alone_at_match, self.config.alone_at_score
         proposals = [self.propose(seq) if draws else None for seq, draws in zip(seqs, drafting)]
         if len(self._requests) > 2 * len(seqs) + 16:  # requests that left without finishing
             live = {id(seq) for seq in seqs}
             self._requests = {key: one for key, one in self._requests.items() if id(one.seq) in live}
         chains = [([], False) if one is None else
-                  (one.tokens, bool(one.tokens) and alone_at is not None and one.match >= alone_at)
+                  (one.tokens, bool(one.tokens) and ((alone_at is not None and one.match >= alone_at)
+                                                     or (alone_score is not None and one.score >= alone_score)))
                   for one in proposals]
         table = torch.tensor([chain + [0] * (self.num_tokens - len(chain)) + [len(chain), alone]
                               for chain, alone in chains], dtype=torch.long,

@@ -146,11 +146,17 @@ def test_alone_at_match_and_no_match(tmp_path):
     assert drafter.prepare(seqs, [True, True, True, True, False]) == [2, 1, 0, 0, 0]
     assert drafter.table_nX.tolist() == [[4, 5, 6, 3, 1], [3, 4, 0, 2, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0],
                                          [0, 0, 0, 0, 0]]  # [5, 6]: the reply ends there
+    by_score = StoreDrafter(store, StoreConfig(num_tokens=3, max_match=4, min_match=2, alone_at_score=2.5,
+                                               learn_tokens=0, prompt=False))
+    assert by_score.prepare(seqs, [True] * 5) == [2, 1, 0, 0, 1]  # scores 3, 2, -, -, 2 (certain chains)
 
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(num_tokens=0), "num_tokens"), (dict(max_match=True), "max_match"), (dict(min_match=5, max_match=4), "min_match"),
     (dict(max_occurrences=0), "max_occurrences"), (dict(alone_at_match=1, min_match=2), "alone_at_match"),
+    (dict(alone_at_score=0), "alone_at_score"), (dict(min_probability=1.5), "min_probability"),
+    (dict(tokens_per_match=0), "tokens_per_match"), (dict(learn_tokens=-1), "learn_tokens"),
+    (dict(prompt=1), "prompt"),
 ])
 def test_store_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
