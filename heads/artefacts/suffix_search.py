@@ -28,7 +28,7 @@ indexes searched as one body of text (the store and the learned replies; a reque
 Step 1 finds the longest match by bisection on m (a suffix that occurs has every shorter one
 occur), then only the lengths the candidates need. The search runs as native code (one C call
 per context, built once per machine by heads/target/cpu_kernels.py `compile_library`): about
-20 us a context on a 1M-token store, where the same rule in Python takes about 1.3 ms
+30 us a context on a 1M-token store, where the same rule in Python takes about 1.5 ms
 (`python -m specheads.bench.tools.reply_store_cost`). Without a C compiler the Python rule runs
 (`propose_reference`), with identical results (tests/heads/test_suffix_search.py compares them).
 """
