@@ -46,24 +46,15 @@ LEARN_TOKENS = 1 << 20  # the default bound of the learned replies: 12 MiB
 
 
 @dataclass(frozen=True)
-class StoreConfig:
-    """num_tokens: the longest chain drafted; max_match: the context's last tokens matched;
-    min_match: a shorter match proposes nothing; max_occurrences: occurrences read per index
-    and candidate (bounds a step's work); min_probability: a chain stops before a token whose
-    estimated probability falls below it; tokens_per_match: a chain's cap per matched token;
-    max_candidates: match lengths scored; alone_at_match: a match at least this long skips the
-    heads' draft for the step (None: the heads always draft too); alone_at_score: so does a chain
-    that expects at least this many accepted tokens (its score; None: off); prompt: search each request's
-    prompt too; learn_tokens: the bound of the replies learned as they finish (0: none);
-    mark_tokens: the prompt tokens that mark a learned reply's start."""
+class StoreConfig(SearchSettings):
+    """The search's settings (heads/artefacts/suffix_search.py SearchSettings: num_tokens,
+    max_match, min_match, max_occurrences, min_probability, tokens_per_match, max_candidates),
+    then the drafter's. alone_at_match: a match at least this long skips the heads' draft for
+    the step (None: the heads always draft too); alone_at_score: so does a chain that expects at
+    least this many accepted tokens (its score; None: off); prompt: search each request's prompt
+    too; learn_tokens: the bound of the replies learned as they finish (0: none); mark_tokens:
+    the prompt tokens that mark a learned reply's start."""
 
-    num_tokens: int = 10
-    max_match: int = 16
-    min_match: int = 2
-    max_occurrences: int = 64
-    min_probability: float = 0.1
-    tokens_per_match: float = 1.0
-    max_candidates: int = 4
     alone_at_match: int | None = None
     alone_at_score: float | None = None
     prompt: bool = True
@@ -100,9 +91,7 @@ class StoreConfig:
 
     @property
     def search(self) -> SearchSettings:
-        return SearchSettings(num_tokens=self.num_tokens, max_match=self.max_match, min_match=self.min_match,
-                              max_occurrences=self.max_occurrences, min_probability=float(self.min_probability),
-                              tokens_per_match=float(self.tokens_per_match), max_candidates=self.max_candidates)
+        return SearchSettings(**{f.name: getattr(self, f.name) for f in fields(SearchSettings)})
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "store") -> "StoreConfig":
