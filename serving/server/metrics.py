@@ -88,6 +88,12 @@ class ServerMetrics:
         self.running.set_function(running)
         self.waiting = Gauge("specheads_num_requests_waiting", "Requests queued for admission.", registry=None)
         self.waiting.set_function(waiting)
+        # The reply store's learned replies (serving/decode/learned_store.py): 0 without one.
+        self.learned_tokens = Gauge("specheads_reply_store_learned_tokens",
+                                    "Tokens of the replies the reply store learned (marks and separators included).",
+                                    registry=None)
+        self.learned_replies = Gauge("specheads_reply_store_learned_replies",
+                                     "Replies the reply store learned since it started or was cleared.", registry=None)
         # Every request is counted at most once among these three (a request of n choices: once
         # per choice that ran). success: a sequence finished ("stop" | "length") and its choice
         # was sent. aborted: a sequence (or a request still queued) was dropped after the server

@@ -159,6 +159,10 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name="specheads-engine", daemon=True)
         metrics.running.set_function(lambda: len(self._running))
         metrics.waiting.set_function(lambda: len(self._waiting))
+        learned = decoder.store.learned if decoder.store is not None else None
+        if learned is not None:
+            metrics.learned_tokens.set_function(lambda: learned.num_tokens)
+            metrics.learned_replies.set_function(lambda: learned.num_replies)
 
     # ----- event-loop side -----
     def start(self) -> None:

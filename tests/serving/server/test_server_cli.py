@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from specheads.serving.server.metrics import ITL_BUCKETS, LATENCY_BUCKETS, ServerMetrics
-from test_server_support import metric_values, tiny_setup  # noqa: F401
+from test_server_support import MODEL, metric_values, openai_client, running_server, scrape, tiny_setup  # noqa: F401
 
 
 def free_port() -> int:
@@ -101,7 +101,8 @@ FAMILY_TYPES = {
     "specheads_spec_decode_acceptance_rate": "gauge", "specheads_spec_decode_acceptance_length": "gauge",
     "specheads_time_to_first_token_seconds": "histogram", "specheads_inter_token_latency_seconds": "histogram",
     "specheads_e2e_request_latency_seconds": "histogram", "specheads_num_requests_running": "gauge",
-    "specheads_num_requests_waiting": "gauge", "specheads_request_success": "counter",
+    "specheads_num_requests_waiting": "gauge", "specheads_reply_store_learned_tokens": "gauge",
+    "specheads_reply_store_learned_replies": "gauge", "specheads_request_success": "counter",
     "specheads_request_aborted": "counter", "specheads_request_rejected": "counter",
     "specheads_prompt_tokens": "counter", "specheads_generation_tokens": "counter",
 }
@@ -170,3 +171,18 @@ def test_serve_exits_non_zero_when_the_target_does_not_load(tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and errors[0].startswith("specheads serve: error: the model did not load, so the server "
                                                      "stopped: OSError:"), errors
+
+
+def test_the_server_learns_the_replies_it_serves(tiny_setup):  # noqa: F811
+    """--store learn: a finished reply joins the store (the metrics count it), and the same
+    request again drafts from it; the text is the same."""
+    target_dir, _ = tiny_setup
+    with running_server(target_dir, None, store="learn") as server:
+        client = openai_client(server)
+        first = client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=24, temperature=0)
+        values = scrape(server)
+        assert values["specheads_reply_store_learned_replies"] == 1
+        assert values["specheads_reply_store_learned_tokens"] >= 24
+        again = client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=24, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        assert scrape(server)["specheads_spec_decode_num_store_accepted_tokens_total"] >= 12

@@ -53,14 +53,15 @@ def tiny_setup(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_server(target_dir, heads_dir, lookup_num_tokens: int | None = None, **config):
-    """A started ServerThread over the tiny setup (heads_dir None: no heads); stopped
-    (gracefully) on exit. fp32, the exact mode: responses are compared with HF's fp32 greedy."""
+def running_server(target_dir, heads_dir, lookup_num_tokens: int | None = None, store: str | None = None, **config):
+    """A started ServerThread over the tiny setup (heads_dir None: no heads; store: `--store`);
+    stopped (gracefully) on exit. fp32, the exact mode: responses are compared with HF's fp32 greedy."""
     config.setdefault("model_name", MODEL)
     heads = None if heads_dir is None else str(heads_dir)
     thread = ServerThread(ServeConfig(**config), lambda: load_decoder(str(target_dir), heads, dtype="float32",
                                                                       progress=False,
-                                                                      lookup_num_tokens=lookup_num_tokens))
+                                                                      lookup_num_tokens=lookup_num_tokens,
+                                                                      store=store))
     thread.start()
     try:
         yield thread
