@@ -124,6 +124,8 @@ def measure_branch(target, heads, heads_config, setting: Setting, prompts: list[
     measured = {name: Measured() for name in decoders}
     for decoder in decoders.values():
         generate(decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
+        if decoder.store is not None:
+            decoder.store.forget()  # a learning store must not draft the warm-up's reply back
     for prompt in prompts:
         for name, decoder in decoders.items():
             measured[name].add(*_timed(decoder, prompt, max_new_tokens, eos_token_id))
