@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 
 from specheads.data.records import Conversation
 from specheads.data.text import DataError, extract_documents, load_records, load_tokenizer, tokenize_documents
-from specheads.heads.artefacts.reply_store import StoreManifest, tokenizer_fingerprint, write_store
+from specheads.heads.artefacts.reply_store import MARK_TOKENS, StoreManifest, tokenizer_fingerprint, write_store
 
 NOT_A_CHAT = "not a chat record (a store holds assistant replies only)"
-MARK_TOKENS = 8  # a chat template's assistant header is a few tokens (ChatML's "<|im_start|>assistant\n": 3)
 
 
 @dataclass

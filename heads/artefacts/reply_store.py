@@ -56,7 +56,7 @@ import numpy as np
 
 from specheads.heads import atomic
 from specheads.heads.artefacts.suffix_search import (SEPARATOR, Proposal, SearchSettings, Searcher, SuffixIndex,
-                                                      suffix_array)
+                                                      separated, suffix_positions)
 from specheads.heads.target.adapter import TargetIdentity
 
 FORMAT_NAME = "specheads-reply-store"
@@ -68,6 +68,9 @@ SUFFIX_ARRAY_NAME = "suffix_array.bin"
 TOKENS_MAGIC = b"SHRSTOK1"
 SUFFIX_ARRAY_MAGIC = b"SHRSSUF1"
 HEADER_BYTES = 16
+# a reply's mark by default, built or learned: a chat template's assistant header is a few tokens
+# (ChatML's "<|im_start|>assistant\n": 3), and the end of the user's turn before it
+MARK_TOKENS = 8
 TOKEN_DTYPE = np.dtype(">u4")
 # The target's identity fields a store must share with the target it drafts for (its path may differ).
 IDENTITY_FIELDS = ("architecture", "model_type", "hidden_size", "vocab_size", "num_layers")
@@ -145,10 +148,8 @@ def write_store(directory: str | os.PathLike, replies: Iterable[Sequence[int]], 
     if outside.any():
         raise StoreError(f"token id {int(body[outside.argmax()])} is not a vocabulary id "
                          f"(expected 0 <= id < {vocab_size})")
-    ends = np.cumsum([mark.size + reply.size + 1 for mark, reply in kept]) - 1  # each sequence's separator
-    tokens = np.insert(body, ends - np.arange(len(kept)), SEPARATOR).astype(np.uint32)
-    order = suffix_array(tokens)
-    positions = order[tokens[order] != SEPARATOR]  # a match never starts on a separator
+    tokens = separated([np.concatenate(pair) for pair in kept])
+    positions = suffix_positions(tokens)
     sa_dtype = np.dtype("<i4") if tokens.shape[0] < 2 ** 31 else np.dtype("<i8")
     sizes = {TOKENS_NAME: HEADER_BYTES + 4 * int(tokens.shape[0]),
              SUFFIX_ARRAY_NAME: HEADER_BYTES + sa_dtype.itemsize * int(positions.shape[0])}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -97,40 +98,42 @@ class SuffixIndex:
         parts = [np.asarray(seq, dtype=np.int64) for seq in sequences if len(seq)]
         if not parts:
             return cls(np.full(1, SEPARATOR, dtype="<u4"), np.zeros(0, dtype="<i8"))
-        ends = np.cumsum([part.size + 1 for part in parts]) - 1
-        tokens = np.insert(np.concatenate(parts), ends - np.arange(len(parts)), SEPARATOR).astype("<u4")
-        order = suffix_array(tokens)
-        return cls(tokens, order[tokens[order] != SEPARATOR].astype("<i8"))
+        return cls.of_tokens(separated(parts))
+
+    @classmethod
+    def of_tokens(cls, tokens: np.ndarray) -> "SuffixIndex":
+        """An index of `tokens` ([N] '<u4', sequences each followed by SEPARATOR: `separated`)."""
+        return cls(tokens, suffix_positions(tokens).astype("<i8"))
 
     def find(self, pattern: Sequence[int]) -> tuple[int, int]:
-        """[lo, hi): the suffix-array range of the suffixes that start with `pattern`."""
+        """[lo, hi): the suffix-array range of the suffixes that start with `pattern`, narrowed
+        token by token (the range of pattern[:k + 1] lies inside that of pattern[:k])."""
         lo, hi = 0, self.num_suffixes
-        tokens, positions = self.tokens, self.suffix_array
-        for offset, token in enumerate(pattern):  # the range of pattern[:offset + 1] inside the last one's
-            first = lo
-            left, right = lo, hi
-            while left < right:
-                mid = (left + right) // 2
-                if _token_at(tokens, int(positions[mid]) + offset) < token:
-                    left = mid + 1
-                else:
-                    right = mid
-            lo = left
-            left, right = lo, hi
-            while left < right:
-                mid = (left + right) // 2
-                if _token_at(tokens, int(positions[mid]) + offset) <= token:
-                    left = mid + 1
-                else:
-                    right = mid
-            hi = left
+        tokens = self.tokens
+        for offset, token in enumerate(pattern):
+            def at(position, offset=offset):  # the suffix's token at `offset`; -1 past the end sorts first
+                position = int(position) + offset
+                return int(tokens[position]) if position < tokens.shape[0] else -1
+
+            lo, hi = bisect_left(self.suffix_array, token, lo, hi, key=at), \
+                bisect_right(self.suffix_array, token, lo, hi, key=at)
             if lo >= hi:
-                return first, first
+                return lo, lo
         return lo, hi
 
 
-def _token_at(tokens: np.ndarray, position: int) -> int:
-    return int(tokens[position]) if position < tokens.shape[0] else -1  # past the end sorts first
+def separated(sequences: Sequence[np.ndarray]) -> np.ndarray:
+    """[sum of lengths + len(sequences)] '<u4': each sequence (non-empty, int ids) followed by
+    SEPARATOR, the layout of every index (and of a store's tokens.bin)."""
+    ends = np.cumsum([sequence.size + 1 for sequence in sequences]) - 1  # each sequence's separator
+    return np.insert(np.concatenate(sequences), ends - np.arange(len(sequences)), SEPARATOR).astype("<u4")
+
+
+def suffix_positions(tokens: np.ndarray) -> np.ndarray:
+    """[N] int64: the suffix array of `separated` tokens, without the separators' positions (a
+    match never starts on one)."""
+    order = suffix_array(tokens)
+    return order[tokens[order] != SEPARATOR]
 
 
 def suffix_array(tokens: np.ndarray) -> np.ndarray:

@@ -27,16 +27,10 @@ import threading
 
 import numpy as np
 
-from specheads.heads.artefacts.suffix_search import SEPARATOR, SuffixIndex, suffix_array
+from specheads.heads.artefacts.suffix_search import SEPARATOR, SuffixIndex
 
 
 MAX_SEGMENTS = 32  # beyond this, `add` merges the newest small segments itself (the search reads every segment)
-
-
-def index_of(tokens: np.ndarray) -> SuffixIndex:
-    """The SuffixIndex of `tokens` ([N] uint32, sequences each ending with SEPARATOR)."""
-    order = suffix_array(tokens)
-    return SuffixIndex(tokens, order[tokens[order] != SEPARATOR].astype("<i8"))
 
 
 class LearnedStore:
@@ -75,7 +69,7 @@ class LearnedStore:
             return
         if max(sequence) >= SEPARATOR or min(sequence) < 0:
             raise ValueError(f"a learned reply holds a token id outside [0, {SEPARATOR}): {max(sequence)}")
-        segment = index_of(np.array(sequence + [SEPARATOR], dtype="<u4"))
+        segment = SuffixIndex.build([sequence])
         with self._lock:
             segments = list(self._segments) + [segment]
             while sum(one.num_tokens for one in segments) > self.capacity:
@@ -127,7 +121,7 @@ class LearnedStore:
 
     def _merge_pair(self, older: SuffixIndex, newer: SuffixIndex) -> None:
         """Index two adjacent segments as one, outside the lock; publish it if they are still there."""
-        merged = index_of(np.concatenate([older.tokens, newer.tokens]))
+        merged = SuffixIndex.of_tokens(np.concatenate([older.tokens, newer.tokens]))
         with self._lock:
             segments = list(self._segments)
             at = next((i for i in range(len(segments) - 1) if segments[i] is older and segments[i + 1] is newer), None)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from specheads.heads.artefacts.reply_store import ReplyStore, tokenizer_fingerprint
+from specheads.heads.artefacts.reply_store import MARK_TOKENS, ReplyStore, tokenizer_fingerprint
 from specheads.heads.artefacts.suffix_search import Proposal, SearchSettings, Searcher, SuffixIndex
 from specheads.serving.decode.draft_batch import DraftBatch
 from specheads.serving.decode.learned_store import LearnedStore
@@ -59,7 +59,7 @@ class StoreConfig(SearchSettings):
     alone_at_score: float | None = None
     prompt: bool = True
     learn_tokens: int = LEARN_TOKENS
-    mark_tokens: int = 8
+    mark_tokens: int = MARK_TOKENS
 
     def __post_init__(self):
         for name in ("num_tokens", "max_match", "min_match", "max_occurrences", "max_candidates"):

@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 
 from specheads.heads.artefacts.reply_store import (HEADER_BYTES, MANIFEST_NAME, SEPARATOR, SUFFIX_ARRAY_NAME,
-                                                   TOKEN_DTYPE, TOKENS_NAME, ReplyStore, StoreError, suffix_array,
-                                                   write_store)
-from specheads.heads.artefacts.suffix_search import SearchSettings
+                                                   TOKEN_DTYPE, TOKENS_NAME, ReplyStore, StoreError, write_store)
+from specheads.heads.artefacts.suffix_search import SearchSettings, suffix_array
 from specheads.heads.target.adapter import TargetIdentity
 
 VOCAB = 256
