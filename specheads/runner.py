@@ -147,7 +147,8 @@ def load_decoder(target: str, heads: str | None = None, *, dtype: str = "auto", 
     nothing without heads), 0 turns it off, N > 0 drafts up to N tokens.
     store (a reply store's directory, serving/decode/store.py): None uses what the heads
     directory records (`specheads tune` stores it when it made the tree faster), "none" turns
-    it off, "learn" drafts from the replies served so far alone (no built store). A store is checked against the target and its tokenizer before it is used.
+    it off, "learn" drafts from the replies served so far alone (no built store). A store is
+    checked against the target and its tokenizer before it is used.
     cuda_graphs: verify through captured CUDA graphs and the tree-attention kernel (a CUDA
     device only; on an H200 a SmolLM2-shaped forward went from 30 ms eager to 3.1 ms)."""
     if cuda_graphs and not str(device).startswith("cuda"):

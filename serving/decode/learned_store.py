@@ -67,8 +67,9 @@ class LearnedStore:
         sequence = (mark + list(reply))[-(self.capacity - 1):] if self.capacity > 1 else []
         if not sequence:
             return
-        if max(sequence) >= SEPARATOR or min(sequence) < 0:
-            raise ValueError(f"a learned reply holds a token id outside [0, {SEPARATOR}): {max(sequence)}")
+        bad = [token for token in (min(sequence), max(sequence)) if not 0 <= token < SEPARATOR]
+        if bad:
+            raise ValueError(f"a learned reply holds a token id outside [0, {SEPARATOR}): {bad[0]}")
         segment = SuffixIndex.build([sequence])
         with self._lock:
             segments = list(self._segments) + [segment]
