@@ -28,8 +28,10 @@ finishes, a whole checkpoint is saved at that step, a message names it, and the 
 exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try again"), not 0, so `train && serve`
 does not go on without heads. Re-running the same command resumes from that checkpoint.
 
-After a run that finished or stopped cleanly each rank unlinks its DeepSpeed CPU
-shared-memory allreduce buffer, which DeepSpeed leaves in /dev/shm (66 MB a rank a run).
+After a run that finished or stopped cleanly the ranks meet, destroy their process group
+(left to the interpreter's exit, gloo's threads can abort a rank that finished) and unlink
+their DeepSpeed CPU shared-memory allreduce buffers, which DeepSpeed leaves in /dev/shm
+(66 MB a rank a run).
 """
 
 from __future__ import annotations
@@ -158,16 +160,25 @@ def main(argv: list[str] | None = None, *, single_process: bool = False) -> int:
         try:
             run(recipe)
         except TrainingStopped as stopped:
-            release_shm_buffer()
+            _end_ranks()
             print(f"specheads train: {stopped}", file=sys.stderr, flush=True)
             return EXIT_STOPPED
-        release_shm_buffer()
+        _end_ranks()
     except (UserError, RecipeError, DataError, CheckpointError, FileNotFoundError) as err:
         rank = os.environ.get("RANK", "0")
         prefix = "" if os.environ.get("WORLD_SIZE", "1") == "1" else f"[rank {rank}] "
         print(f"specheads train: error: {prefix}{err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     return 0
+
+
+def _end_ranks() -> None:
+    """After a run that finished or stopped cleanly: the process group goes while the interpreter
+    is whole (training/distributed.py), then this rank's shared-memory buffer."""
+    from specheads.training.distributed import shutdown_distributed
+
+    shutdown_distributed()
+    release_shm_buffer()
 
 
 def _refuse_one_of_several_gpus(argv: list[str]) -> None:

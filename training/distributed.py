@@ -48,6 +48,22 @@ def init_distributed() -> Dist:
     return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
 
 
+def shutdown_distributed() -> None:
+    """Wait for every rank, then destroy the process group, while the interpreter is whole.
+
+    Left to the interpreter's teardown, gloo's worker threads can outlive it: a rank that
+    finished its run then dies with "terminate called without an active exception" (SIGABRT)
+    and the launcher reports the whole run failed. For runs that finished or stopped cleanly
+    (every rank gets here); a no-op where no group was started."""
+    if not torch.distributed.is_initialized():
+        return
+    import deepspeed.comm
+
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+    deepspeed.comm.destroy_process_group()
+
+
 def build_comm_op() -> None:
     """DeepSpeed's shared-memory comm op (CPU ranks), built here before DeepSpeed asks for it.
 
