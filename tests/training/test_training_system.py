@@ -66,7 +66,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_a_rerun_finishes(tin
     rerun = subprocess.run([sys.executable, "-m", "specheads.train", str(recipe), *overrides], capture_output=True,
                            text=True, env=subprocess_env(), timeout=RUN_TIMEOUT_S)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert f"resuming from" in rerun.stdout and f"(step {stopped_at})" in rerun.stdout
+    assert "resuming from" in rerun.stdout and f"(step {stopped_at})" in rerun.stdout
     assert f"steps {stopped_at}->{steps}" in rerun.stdout
     assert latest.read_text().strip() == f"step-{steps:08d}"
     assert (tmp_path / "run" / "heads" / "model.safetensors").is_file()
