@@ -7,9 +7,10 @@
    smollm2-135m-eagle3.yaml recipe's cpu profile, shortened to fit the demo's budget;
 3. tune its tree on this machine (bench/tune.py);
 4. bench HF greedy, the engine without heads, the head (alone and with the engine's n-gram
-   lookup) and that lookup alone on MT-bench first turns with the chat template, check outputs
-   are identical, print the table, whether the head pays over plain decoding here and why, and
-   how to serve it.
+   lookup), the heads that ship with specheads (`embedded:smollm2-eagle3`: the same recipe's
+   cpu profile on its full data, as `shipped-eagle3`) and that lookup alone on MT-bench first turns with the
+   chat template, check outputs are identical, print the table, whether each head pays over
+   plain decoding here and why, and how to serve the fastest.
 
 `--target embedded:tiny`: the quick path on the 4M-parameter target trained here on the
 stdlib sources: self-distilled corpus continuations, Medusa and EAGLE-3 heads, tune, bench
@@ -66,6 +67,8 @@ REAL_OVERRIDES = [f"data.chat_prompts={DEMO_CHAT_PROMPTS}", f"data.chat_max_new_
                   f"train.eval_every={DEMO_TRAIN_STEPS}", "train.warmup_steps=10", "calibrate.eval_batches=4"]
 REAL_BENCH_PROMPTS = 8  # MT-bench first turns 1-8 (tuning uses others)
 REAL_TUNE_BUDGET_S = 40.0
+# Benched beside the demo's head: what the recipe's training at scale reaches (heads_dir.SHIPPED_HEADS)
+SHIPPED_LABEL, SHIPPED_NAME = "shipped-eagle3", "embedded:smollm2-eagle3"
 
 
 MARKER = ".specheads-demo.json"  # in --workdir: what the demo wrote there
@@ -225,7 +228,7 @@ def tune_heads(target, tokenizer, heads_dir: Path, max_new_tokens: int, retune: 
     return report
 
 
-def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path], prompts, max_new_tokens: int,
+def bench(target, tokenizer, target_name: str, heads_dirs: dict[str, Path | str], prompts, max_new_tokens: int,
           workdir: DemoWorkdir, cuda_graphs: bool = False, prompt_lookup_num_tokens: int = 10) -> dict:
     """Bench all methods, print the table, and keep the report (bench.json) and its charts
     (bench.png, when matplotlib, the `plot` extra that `make demo` installs, is there)."""
@@ -261,6 +264,7 @@ def check_targets(report: dict, real: bool = False) -> list[str]:
     trained at scale reach), then whether every output is lossless. Heads alone and heads + n-gram
     lookup (serving/decode/lookup.py) are reported apart."""
     from specheads.bench.harness import HEADS_KINDS, not_near_ties
+    from specheads.heads.artefacts.heads_dir import resolve_heads_dir
 
     methods = {m["name"]: m["overall"] for m in report["methods"]}
     plain = next((m["overall"] for m in report["methods"] if m["kind"] == "engine-plain"), None)
@@ -277,9 +281,10 @@ def check_targets(report: dict, real: bool = False) -> list[str]:
         lines.append(f"why: the demo's head trains {DEMO_TRAIN_STEPS} steps on the target's replies to "
                      f"{DEMO_CHAT_PROMPTS} prompts (about {DEMO_CHAT_PROMPTS * DEMO_REPLY_TOKENS // 1000}k reply "
                      "tokens at most), to show the pipeline in minutes; a step pays only when it emits more tokens "
-                     "than its verify and draft cost in decode steps (the step-cost table above). The recipe's cpu "
-                     "profile trains 800 steps on about 1M reply tokens; SmolLM2 heads trained on a GPU on 1.8M reply "
-                     "tokens reached tau 1.9-2.1 on MT-bench, 2.3 with n-gram lookup (README, Results)")
+                     "than its verify and draft cost in decode steps (the step-cost table above). The "
+                     f"{SHIPPED_LABEL} rows are the heads that ship with specheads ({SHIPPED_NAME}), trained by the "
+                     f"same recipe's cpu profile on about 1M reply tokens (their model card: "
+                     f"{resolve_heads_dir(SHIPPED_NAME) / 'README.md'})")
     num_identical = sum(s["num_identical"] for s in methods.values())
     num_runs = sum(s["num_prompts"] for s in methods.values())
     lines.append(f"{'MISSED' if not_near_ties(report) else 'ok'}: every output identical to HF greedy, or different "
@@ -288,7 +293,7 @@ def check_targets(report: dict, real: bool = False) -> list[str]:
     return lines
 
 
-def lookup_flag(heads_dir: Path, lookup_num_tokens: int) -> str:
+def lookup_flag(heads_dir: Path | str, lookup_num_tokens: int) -> str:
     """The `--lookup-num-tokens` option serve needs for that much lookup, given what tune stored."""
     from specheads.heads.artefacts.heads_dir import read_heads_config
     from specheads.serving.decode.config import parse_tree_field
@@ -376,6 +381,7 @@ def _real_demo(args, workdir: DemoWorkdir, recipes: dict[str, tuple[Path, str]])
           "tokens, greedy, all methods interleaved (fallback off)")
     # HF prompt lookup is left out here: on a CPU without native bf16, transformers' bf16 runs
     # emulated, and that row alone took 70 of the demo's seconds (`specheads bench` has it)
+    heads_dirs[SHIPPED_LABEL] = SHIPPED_NAME  # their stored tree: shipped heads are not rewritten
     return heads_dirs, bench(target, tokenizer, REAL_TARGET, heads_dirs, turns[:REAL_BENCH_PROMPTS],
                              args.max_new_tokens, workdir, args.cuda_graphs, prompt_lookup_num_tokens=0)
 
@@ -385,12 +391,12 @@ def _print_next_steps(target_name: str, heads_dirs: dict, report: dict) -> None:
 
     fastest = max((m for m in report["methods"] if m["kind"] in HEADS_KINDS),
                   key=lambda m: m["overall"]["tokens_per_s"] or 0.0)
-    kind = fastest["tree"]["head_kind"]
+    label = fastest["tree"]["heads"]  # heads_dirs' key: a head kind, or SHIPPED_LABEL
     some = next(iter(heads_dirs.values()))
     prompt = "'def main('" if target_name == "embedded:tiny" else "'Give me three tips for better sleep.'"
     print(f"\nServe the fastest method here ({fastest['name']}; OpenAI-compatible HTTP):\n"
-          f"  specheads serve --target {target_name} --heads {heads_dirs[kind]}"
-          f"{lookup_flag(heads_dirs[kind], fastest['tree'].get('lookup_num_tokens', 0))}\n"
+          f"  specheads serve --target {target_name} --heads {heads_dirs[label]}"
+          f"{lookup_flag(heads_dirs[label], fastest['tree'].get('lookup_num_tokens', 0))}\n"
           "Or generate / bench it yourself:\n"
           f"  specheads generate --target {target_name} --heads {some} --prompt {prompt} --max-new-tokens 64\n"
           f"  specheads bench --target {target_name} " + " ".join(f"--heads {d}" for d in heads_dirs.values()))

@@ -23,8 +23,9 @@ from specheads.errors import UserError
 # What every command's --target accepts (resolved by resolve_target_name).
 TARGET_HELP = "HF model dir, hub id, .gguf file (or a dir holding one), embedded:tiny or embedded:smollm2"
 # What every command's --heads accepts (heads/artefacts/heads_dir.py resolve_heads_dir)
-HEADS_HELP = ("a heads directory (config.json + model.safetensors) or a Hugging Face Hub repo id (org/name: the Hub "
-              "cache first, fetched into it when online)")
+HEADS_HELP = ("a heads directory (config.json + model.safetensors), a Hugging Face Hub repo id (org/name: the Hub "
+              "cache first, fetched into it when online) or embedded:smollm2-eagle3 (EAGLE-3 heads for "
+              "embedded:smollm2 that ship with specheads)")
 # What every command's --dtype accepts: the long names of heads/target/adapter.py's DTYPES, which also
 # takes fp32, bf16, fp16 (not imported here: `specheads --help` must not import torch).
 DTYPE_HELP = ("auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a GPU, on a CPU with native bf16, "

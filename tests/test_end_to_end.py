@@ -236,6 +236,7 @@ def test_the_real_model_demo_trains_tunes_and_benches(tmp_path, monkeypatch, cap
     assert demo.run_demo(args) == 0
     out = capsys.readouterr().out
     assert "engine-eagle3[tuned," in out and "the engine's plain decoding here" in out
+    assert "engine-shipped-eagle3[" in out and "embedded:smollm2-eagle3" in out  # the shipped heads beside it
     assert "specheads serve --target embedded:smollm2 --heads" in out
     assert "every output identical to HF greedy" in out
 

@@ -8,9 +8,11 @@
                              held-out acceptance, serve commands per runtime
     <dir>/tuning.json        `specheads tune`'s sweep, once tuned
 
-Every reader takes a local directory or a Hugging Face Hub repo id (`org/name`), resolved by
-`resolve_heads_dir` (a local path wins; a Hub id goes through huggingface_hub's
-snapshot_download and its cache).
+Every reader takes a local directory, a Hugging Face Hub repo id (`org/name`) or the name of
+heads that ship inside the package (SHIPPED_HEADS: `embedded:smollm2-eagle3`, the SmolLM2
+recipe's heads, in heads/shipped/), resolved by `resolve_heads_dir` (a local path wins; a Hub id
+goes through huggingface_hub's snapshot_download and its cache). Shipped and Hub heads are read,
+never rewritten: `check_writable` says to copy them first.
 
 Head kinds: "medusa" (heads/medusa.py); "eagle3" and its EAGLE-1/2 variant "eagle"
 (heads/eagle3.py). For the EAGLE kinds `num_heads` is the number of draft depths the head
@@ -45,6 +47,10 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 TUNING_NAME = "tuning.json"
 HUB_FILES = (CONFIG_NAME, WEIGHTS_NAME, TUNING_NAME, model_card.CARD_NAME)  # what a Hub id fetches
+# Heads that ship inside the package, by the name every --heads takes -> their directory under
+# heads/shipped/ (package data; the model card there says how they were trained and what they reach)
+SHIPPED_HEADS = {"embedded:smollm2-eagle3": "smollm2-eagle3"}
+SHIPPED_PREFIX = "embedded:"
 HEAD_KINDS = ("medusa", "eagle3", "eagle")
 EAGLE_KINDS = ("eagle3", "eagle")
 
@@ -201,11 +207,31 @@ def save_heads(directory: str | os.PathLike, heads: nn.Module, config: HeadsConf
 
 
 def resolve_heads_dir(name_or_path: str | os.PathLike, files: tuple[str, ...] = HUB_FILES) -> Path:
-    """Where the heads that `name_or_path` names are on disk: a local path as it is, a Hub repo
-    id (`org/name`) as the snapshot of its `files` (heads/artefacts/hub.py: the Hub cache first, nothing
-    asked under HF_HUB_OFFLINE=1). A name that is neither fails with one line naming it and
-    what was tried."""
+    """Where the heads that `name_or_path` names are on disk: a local path as it is, a shipped
+    name (`embedded:...`) as its package directory, a Hub repo id (`org/name`) as the snapshot of
+    its `files` (heads/artefacts/hub.py: the Hub cache first, nothing asked under
+    HF_HUB_OFFLINE=1). A name that is none of these fails with one line naming it and what was
+    tried."""
+    if is_shipped_name(name_or_path):
+        return shipped_heads_dir(str(name_or_path))
     return hub_snapshot(name_or_path, files, "heads")
+
+
+def is_shipped_name(name_or_path: str | os.PathLike) -> bool:
+    """`embedded:NAME` that is not a local path (a local path wins, as over a Hub id)."""
+    return str(name_or_path).startswith(SHIPPED_PREFIX) and not Path(name_or_path).expanduser().exists()
+
+
+def shipped_heads_dir(name: str) -> Path:
+    """The package directory of the shipped heads `name` (SHIPPED_HEADS)."""
+    if name not in SHIPPED_HEADS:
+        raise FileNotFoundError(f"heads {name!r}: specheads ships no heads of that name; it ships "
+                                f"{', '.join(SHIPPED_HEADS)} (or pass a heads directory or a Hub repo id)")
+    directory = Path(__file__).resolve().parent.parent / "shipped" / SHIPPED_HEADS[name]
+    if not (directory / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"heads {name!r} should be in {str(directory)!r}, which has no {WEIGHTS_NAME}: "
+                                "this installation of specheads is incomplete (reinstall it)")
+    return directory
 
 
 def read_heads_config(directory: str | os.PathLike) -> HeadsConfig:
@@ -270,6 +296,10 @@ def check_writable(name_or_path: str | os.PathLike) -> None:
     """A one-line error when `name_or_path` is not a local heads directory that can be written
     back (a Hub id resolves into the read-only Hub cache). Call it before work whose result is
     stored in the directory."""
+    if is_shipped_name(name_or_path):
+        directory = shipped_heads_dir(str(name_or_path))
+        raise ValueError(f"heads {str(name_or_path)!r} ship inside specheads and are not rewritten in place: copy "
+                         f"them (`cp -r {directory} DIR`) and pass DIR")
     if not Path(name_or_path).expanduser().is_dir() and _looks_like_hub_id(str(name_or_path)):
         raise ValueError(f"heads {str(name_or_path)!r} is a Hub repo id; its files in the Hub cache are not ours to "
                          f"rewrite: download them (`hf download {name_or_path} --local-dir DIR`) and pass DIR")
