@@ -53,9 +53,8 @@ def test_shipped_heads_are_not_rewritten_in_place():
 
 def test_a_local_directory_of_the_same_name_wins(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "embedded:smollm2-eagle3").mkdir()
-    assert resolve_heads_dir(NAME) == tmp_path / "embedded:smollm2-eagle3" or \
-        resolve_heads_dir(NAME).resolve() == (tmp_path / "embedded:smollm2-eagle3").resolve()
+    (tmp_path / NAME).mkdir()
+    assert resolve_heads_dir(NAME).resolve() == (tmp_path / NAME).resolve()
 
 
 @pytest.mark.slow
