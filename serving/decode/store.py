@@ -89,10 +89,6 @@ class StoreConfig(SearchSettings):
             raise ValueError(f"store alone_at_match must be None or an int in [min_match, max_match] = "
                              f"[{self.min_match}, {self.max_match}], got {alone!r}")
 
-    @property
-    def search(self) -> SearchSettings:
-        return SearchSettings(**{f.name: getattr(self, f.name) for f in fields(SearchSettings)})
-
     @classmethod
     def from_dict(cls, raw: dict, source: str = "store") -> "StoreConfig":
         allowed = [f.name for f in fields(cls)]
@@ -169,7 +165,7 @@ class StoreDrafter:
             request = self._requests[seq.seq_id] = _Request(seq, prompt)
         if request.version != version:
             built = [self.store.index] if self.store is not None else []
-            request.searcher = Searcher([built + list(segments), request.prompt], self.config.search)
+            request.searcher = Searcher([built + list(segments), request.prompt], self.config)
             request.version = version
         return request.searcher
 
