@@ -114,6 +114,14 @@ def measure_store(target, heads, heads_config, setting: Setting, prompts: list[l
                              {"lookup": lookup, "cuda_graphs": cuda_graphs}, {"store": store})}
 
 
+def _warm_up(decoder, prompt: list[int], max_new_tokens: int, eos_token_id) -> None:
+    """The untimed decode before a decoder is timed; a learning store then forgets its reply, so
+    the timed runs do not draft the warm-up's reply back."""
+    generate(decoder, prompt, max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
+    if decoder.store is not None:
+        decoder.store.forget()
+
+
 def measure_branch(target, heads, heads_config, setting: Setting, prompts: list[list[int]], plain: Measured,
                    max_new_tokens: int, eos_token_id, base: dict, extra: dict) -> dict:
     """The setting's decoder with the chain sources `base` (decoder kwargs), without and with
@@ -123,9 +131,7 @@ def measure_branch(target, heads, heads_config, setting: Setting, prompts: list[
                 "with": _decoder(target, heads, heads_config, setting, **base, **extra)}  # base carries cuda_graphs
     measured = {name: Measured() for name in decoders}
     for decoder in decoders.values():
-        generate(decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
-        if decoder.store is not None:
-            decoder.store.forget()  # a learning store must not draft the warm-up's reply back
+        _warm_up(decoder, prompts[0], max_new_tokens, eos_token_id)
     for prompt in prompts:
         for name, decoder in decoders.items():
             measured[name].add(*_timed(decoder, prompt, max_new_tokens, eos_token_id))
@@ -213,15 +219,14 @@ def tune(target, heads, heads_config, prompts: list[list[int]], *, max_new_token
     for setting in settings:
         try:
             decoders[setting.name] = _decoder(target, heads, heads_config, setting, cuda_graphs=cuda_graphs)
-            generate(decoders[setting.name], prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens),
-                                            eos_token_id=eos_token_id)  # warm-up, and fail early
+            _warm_up(decoders[setting.name], prompts[0], max_new_tokens, eos_token_id)  # and fail early
         except (ValueError, NotImplementedError) as err:
             skipped.append({"name": setting.name, "kind": setting.kind, "error": f"{type(err).__name__}: {err}"})
             decoders.pop(setting.name, None)
     active = [s for s in settings if s.name in decoders]
     if not active:
         raise ValueError(f"no tree setting could be decoded: {skipped}")
-    generate(plain_decoder, prompts[0], max_new_tokens=min(WARMUP_NEW_TOKENS, max_new_tokens), eos_token_id=eos_token_id)
+    _warm_up(plain_decoder, prompts[0], max_new_tokens, eos_token_id)
     plain = Measured()
     measured = {s.name: Measured() for s in active}
     start = time.perf_counter()
