@@ -11,13 +11,17 @@ Everything runs through the serving path, in the dtype and weight layout the eng
 CPU): the target adapter over a `TreeStaticCache` after a prefill of `--prefix` tokens, a
 4-D tree mask, and the real drafters (the heads of `--heads`, or an EAGLE-3 head and Medusa
 heads of the sizes a recipe trains, randomly initialised: their cost does not depend on
-their weights). Each figure is the median of `--repeats` timed calls after one warm-up.
+their weights). Each figure is the median of `--repeats` timed calls after one warm-up; the
+verify sizes are timed in rounds (each round times every T once), so that a drift of the
+memory speed during the run moves every T alike.
 Run it alone: two busy cores make every figure meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -96,18 +100,24 @@ def _interpolate(table: dict[int, float], x: int) -> float:
 
 def verify_costs(decoder, cache, root: int, prefix_len: int, trees: list[int], repeats: int) -> dict[int, float]:
     """ms of one verify forward of T chain tokens (a 4-D mask, as for a tree) per T, after the
-    prefix_len positions the cache holds."""
+    prefix_len positions the cache holds: the median of `repeats` rounds, each of which times
+    every T once, so that a drift of the machine's memory speed moves every T alike."""
     target = decoder.target
-    costs = {}
+    calls = {}
     for num_nodes in trees:
         tokens_1T = torch.full((1, num_nodes), root, dtype=torch.long, device=target.device)
         mask = cache.attention_mask(torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=target.device).tril())
         positions = (torch.arange(num_nodes, device=target.device) + prefix_len)[None]
-        with torch.inference_mode():
-            costs[num_nodes] = time_ms(lambda: target(tokens_1T, decoder.tap_layers, attention_mask=mask,
-                                                      position_ids=positions, past_key_values=cache,
-                                                      use_cache=True), target.device, 1, repeats)
-    return costs
+        calls[num_nodes] = functools.partial(target, tokens_1T, decoder.tap_layers, attention_mask=mask,
+                                             position_ids=positions, past_key_values=cache, use_cache=True)
+    samples = {num_nodes: [] for num_nodes in trees}
+    with torch.inference_mode():
+        for call in calls.values():
+            call()  # warm-up
+        for _ in range(repeats):
+            for num_nodes, call in calls.items():
+                samples[num_nodes].append(time_ms(call, target.device, 0, 1))
+    return {num_nodes: statistics.median(times) for num_nodes, times in samples.items()}
 
 
 def draft_costs(target, heads, tap_layers: list[int] | None, prompt_1P: torch.Tensor, depths: list[int],
