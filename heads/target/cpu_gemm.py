@@ -249,23 +249,28 @@ typedef struct {
     const uint16_t* k_norm;
     int64_t hidden, q_heads, kv_heads, head_dim, intermediate;
     float eps;
+    const uint16_t* second_norm; /* [hidden]: EAGLE-3's first head layer, whose q/k/v read
+                                    [RMSNorm(hidden) ; RMSNorm'(second)] (qkv.cols = 2 hidden); or NULL */
 } layer_t;
 
 /* The layer up to attention, in one parallel region: RMSNorm -> q, k, v (+ bias) -> Qwen3's
    q/k norms -> RoPE on q and k, in place. hidden [tokens][hidden], tokens = batch x per_row in
-   order; cos/sin rows of token (b, t) at b * cs_batch + t * cs_token; qkv [tokens][(Hq + 2 Hkv) D].
-   normed: [tokens][hidden] scratch; wide: the token tiles' scratch (`widen`). */
-void attention_in(const layer_t* L, const uint16_t* hidden, int64_t tokens, int64_t per_row, const uint16_t* cos,
-                  const uint16_t* sin, int64_t cs_batch, int64_t cs_token, uint16_t* normed, float* wide,
-                  uint16_t* qkv, int threads) {
-    const int64_t H = L->hidden, D = L->head_dim, width = L->qkv.rows, q_size = L->q_heads * D;
+   order; second [tokens][hidden] where L->second_norm (its norm's output joins each row), else
+   NULL; cos/sin rows of token (b, t) at b * cs_batch + t * cs_token; qkv [tokens][(Hq + 2 Hkv) D].
+   normed: [tokens][qkv.cols] scratch; wide: the token tiles' scratch (`widen`). */
+void attention_in(const layer_t* L, const uint16_t* hidden, const uint16_t* second, int64_t tokens, int64_t per_row,
+                  const uint16_t* cos, const uint16_t* sin, int64_t cs_batch, int64_t cs_token, uint16_t* normed,
+                  float* wide, uint16_t* qkv, int threads) {
+    const int64_t H = L->hidden, D = L->head_dim, width = L->qkv.rows, q_size = L->q_heads * D, in = L->qkv.cols;
     #pragma omp parallel num_threads(threads) if (parallel(&L->qkv, tokens))
     {
         const int ith = omp_get_thread_num(), nth = omp_get_num_threads();
-        for (int64_t r = part(tokens, ith, nth); r < part(tokens, ith + 1, nth); r++)
-            rms_row_bf16(hidden + r * H, L->input_norm, (int)H, L->eps, normed + r * H);
+        for (int64_t r = part(tokens, ith, nth); r < part(tokens, ith + 1, nth); r++) {
+            rms_row_bf16(hidden + r * H, L->input_norm, (int)H, L->eps, normed + r * in);
+            if (second) rms_row_bf16(second + r * H, L->second_norm, (int)H, L->eps, normed + r * in + H);
+        }
         #pragma omp barrier
-        linear_share(&L->qkv, normed, tokens, H, qkv, width, NULL, 0, wide, ith, nth);
+        linear_share(&L->qkv, normed, tokens, in, qkv, width, NULL, 0, wide, ith, nth);
         #pragma omp barrier
         for (int64_t r = part(tokens, ith, nth); r < part(tokens, ith + 1, nth); r++) {
             uint16_t* row = qkv + r * width;
@@ -302,9 +307,9 @@ void attention_out(const layer_t* L, const uint16_t* attn, const uint16_t* hidde
 #else
 void linear(const plan_t* p, const uint16_t* x, int64_t tokens, int64_t xs, uint16_t* out, int64_t os,
             const uint16_t* res, int64_t rs, float* wide, int threads) { abort(); }
-void attention_in(const void* L, const uint16_t* hidden, int64_t tokens, int64_t per_row, const uint16_t* cos,
-                  const uint16_t* sin, int64_t cs_batch, int64_t cs_token, uint16_t* normed, float* wide,
-                  uint16_t* qkv, int threads) { abort(); }
+void attention_in(const void* L, const uint16_t* hidden, const uint16_t* second, int64_t tokens, int64_t per_row,
+                  const uint16_t* cos, const uint16_t* sin, int64_t cs_batch, int64_t cs_token, uint16_t* normed,
+                  float* wide, uint16_t* qkv, int threads) { abort(); }
 void attention_out(const void* L, const uint16_t* attn, const uint16_t* hidden, int64_t tokens, uint16_t* mid,
                    uint16_t* normed, uint16_t* act, float* wide, uint16_t* out, int threads) { abort(); }
 #endif

@@ -307,7 +307,10 @@ class PackedWeights:
 def packed_for_inference(module: nn.Module) -> nn.Module:
     """A copy of `module` (draft heads) whose fp32/bf16 CPU `nn.Linear`s run packed, for drafting
     under no_grad: oneDNN's layout (`PackedLinear`) where it takes the dtype here, else bf16 through
-    heads/target/cpu_gemm.py's AVX2 kernel (`PackedBf16Module`) where that is built. Its parameters
+    heads/target/cpu_gemm.py's AVX2 kernel (`PackedBf16Module`) where that is built, and there an
+    EAGLE-3 head's layers as two kernel calls each (heads/target/cpu_gemm_layer.py
+    `PackedHeadLayer`; AVX2-only Zen 3, 2 threads: SmolLM2's head, a step over 2 tokens plus its
+    draft logits, 1.91 -> 1.37 ms between verifies, which evict its weights). Its parameters
     and buffers are the original's (shared, not copied), so it costs only the packed weights; the
     original keeps its `nn.Linear`s and trains as before. Weights changed after the copy are not
     seen by its packed layers: build it from final weights. SmolLM2's EAGLE-3 head, bf16: a
@@ -318,9 +321,19 @@ def packed_for_inference(module: nn.Module) -> nn.Module:
 
     shared = {id(tensor): tensor for tensor in itertools.chain(module.parameters(), module.buffers())}
     packed = copy.deepcopy(module, memo=shared)
+    fused = set()  # modules inside a PackedHeadLayer: it runs their weights itself
+    if cpu_gemm.available() and not reorders(torch.bfloat16):
+        from specheads.heads.eagle3 import DecoderLayer, MidLayer
+        from specheads.heads.target.cpu_gemm_layer import PackedHeadLayer
+
+        for parent in list(packed.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) in (MidLayer, DecoderLayer) and _bf16_on_cpu(child):
+                    setattr(parent, name, PackedHeadLayer(child))
+                    fused.update(id(m) for m in child.modules())
     for parent in list(packed.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu" or id(child) in fused:
                 continue
             dtype = child.weight.dtype
             if dtype in PACKED_DTYPES and reorders(dtype):
@@ -328,6 +341,13 @@ def packed_for_inference(module: nn.Module) -> nn.Module:
             elif dtype == torch.bfloat16 and cpu_gemm.available():
                 setattr(parent, name, cpu_gemm.PackedBf16Module(child))
     return packed
+
+
+def _bf16_on_cpu(layer: nn.Module) -> bool:
+    """Whether every parameter of `layer` is a bf16 CPU tensor and its linear layers have no bias
+    (an EAGLE-3 head layer that heads/target/cpu_gemm_layer.py `PackedHeadLayer` runs)."""
+    return all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in layer.parameters()) \
+        and all(m.bias is None for m in layer.modules() if isinstance(m, nn.Linear))
 
 
 def pack_linears(model: nn.Module) -> PackedWeights:

@@ -214,6 +214,58 @@ def test_heads_packed_for_inference_share_weights_and_give_the_same_drafts(tiny_
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype] * want.abs().max(), rtol=0)
 
 
+@pytest.mark.skipif(not cpu_gemm.available() or cpu_layout.reorders(torch.bfloat16),
+                    reason="no AVX2 bf16 kernel here, or oneDNN runs bf16 natively (it packs the heads then)")
+def test_an_eagle3_heads_layers_draft_in_two_kernel_calls_as_the_modules_compute(tiny_llama_dir):
+    """A bf16 EAGLE-3 head drafts through heads/target/cpu_gemm_layer.py `PackedHeadLayer` (both
+    of its layer kinds), which computes what the modules compute: random norm weights (so that
+    the embedding's and the feature's norms cannot be swapped), past keys and a mask."""
+    from test_eagle3 import random_head
+
+    from specheads.heads.eagle3 import DecoderLayer, MidLayer
+    from specheads.heads.target.cpu_gemm_layer import PackedHeadLayer
+    from specheads.heads.target.cpu_layout import packed_for_inference
+
+    target = TargetAdapter.from_pretrained(tiny_llama_dir)
+    head, _ = random_head(target, seed=5, num_layers=2)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+    head = head.to(torch.bfloat16)
+    packed = packed_for_inference(head)
+    assert isinstance(packed.midlayer, PackedHeadLayer) and packed.midlayer.first
+    assert all(isinstance(layer, PackedHeadLayer) and not layer.first for layer in packed.layers.values())
+    assert isinstance(head.midlayer, MidLayer) and all(type(m) is DecoderLayer for m in head.layers.values())
+    inside = [m for layer in [packed.midlayer, *packed.layers.values()] for m in layer.modules()]
+    assert not any(isinstance(m, cpu_gemm.PackedBf16Module) for m in inside)  # packed once, in the layer
+    assert isinstance(packed.lm_head, cpu_gemm.PackedBf16Module)
+    hidden, past, new = target.hidden_size, 5, 3
+    kv_shape = (2, 1, head.midlayer.self_attn.num_kv_heads, past, head.midlayer.self_attn.head_dim)
+    past_kv = tuple(torch.randn(kv_shape, generator=generator).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, new, past + new, dtype=torch.bool)
+    mask[0, 0, :, past:] = torch.ones(new, new, dtype=torch.bool).tril()
+    mask[0, 0, 1, 2] = False
+    embeds = torch.randn(1, new, hidden, generator=generator).to(torch.bfloat16)
+    feature = torch.randn(1, new, hidden, generator=generator).to(torch.bfloat16)
+    positions = torch.arange(past, past + new)[None]
+    with torch.no_grad():
+        want_h, want_kv = head.step(embeds, feature, positions, past_kv, mask)
+        got_h, got_kv = packed.step(embeds, feature, positions, past_kv, mask)
+    for got, want in [(got_h, want_h), *zip(got_kv, want_kv)]:
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[torch.bfloat16] * want.abs().max(),
+                                   rtol=0)
+    # a mistake (the two norms swapped) is far outside that tolerance
+    norms = packed.midlayer.layer.norms
+    norms[0], norms[4] = norms[4], norms[0]
+    packed.midlayer.layer.plan.input_norm, packed.midlayer.layer.plan.second_norm = \
+        norms[0].data_ptr(), norms[4].data_ptr()
+    with torch.no_grad():
+        swapped, _ = packed.step(embeds, feature, positions, past_kv, mask)
+    assert (swapped.float() - want_h.float()).abs().max() > TOLERANCE[torch.bfloat16] * want_h.abs().max()
+
+
 @pytest.mark.parametrize("native_bf16", [False, True])
 @pytest.mark.parametrize("avx2_kernel", [False, True])
 def test_each_command_resolves_auto_to_this_cpus_fast_dtype(tiny_llama_dir, monkeypatch, native_bf16, avx2_kernel):
