@@ -25,8 +25,10 @@ docs/results/2026-11-26-cpu-forward.md has the figures):
 What it keeps from transformers, so that it computes what the model computes: the mask
 (`create_causal_mask` with the model's config, so 2-D padding masks, prepared 4-D masks and
 caches behave as in the model's own forward), the rotary embedding module (RoPE scaling
-types included), the cache's `update` (any transformers `Cache`, the engine's
-TreeStaticCache included), and the attention function that the config names
+types included), the cache's `update` (any transformers `Cache`; a cache that offers
+`direct_writes`, the engine's TreeStaticCache, instead hands over its buffers once a forward,
+and each layer writes its keys and values with one C call: SmolLM2's bf16 decode step about
+0.7 ms faster), and the attention function that the config names
 (`ALL_ATTENTION_FUNCTIONS`: the grouped CPU attention, the tree attention, or SDPA), which
 receives the caller's attention keyword arguments unchanged.
 
@@ -56,7 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specheads.heads.target import cpu_gemm, cpu_gemm_layer, cpu_gemv, cpu_kernels, cpu_layout
+from specheads.heads.target import cpu_attention, cpu_gemm, cpu_gemm_layer, cpu_gemv, cpu_kernels, cpu_layout
 from specheads.heads.target.cpu_layout import PackedLinear, PackedWeights, pack_weight, packed_matmul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -429,6 +431,11 @@ class FusedDecoder:
         halves = self.layers[0].halves is not None and cos_BTD.dtype == torch.bfloat16 \
             and cos_BTD.stride(-1) == 1 and sin_BTD.stride() == cos_BTD.stride()
         scratch = self.layers[0].halves.scratch(batch * num_new) if halves else None
+        # a cache that lets the forward write its keys and values (serving's TreeStaticCache): one
+        # C call a layer instead of its `update`
+        direct = getattr(cache, "direct_writes", None) if cpu_attention.available() else None
+        writes = direct(num_new) if direct is not None else None
+        write = cpu_attention.RowWriter(writes.keys, writes.values, writes.starts) if writes is not None else None
         for index, layer in enumerate(self.layers):
             linears = layer.rows if few_rows and layer.rows is not None else layer.packed
             if halves:
@@ -442,7 +449,10 @@ class FusedDecoder:
                     self._head_norms(qkv, layer)
                 q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
             v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if cache is not None:
+            if writes is not None:
+                write(index, k_BHTD, v_BHTD)
+                k_BHTD, v_BHTD = writes.keys[index], writes.values[index]
+            elif cache is not None:
                 k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
             out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
                                  **attention_kwargs)

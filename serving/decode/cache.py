@@ -55,6 +55,7 @@ M max_cache_len, D head size.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -155,11 +156,7 @@ class TreeStaticLayer(CacheLayerMixin):
         num_new = key_states.shape[-2]
         # Host ints only: no device sync. Not read with static shapes (a compiled step would guard,
         # and recompile, on every length): the engine sizes every request to the cache then.
-        needed = self.max_cache_len if self.static_shape else max(active) + num_new
-        if needed > self.max_cache_len:
-            raise ValueError(f"TreeStaticCache overflow: {needed} positions needed (committed "
-                             f"{max(active)} + {num_new} new) but max_cache_len is "
-                             f"{self.max_cache_len}; build the cache with a larger max_cache_len")
+        needed = self.max_cache_len if self.static_shape else _room(active, num_new, self.max_cache_len)
         cache_kwargs = args[0] if args and isinstance(args[0], dict) else kwargs.get("cache_kwargs") or {}
         slots_BT = cache_kwargs.get("cache_position")
         if slots_BT is None and not self.static_shape and len(active) < INDEX_PUT_ROWS:
@@ -201,6 +198,28 @@ class TreeStaticLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("TreeStaticCache does not support beam search")
+
+
+def _room(active: list[int], num_new: int, max_cache_len: int) -> int:
+    """The keys a forward of num_new tokens after the active rows' committed lengths attends to
+    (the longest row's), refused past max_cache_len."""
+    needed = max(active) + num_new
+    if needed > max_cache_len:
+        raise ValueError(f"TreeStaticCache overflow: {needed} positions needed (committed {max(active)} + {num_new} "
+                         f"new) but max_cache_len is {max_cache_len}; build the cache with a larger max_cache_len")
+    return needed
+
+
+@dataclass
+class DirectWrites:
+    """Where a forward that writes its keys and values itself puts them (`TreeStaticCache.direct_writes`):
+    layer i's keys and values are keys[i], values[i], each [n, kv_heads, K, D] (views of the cache's
+    buffer: the active rows, the K keys the forward attends to); row b's T new entries go to slots
+    [starts[b], starts[b] + T) (CPU int64 [n])."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    starts: torch.Tensor
 
 
 def _in_place(accepted) -> bool:
@@ -273,6 +292,22 @@ class TreeStaticCache(Cache):
         if self.lengths.num_pending and not pending_written:
             raise ValueError("set_rows between a forward and its commit would drop the pending entries")
         self.lengths.start, self.lengths.stop = start, stop
+
+    def direct_writes(self, num_new: int) -> DirectWrites | None:
+        """For a forward that writes its num_new keys and values per row itself, in every layer
+        (heads/target/cpu_decoder.py's fused CPU forward), instead of calling `update` per layer:
+        the views it writes to and attends to, with `update`'s bookkeeping done once (the entries
+        become pending; an overflow is refused). None where `update` must run: static shapes, or
+        before the first forward (which allocates the buffer), or a buffer off the CPU."""
+        buffer = self.storage.buffer
+        if self.static_shape or buffer is None or buffer.device.type != "cpu":
+            return None
+        lengths = self.lengths
+        active = lengths.host[lengths.start:lengths.stop]
+        needed = _room(active, num_new, self.max_cache_len)
+        lengths.num_pending = num_new
+        rows = buffer[:, :, lengths.start:lengths.stop, :, :needed]  # [L, 2, n, kv_heads, K, D]
+        return DirectWrites(rows[:, 0].unbind(0), rows[:, 1].unbind(0), torch.tensor(active, dtype=torch.int64))
 
     def drop_pending(self) -> None:
         """Forget the last forward's pending entries (a step that failed after its forward): the

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from specheads.heads.target import cpu_decoder, cpu_gemm, cpu_gemv, cpu_layout
+from specheads.heads.target import cpu_attention, cpu_decoder, cpu_gemm, cpu_gemv, cpu_layout
 from specheads.heads.target.cpu_decoder import FusedDecoder, unsupported_reason
 from specheads.heads.target.cpu_layout import pack_linears
 from specheads.heads.target.adapter import TargetAdapter
@@ -127,6 +127,50 @@ def test_fused_forward_verifies_a_tree_in_the_static_cache(dtype, ops, tiny_llam
         return [out.logits, *out.taps]
 
     _compare(tiny_llama_dir, dtype, case)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_forward_writes_the_static_caches_rows_as_its_update_does(dtype, tiny_llama_dir, monkeypatch):
+    """The fused forward writes its keys and values into a TreeStaticCache itself (`direct_writes`,
+    one C call a layer): the same logits and the same cache, bit for bit, as through the cache's
+    `update`, for active rows that do not start at row 0 and hold unequal lengths."""
+    target = TargetAdapter.from_pretrained(tiny_llama_dir, dtype=dtype, pack_weights=True)
+    assert target.fused is not None
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (1, n), generator=generator) for n in (9, 5)]
+    tree_ids = torch.randint(3, 256, (2, 4), generator=generator)
+    tree_mask_TT = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+    def run():
+        with torch.inference_mode():
+            cache = TreeStaticCache(target.config, max_cache_len=24, batch_size=3)
+            for row, prompt in zip((1, 2), prompts):
+                cache.set_rows(row, row + 1)
+                target(prompt, [], past_key_values=cache, use_cache=True)
+                cache.commit()
+            cache.set_rows(1, 3)
+            tree = target(tree_ids, [1], attention_mask=cache.attention_mask(tree_mask_TT.expand(2, 4, 4)),
+                          position_ids=cache.position_ids(torch.tensor([[0, 1, 1, 2]] * 2)), past_key_values=cache,
+                          use_cache=True)
+            assert cache.num_pending == 4
+            cache.commit([0, 1, 3])
+        return [tree.logits, *tree.taps, cache.storage.buffer.clone()]
+
+    calls = []
+    direct_writes = TreeStaticCache.direct_writes
+
+    def recorded(self, num_new):
+        writes = direct_writes(self, num_new)
+        calls.append((num_new, writes is not None))
+        return writes
+
+    monkeypatch.setattr(TreeStaticCache, "direct_writes", recorded)
+    direct = run()
+    assert calls == [(9, False), (5, True), (4, True)]  # the first forward allocates the buffer through `update`
+    monkeypatch.setattr(TreeStaticCache, "direct_writes", lambda self, n: None)
+    for got, want in zip(direct, run(), strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(cpu_decoder._library() is None, reason="no C compiler on this machine")
