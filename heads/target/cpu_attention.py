@@ -345,6 +345,53 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
     return out_BTHD
 
 
+class QkvAttention:
+    """The AVX2 grouped attention of one forward, for each of its layers: the query read in place
+    out of the layer's q/k/v rows [B, T, W] (q first: Hq x D columns), the keys and values in place
+    in the cache ([B, Hkv, K, D], one layout for every layer), the mask (bool [B, 1, T, >= K], unit
+    stride along K; or None for one query token: every key) and the other arguments packed once, so that a layer's call
+    is its pointers and one C call: out [B, T, Hq D], what `grouped_attention` returns, reshaped.
+    `build` returns None where that path does not run (no AVX2 kernel for the dtype, a head dim no
+    multiple of 32, a mask of another kind)."""
+
+    def __init__(self, kernel, head: tuple, tail: tuple, shape: tuple, dtype: torch.dtype, mask: torch.Tensor | None):
+        self.kernel, self.head, self.tail, self.shape, self.dtype = kernel, head, tail, shape, dtype
+        self.mask = mask  # held: the C reads it
+
+    @classmethod
+    def build(cls, batch: int, tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int,
+              cache_BHKD: torch.Tensor, mask: torch.Tensor | None, scale: float) -> "QkvAttention | None":
+        kernel = _avx2_kernels().get(cache_BHKD.dtype) if head_dim % 32 == 0 else None
+        num_keys = cache_BHKD.shape[2]
+        if kernel is None or num_q_heads % num_kv_heads or cache_BHKD.stride()[2:] != (head_dim, 1):
+            return None
+        if mask is None and tokens == 1:  # one query token sees every key
+            mask_pointer = mask_b = mask_t = 0
+        elif mask is not None and mask.dtype is torch.bool and mask.dim() == 4 and mask.shape[0] == batch and mask.shape[1] == 1 \
+                and mask.shape[2] == tokens and mask.shape[3] >= num_keys and mask.stride(-1) == 1:
+            mask_pointer, mask_b, mask_t = mask.data_ptr(), mask.stride(0), mask.stride(2)
+        else:
+            return None
+        group = num_q_heads // num_kv_heads
+        c_b, c_kv = cache_BHKD.stride()[:2]
+        row = num_q_heads * head_dim
+        head = (tokens * width, group * head_dim, head_dim, width)  # after q: its strides
+        tail = (mask_pointer, mask_b, mask_t)  # after the keys' and values' pointers and strides
+        shape = (tokens * row, group * head_dim, head_dim, row, num_keys, batch, num_kv_heads, group, tokens,
+                 head_dim, torch.get_num_threads(), scale)
+        built = cls(kernel, head, tail, shape, cache_BHKD.dtype, mask)
+        built.cache_strides = (c_b, c_kv)
+        built.out_shape = (batch, tokens, row)
+        return built
+
+    def __call__(self, qkv_BTW: torch.Tensor, keys_BHKD: torch.Tensor, values_BHKD: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.out_shape, dtype=self.dtype)
+        c_b, c_kv = self.cache_strides
+        self.kernel(CALL_LAYOUT.pack(qkv_BTW.data_ptr(), *self.head, keys_BHKD.data_ptr(), c_b, c_kv,
+                                     values_BHKD.data_ptr(), c_b, c_kv, *self.tail, out.data_ptr(), *self.shape))
+        return out
+
+
 class RowWriter:
     """A forward's new keys and values [B, Hkv, T, D] (unit stride in D) into every layer's KV cache
     buffers [B, Hkv, K, D] (D-contiguous rows, one layout for all) at slots [starts[b], starts[b] + T)
@@ -369,6 +416,21 @@ class RowWriter:
         self.starts = starts_B  # held: the C reads it
         self.new_strides = None  # the new keys' and values' strides, checked on the first call
         self._write = _library().write_new_rows
+
+    def from_qkv(self, layer: int, qkv_BTW: torch.Tensor, k_offset: int, v_offset: int) -> None:
+        """Layer `layer`'s new keys and values out of its q/k/v rows [B, T, W] (contiguous; the keys
+        at columns [k_offset, k_offset + Hkv D), the values at v_offset), without views."""
+        batch, heads, dim = self.shape
+        tokens, width = qkv_BTW.shape[1], qkv_BTW.shape[2]
+        if qkv_BTW.dtype != self.dtype or not qkv_BTW.is_contiguous() or qkv_BTW.shape[0] != batch \
+                or max(k_offset, v_offset) + heads * dim > width:
+            raise ValueError(f"RowWriter.from_qkv: q/k/v rows must be contiguous {self.dtype} [{batch}, T, W] with "
+                             f"{heads} x {dim} keys at {k_offset} and values at {v_offset}, got {qkv_BTW.dtype} "
+                             f"{tuple(qkv_BTW.shape)}")
+        elem, base = qkv_BTW.element_size(), qkv_BTW.data_ptr()
+        self._write(base + k_offset * elem, tokens * width, dim, width, base + v_offset * elem, tokens * width, dim,
+                    width, self.keys[layer], self.values[layer], *self.cache_strides, self.starts.data_ptr(), batch,
+                    heads, tokens, dim, elem)
 
     def __call__(self, layer: int, key_BHTD: torch.Tensor, value_BHTD: torch.Tensor) -> None:
         k_strides, v_strides = key_BHTD.stride(), value_BHTD.stride()

@@ -436,8 +436,23 @@ class FusedDecoder:
         direct = getattr(cache, "direct_writes", None) if cpu_attention.available() else None
         writes = direct(num_new) if direct is not None else None
         write = cpu_attention.RowWriter(writes.keys, writes.values, writes.starts) if writes is not None else None
+        # the config's attention is the grouped CPU one and the layer halves run: each layer's
+        # attention reads q from its q/k/v rows and the keys where the cache holds them, one C call
+        direct_attention = None
+        if halves and writes is not None and attend is cpu_layout.grouped_attention_forward and not attention_kwargs:
+            direct_attention = cpu_attention.QkvAttention.build(
+                batch, num_new, self.num_q_heads, self.num_kv_heads, self.head_dim, self.layers[0].halves.qkv_width,
+                writes.keys[0], mask, self.scaling)
         for index, layer in enumerate(self.layers):
             linears = layer.rows if few_rows and layer.rows is not None else layer.packed
+            if direct_attention is not None:  # the same ops as below, without views and wrappers
+                qkv = layer.halves.attention_in(hidden.contiguous(), cos_BTD, sin_BTD, scratch)
+                write.from_qkv(index, qkv, q_size, q_size + kv_size)
+                hidden = layer.halves.attention_out(direct_attention(qkv, writes.keys[index], writes.values[index]),
+                                                    hidden, scratch)
+                if index + 1 in wanted and index + 1 < self.num_layers:
+                    taps[index + 1] = hidden
+                continue
             if halves:
                 qkv = layer.halves.attention_in(hidden.contiguous(), cos_BTD, sin_BTD, scratch)
                 q_BHTD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim).transpose(1, 2)

@@ -244,8 +244,10 @@ def test_few_bf16_rows_run_the_row_kernel_and_many_run_onednn(tiny_llama_dir, mo
                     reason="needs heads/target/cpu_gemm.py's kernel as this CPU's bf16 kernel")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layer_halves_compute_the_ops_one_by_one_bit_for_bit(arch, request, monkeypatch):
-    """Each layer's two C calls (cpu_gemm_layer.PackedBf16Layer) give exactly what its ops give one by
-    one: a prefill of two rows, then a tree verify in the static cache (logits and every tap)."""
+    """Each layer's two C calls (cpu_gemm_layer.PackedBf16Layer), with the cache write and the
+    attention read in place between them (cpu_attention.RowWriter, QkvAttention), give exactly what
+    its ops give one by one: a prefill of two rows, then a tree verify in the static cache (logits
+    and every tap)."""
     target = TargetAdapter.from_pretrained(request.getfixturevalue(f"tiny_{arch}_dir"), dtype=torch.bfloat16,
                                            pack_weights=True)
     assert all(layer.halves is not None for layer in target.fused.layers)
@@ -263,11 +265,19 @@ def test_layer_halves_compute_the_ops_one_by_one_bit_for_bit(arch, request, monk
                           use_cache=True)
         return [first.logits, *first.taps, tree.logits, *tree.taps]
 
+    calls = []
+    direct_call = cpu_attention.QkvAttention.__call__
+    monkeypatch.setattr(cpu_attention.QkvAttention, "__call__", lambda *args: calls.append(1) or direct_call(*args))
     halves = run()
+    # the tree verify (after the first forward, which allocates the cache) attends in place, from
+    # q/k/v rows, where the AVX2 attention takes the head size
+    in_place = target.fused.head_dim % 32 == 0
+    assert len(calls) == target.num_layers * in_place
     for layer in target.fused.layers:
         monkeypatch.setattr(layer, "halves", None)
     for got, want in zip(halves, run(), strict=True):
         assert torch.equal(got, want)
+    assert len(calls) == target.num_layers * in_place
 
 
 def test_fused_layers_hold_one_packed_copy_and_plain_weights_runs_the_model(tiny_llama_dir, monkeypatch):
