@@ -65,6 +65,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # instead of one slice copy per row: 32 rows x 30 layers of SmolLM2 took 5.6 ms a step as
 # slices and 1.1 ms as index_puts; below 4 rows the slices are cheaper (3 vs 10 us a row).
 INDEX_PUT_ROWS = 4
+OVERFLOW = ("TreeStaticCache overflow: {} positions needed (committed {} + {} new) but max_cache_len is {}; build "
+            "the cache with a larger max_cache_len")
 
 
 class _Lengths:
@@ -156,7 +158,9 @@ class TreeStaticLayer(CacheLayerMixin):
         num_new = key_states.shape[-2]
         # Host ints only: no device sync. Not read with static shapes (a compiled step would guard,
         # and recompile, on every length): the engine sizes every request to the cache then.
-        needed = self.max_cache_len if self.static_shape else _room(active, num_new, self.max_cache_len)
+        needed = self.max_cache_len if self.static_shape else max(active) + num_new
+        if needed > self.max_cache_len:
+            raise ValueError(OVERFLOW.format(needed, max(active), num_new, self.max_cache_len))
         cache_kwargs = args[0] if args and isinstance(args[0], dict) else kwargs.get("cache_kwargs") or {}
         slots_BT = cache_kwargs.get("cache_position")
         if slots_BT is None and not self.static_shape and len(active) < INDEX_PUT_ROWS:
@@ -198,16 +202,6 @@ class TreeStaticLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("TreeStaticCache does not support beam search")
-
-
-def _room(active: list[int], num_new: int, max_cache_len: int) -> int:
-    """The keys a forward of num_new tokens after the active rows' committed lengths attends to
-    (the longest row's), refused past max_cache_len."""
-    needed = max(active) + num_new
-    if needed > max_cache_len:
-        raise ValueError(f"TreeStaticCache overflow: {needed} positions needed (committed {max(active)} + {num_new} "
-                         f"new) but max_cache_len is {max_cache_len}; build the cache with a larger max_cache_len")
-    return needed
 
 
 @dataclass
@@ -304,7 +298,9 @@ class TreeStaticCache(Cache):
             return None
         lengths = self.lengths
         active = lengths.host[lengths.start:lengths.stop]
-        needed = _room(active, num_new, self.max_cache_len)
+        needed = max(active) + num_new
+        if needed > self.max_cache_len:
+            raise ValueError(OVERFLOW.format(needed, max(active), num_new, self.max_cache_len))
         lengths.num_pending = num_new
         rows = buffer[:, :, lengths.start:lengths.stop, :, :needed]  # [L, 2, n, kv_heads, K, D]
         return DirectWrites(rows[:, 0].unbind(0), rows[:, 1].unbind(0), torch.tensor(active, dtype=torch.int64))

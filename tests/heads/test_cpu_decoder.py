@@ -171,6 +171,12 @@ def test_the_fused_forward_writes_the_static_caches_rows_as_its_update_does(dtyp
     monkeypatch.setattr(TreeStaticCache, "direct_writes", lambda self, n: None)
     for got, want in zip(direct, run(), strict=True):
         assert torch.equal(got, want)
+    with torch.inference_mode():  # past max_cache_len it refuses, as `update` does
+        cache = TreeStaticCache(target.config, max_cache_len=24, batch_size=1)
+        target(prompts[0], [], past_key_values=cache, use_cache=True)
+        cache.commit()
+        with pytest.raises(ValueError, match="overflow: 25 positions needed"):
+            direct_writes(cache, 16)
 
 
 @pytest.mark.skipif(cpu_decoder._library() is None, reason="no C compiler on this machine")
