@@ -349,13 +349,15 @@ class QkvAttention:
     """The AVX2 grouped attention of one forward, for each of its layers: the query read in place
     out of the layer's q/k/v rows [B, T, W] (q first: Hq x D columns), the keys and values in place
     in the cache ([B, Hkv, K, D], one layout for every layer), the mask (bool [B, 1, T, >= K], unit
-    stride along K; or None for one query token: every key) and the other arguments packed once, so that a layer's call
-    is its pointers and one C call: out [B, T, Hq D], what `grouped_attention` returns, reshaped.
-    `build` returns None where that path does not run (no AVX2 kernel for the dtype, a head dim no
-    multiple of 32, a mask of another kind)."""
+    stride along K; or None for one query token: every key) and the other arguments packed once,
+    so that a layer's call is its pointers and one C call: out [B, T, Hq D], what
+    `grouped_attention` returns, reshaped. `build` returns None where that path does not run (no
+    AVX2 kernel for the dtype, a head dim no multiple of 32, a mask of another kind)."""
 
-    def __init__(self, kernel, head: tuple, tail: tuple, shape: tuple, dtype: torch.dtype, mask: torch.Tensor | None):
+    def __init__(self, kernel, head: tuple, tail: tuple, shape: tuple, cache_strides: tuple, out_shape: tuple,
+                 dtype: torch.dtype, mask: torch.Tensor | None):
         self.kernel, self.head, self.tail, self.shape, self.dtype = kernel, head, tail, shape, dtype
+        self.cache_strides, self.out_shape = cache_strides, out_shape
         self.mask = mask  # held: the C reads it
 
     @classmethod
@@ -367,22 +369,18 @@ class QkvAttention:
             return None
         if mask is None and tokens == 1:  # one query token sees every key
             mask_pointer = mask_b = mask_t = 0
-        elif mask is not None and mask.dtype is torch.bool and mask.dim() == 4 and mask.shape[0] == batch and mask.shape[1] == 1 \
-                and mask.shape[2] == tokens and mask.shape[3] >= num_keys and mask.stride(-1) == 1:
+        elif mask is not None and mask.dtype is torch.bool and mask.dim() == 4 \
+                and mask.shape[:3] == (batch, 1, tokens) and mask.shape[3] >= num_keys and mask.stride(-1) == 1:
             mask_pointer, mask_b, mask_t = mask.data_ptr(), mask.stride(0), mask.stride(2)
         else:
             return None
         group = num_q_heads // num_kv_heads
-        c_b, c_kv = cache_BHKD.stride()[:2]
         row = num_q_heads * head_dim
         head = (tokens * width, group * head_dim, head_dim, width)  # after q: its strides
         tail = (mask_pointer, mask_b, mask_t)  # after the keys' and values' pointers and strides
         shape = (tokens * row, group * head_dim, head_dim, row, num_keys, batch, num_kv_heads, group, tokens,
                  head_dim, torch.get_num_threads(), scale)
-        built = cls(kernel, head, tail, shape, cache_BHKD.dtype, mask)
-        built.cache_strides = (c_b, c_kv)
-        built.out_shape = (batch, tokens, row)
-        return built
+        return cls(kernel, head, tail, shape, cache_BHKD.stride()[:2], (batch, tokens, row), cache_BHKD.dtype, mask)
 
     def __call__(self, qkv_BTW: torch.Tensor, keys_BHKD: torch.Tensor, values_BHKD: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=self.dtype)
@@ -439,9 +437,9 @@ class RowWriter:
             for states in (key_BHTD, value_BHTD):
                 if states.dtype != self.dtype or states.stride(-1) != 1 \
                         or (states.shape[0], states.shape[1], states.shape[3]) != self.shape:
-                    raise ValueError(f"RowWriter: new keys and values must be {self.dtype} [{batch}, {heads}, T, {dim}] "
-                                     f"with unit stride in D, got {states.dtype} {tuple(states.shape)} strides "
-                                     f"{states.stride()}")
+                    raise ValueError(f"RowWriter: new keys and values must be {self.dtype} [{batch}, {heads}, T, "
+                                     f"{dim}] with unit stride in D, got {states.dtype} {tuple(states.shape)} "
+                                     f"strides {states.stride()}")
             self.new_strides = (k_strides, v_strides)
         self._write(key_BHTD.data_ptr(), *k_strides[:3], value_BHTD.data_ptr(), *v_strides[:3], self.keys[layer],
                     self.values[layer], *self.cache_strides, self.starts.data_ptr(), self.shape[0], self.shape[1],
