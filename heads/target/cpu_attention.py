@@ -310,83 +310,77 @@ def grouped_attention(query_BHTD: torch.Tensor, key: torch.Tensor, value: torch.
     if key_batch != batch or key_dim != head_dim or group * num_kv_heads != num_q_heads or value.shape != key.shape:
         raise ValueError(f"grouped_attention: query {tuple(query_BHTD.shape)}, keys {tuple(key.shape)}, values "
                          f"{tuple(value.shape)} do not fit together")
+    _check_mask(mask, batch, num_tokens, num_keys)
+    kernel = AttentionCall.kernel_for(query_BHTD.dtype, head_dim)
+    if kernel is None:
+        query_BHGD = query_BHTD.reshape(batch, num_kv_heads, group * num_tokens, head_dim)
+        mask_BTK = None if mask is None else (mask[:, 0] if mask.dim() == 4 else mask)[..., :num_keys]
+        out_BHGD = ragged_attention(query_BHGD, key, value, mask_BTK, num_tokens, scale)
+        return out_BHGD.view(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
+    if query_BHTD.stride(-1) != 1:
+        query_BHTD = query_BHTD.contiguous()
+    call = AttentionCall(kernel, num_q_heads, num_tokens, query_BHTD.stride()[:3], key, value, mask, scale)
+    return call(query_BHTD.data_ptr(), key.data_ptr(), value.data_ptr())
+
+
+def _check_mask(mask: torch.Tensor | None, batch: int, num_tokens: int, num_keys: int) -> None:
+    """A one-line error unless mask is None or bool [batch, (1,) num_tokens, >= num_keys]."""
     if mask is not None:
         shape = mask.shape
         if mask.dtype is not torch.bool or shape[0] != batch or shape[-2] != num_tokens or shape[-1] < num_keys \
                 or len(shape) != 3 and (len(shape) != 4 or shape[1] != 1):
             raise ValueError(f"grouped_attention: the mask must be bool [{batch}, (1,) {num_tokens}, >= {num_keys}], "
                              f"got {mask.dtype} {tuple(shape)}")
-    kernel = _avx2_kernels().get(query_BHTD.dtype) if head_dim % 32 == 0 else None
-    if kernel is None:
-        query_BHGD = query_BHTD.reshape(batch, num_kv_heads, group * num_tokens, head_dim)
-        mask_BTK = None if mask is None else (mask[:, 0] if mask.dim() == 4 else mask)[..., :num_keys]
-        out_BHGD = ragged_attention(query_BHGD, key, value, mask_BTK, num_tokens, scale)
-        return out_BHGD.view(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
-    q_b, q_head, q_tok, q_d = query_BHTD.stride()
-    if q_d != 1:
-        query_BHTD = query_BHTD.contiguous()
-        q_b, q_head, q_tok, _ = query_BHTD.stride()
-    if mask is None:
-        mask_pointer = mask_b = mask_t = 0
-    else:
-        mask_strides = mask.stride()
-        if mask_strides[-1] != 1:
-            mask = mask.contiguous()  # held in `mask` while the kernel reads it
-            mask_strides = mask.stride()
-        mask_pointer, mask_b, mask_t = mask.data_ptr(), mask_strides[0], mask_strides[-2]
-    k_b, k_kv, _, _ = key.stride()
-    v_b, v_kv, _, _ = value.stride()
-    out_BTHD = torch.empty(batch, num_tokens, num_q_heads, head_dim, dtype=query_BHTD.dtype)
-    row = num_q_heads * head_dim
-    kernel(CALL_LAYOUT.pack(query_BHTD.data_ptr(), q_b, group * q_head, q_head, q_tok, key.data_ptr(), k_b, k_kv,
-                            value.data_ptr(), v_b, v_kv, mask_pointer, mask_b, mask_t,
-                            out_BTHD.data_ptr(), num_tokens * row, group * head_dim, head_dim, row,
-                            num_keys, batch, num_kv_heads, group, num_tokens, head_dim, torch.get_num_threads(), scale))
-    return out_BTHD
 
 
-class QkvAttention:
-    """The AVX2 grouped attention of one forward, for each of its layers: the query read in place
-    out of the layer's q/k/v rows [B, T, W] (q first: Hq x D columns), the keys and values in place
-    in the cache ([B, Hkv, K, D], one layout for every layer), the mask (bool [B, 1, T, >= K], unit
-    stride along K; or None for one query token: every key) and the other arguments packed once,
-    so that a layer's call is its pointers and one C call: out [B, T, Hq D], what
-    `grouped_attention` returns, reshaped. `build` returns None where that path does not run (no
-    AVX2 kernel for the dtype, a head dim no multiple of 32, a mask of another kind)."""
+class AttentionCall:
+    """One shape's AVX2 grouped attention (`grouped_attention`'s kernel path), its arguments packed
+    once but for three pointers: the query's, the keys' and the values'. `grouped_attention` makes
+    one per call; a fused forward makes one per forward (`over_qkv`) and calls it for each layer,
+    with the query where the layer's q/k/v rows hold it and the keys and values where the cache
+    holds them. query_strides: (batch, head, token) in elements, unit stride along D; key and value
+    (any layer's: one layout for all) [B, Hkv, K, D] with D-contiguous rows; mask as
+    `grouped_attention` takes it, checked by the caller. A call -> out [B, T, Hq, D]."""
 
-    def __init__(self, kernel, head: tuple, tail: tuple, shape: tuple, cache_strides: tuple, out_shape: tuple,
-                 dtype: torch.dtype, mask: torch.Tensor | None):
-        self.kernel, self.head, self.tail, self.shape, self.dtype = kernel, head, tail, shape, dtype
-        self.cache_strides, self.out_shape = cache_strides, out_shape
+    def __init__(self, kernel, num_q_heads: int, num_tokens: int, query_strides: tuple[int, int, int],
+                 key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float):
+        batch, num_kv_heads, num_keys, head_dim = key.shape
+        group = num_q_heads // num_kv_heads
+        if mask is not None and mask.stride(-1) != 1:
+            mask = mask.contiguous()
         self.mask = mask  # held: the C reads it
+        self.kernel, self.dtype = kernel, key.dtype
+        self.out_shape = (batch, num_tokens, num_q_heads, head_dim)
+        q_b, q_head, q_tok = query_strides
+        self.query = (q_b, group * q_head, q_head, q_tok)
+        self.keys, self.values = key.stride()[:2], value.stride()[:2]
+        self.masking = (0, 0, 0) if mask is None else (mask.data_ptr(), mask.stride(0), mask.stride(-2))
+        row = num_q_heads * head_dim
+        self.rest = (num_tokens * row, group * head_dim, head_dim, row, num_keys, batch, num_kv_heads, group,
+                     num_tokens, head_dim, torch.get_num_threads(), scale)
+
+    @staticmethod
+    def kernel_for(dtype: torch.dtype, head_dim: int):
+        """The AVX2 entry for this dtype and head size, or None (not built here, or a head size
+        that is no multiple of 32)."""
+        return _avx2_kernels().get(dtype) if head_dim % 32 == 0 else None
 
     @classmethod
-    def build(cls, batch: int, tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, width: int,
-              cache_BHKD: torch.Tensor, mask: torch.Tensor | None, scale: float) -> "QkvAttention | None":
-        kernel = _avx2_kernels().get(cache_BHKD.dtype) if head_dim % 32 == 0 else None
-        num_keys = cache_BHKD.shape[2]
-        if kernel is None or num_q_heads % num_kv_heads or cache_BHKD.stride()[2:] != (head_dim, 1):
+    def over_qkv(cls, num_q_heads: int, num_tokens: int, width: int, key: torch.Tensor, value: torch.Tensor,
+                 mask: torch.Tensor | None, scale: float) -> "AttentionCall | None":
+        """For layers whose query is the first Hq x D columns of q/k/v rows [B, T, width]
+        (contiguous): None where the kernel does not run (dtype, head size)."""
+        kernel = cls.kernel_for(key.dtype, key.shape[-1])
+        if kernel is None:
             return None
-        if mask is None and tokens == 1:  # one query token sees every key
-            mask_pointer = mask_b = mask_t = 0
-        elif mask is not None and mask.dtype is torch.bool and mask.dim() == 4 \
-                and mask.shape[:3] == (batch, 1, tokens) and mask.shape[3] >= num_keys and mask.stride(-1) == 1:
-            mask_pointer, mask_b, mask_t = mask.data_ptr(), mask.stride(0), mask.stride(2)
-        else:
-            return None
-        group = num_q_heads // num_kv_heads
-        row = num_q_heads * head_dim
-        head = (tokens * width, group * head_dim, head_dim, width)  # after q: its strides
-        tail = (mask_pointer, mask_b, mask_t)  # after the keys' and values' pointers and strides
-        shape = (tokens * row, group * head_dim, head_dim, row, num_keys, batch, num_kv_heads, group, tokens,
-                 head_dim, torch.get_num_threads(), scale)
-        return cls(kernel, head, tail, shape, cache_BHKD.stride()[:2], (batch, tokens, row), cache_BHKD.dtype, mask)
+        _check_mask(mask, key.shape[0], num_tokens, key.shape[2])
+        return cls(kernel, num_q_heads, num_tokens, (num_tokens * width, key.shape[-1], width), key, value, mask,
+                   scale)
 
-    def __call__(self, qkv_BTW: torch.Tensor, keys_BHKD: torch.Tensor, values_BHKD: torch.Tensor) -> torch.Tensor:
+    def __call__(self, query_pointer: int, keys_pointer: int, values_pointer: int) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=self.dtype)
-        c_b, c_kv = self.cache_strides
-        self.kernel(CALL_LAYOUT.pack(qkv_BTW.data_ptr(), *self.head, keys_BHKD.data_ptr(), c_b, c_kv,
-                                     values_BHKD.data_ptr(), c_b, c_kv, *self.tail, out.data_ptr(), *self.shape))
+        self.kernel(CALL_LAYOUT.pack(query_pointer, *self.query, keys_pointer, *self.keys, values_pointer,
+                                     *self.values, *self.masking, out.data_ptr(), *self.rest))
         return out
 
 
@@ -425,10 +419,8 @@ class RowWriter:
             raise ValueError(f"RowWriter.from_qkv: q/k/v rows must be contiguous {self.dtype} [{batch}, T, W] with "
                              f"{heads} x {dim} keys at {k_offset} and values at {v_offset}, got {qkv_BTW.dtype} "
                              f"{tuple(qkv_BTW.shape)}")
-        elem, base = qkv_BTW.element_size(), qkv_BTW.data_ptr()
-        self._write(base + k_offset * elem, tokens * width, dim, width, base + v_offset * elem, tokens * width, dim,
-                    width, self.keys[layer], self.values[layer], *self.cache_strides, self.starts.data_ptr(), batch,
-                    heads, tokens, dim, elem)
+        elem, base, strides = qkv_BTW.element_size(), qkv_BTW.data_ptr(), (tokens * width, dim, width)
+        self._send(layer, base + k_offset * elem, strides, base + v_offset * elem, strides, tokens, elem)
 
     def __call__(self, layer: int, key_BHTD: torch.Tensor, value_BHTD: torch.Tensor) -> None:
         k_strides, v_strides = key_BHTD.stride(), value_BHTD.stride()
@@ -441,9 +433,15 @@ class RowWriter:
                                      f"{dim}] with unit stride in D, got {states.dtype} {tuple(states.shape)} "
                                      f"strides {states.stride()}")
             self.new_strides = (k_strides, v_strides)
-        self._write(key_BHTD.data_ptr(), *k_strides[:3], value_BHTD.data_ptr(), *v_strides[:3], self.keys[layer],
-                    self.values[layer], *self.cache_strides, self.starts.data_ptr(), self.shape[0], self.shape[1],
-                    key_BHTD.shape[2], self.shape[2], key_BHTD.element_size())
+        self._send(layer, key_BHTD.data_ptr(), k_strides[:3], value_BHTD.data_ptr(), v_strides[:3], key_BHTD.shape[2],
+                   key_BHTD.element_size())
+
+    def _send(self, layer: int, keys: int, key_strides: tuple, values: int, value_strides: tuple, tokens: int,
+              elem: int) -> None:
+        """The C call: new keys and values at these pointers and (batch, head, token) strides."""
+        batch, heads, dim = self.shape
+        self._write(keys, *key_strides, values, *value_strides, self.keys[layer], self.values[layer],
+                    *self.cache_strides, self.starts.data_ptr(), batch, heads, tokens, dim, elem)
 
 
 def ragged_attention(query_BHGD: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

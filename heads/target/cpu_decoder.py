@@ -33,7 +33,7 @@ step), and the attention function that the config names
 receives the caller's attention keyword arguments unchanged. Where that is the grouped CPU
 attention, the layer halves run and the cache hands over its buffers, the attention kernel
 reads q out of the layer's q/k/v rows and the keys where the cache holds them, its arguments
-packed once a forward (`cpu_attention.QkvAttention`: another 0.8 ms of that step).
+packed once a forward (`cpu_attention.AttentionCall`: another 0.8 ms of that step).
 
 Which models: Llama, Mistral, Qwen2 and Qwen3 causal LMs (SmolLM2 is a Llama; Qwen3's q and k
 norms are one more C call each, in place before RoPE) with SiLU MLPs and full attention in
@@ -441,39 +441,43 @@ class FusedDecoder:
         write = cpu_attention.RowWriter(writes.keys, writes.values, writes.starts) if writes is not None else None
         # the config's attention is the grouped CPU one and the layer halves run: each layer's
         # attention reads q from its q/k/v rows and the keys where the cache holds them, one C call
+        # (where grouped_attention_forward would take the kernel path: a [B, 1, T, K] bool mask, or
+        # none for one token)
         direct_attention = None
-        if halves and writes is not None and attend is cpu_layout.grouped_attention_forward and not attention_kwargs:
-            direct_attention = cpu_attention.QkvAttention.build(
-                batch, num_new, self.num_q_heads, self.num_kv_heads, self.head_dim, self.layers[0].halves.qkv_width,
-                writes.keys[0], mask, self.scaling)
+        if halves and writes is not None and attend is cpu_layout.grouped_attention_forward and not attention_kwargs \
+                and (mask is None and num_new == 1 or mask is not None and mask.dtype is torch.bool
+                     and mask.dim() == 4 and mask.shape[1] == 1):
+            direct_attention = cpu_attention.AttentionCall.over_qkv(
+                self.num_q_heads, num_new, self.layers[0].halves.qkv_width, writes.keys[0], writes.values[0], mask,
+                self.scaling)
         for index, layer in enumerate(self.layers):
             linears = layer.rows if few_rows and layer.rows is not None else layer.packed
-            if direct_attention is not None:  # the same ops as below, without views and wrappers
-                qkv = layer.halves.attention_in(hidden.contiguous(), cos_BTD, sin_BTD, scratch)
-                write.from_qkv(index, qkv, q_size, q_size + kv_size)
-                hidden = layer.halves.attention_out(direct_attention(qkv, writes.keys[index], writes.values[index]),
-                                                    hidden, scratch)
-                if index + 1 in wanted and index + 1 < self.num_layers:
-                    taps[index + 1] = hidden
-                continue
             if halves:
                 qkv = layer.halves.attention_in(hidden.contiguous(), cos_BTD, sin_BTD, scratch)
-                q_BHTD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim).transpose(1, 2)
-                k_BHTD = qkv[..., q_size:q_size + kv_size].view(batch, num_new, self.num_kv_heads,
-                                                                self.head_dim).transpose(1, 2)
             else:
                 qkv = linears.qkv(self._rms_norm(hidden, layer.input_norm))
                 if layer.q_norm is not None:
                     self._head_norms(qkv, layer)
-                q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
-            v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if writes is not None:
-                write(index, k_BHTD, v_BHTD)
-                k_BHTD, v_BHTD = writes.keys[index], writes.values[index]
-            elif cache is not None:
-                k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
-            out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
-                                 **attention_kwargs)
+            if direct_attention is not None:  # q, k and v read where they are: no views, no wrappers
+                write.from_qkv(index, qkv, q_size, q_size + kv_size)
+                out_BTHD = direct_attention(qkv.data_ptr(), writes.keys[index].data_ptr(),
+                                            writes.values[index].data_ptr())
+            else:
+                if halves:  # q and k rotated in qkv
+                    q_BHTD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim).transpose(1, 2)
+                    k_BHTD = qkv[..., q_size:q_size + kv_size].view(batch, num_new, self.num_kv_heads,
+                                                                    self.head_dim).transpose(1, 2)
+                else:
+                    q_BHTD, k_BHTD = self._rope(qkv, cos_BTD, sin_BTD)
+                v_BHTD = qkv[..., q_size + kv_size:].view(batch, num_new, self.num_kv_heads,
+                                                          self.head_dim).transpose(1, 2)
+                if writes is not None:
+                    write(index, k_BHTD, v_BHTD)
+                    k_BHTD, v_BHTD = writes.keys[index], writes.values[index]
+                elif cache is not None:
+                    k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
+                out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,
+                                     **attention_kwargs)
             if halves:
                 hidden = layer.halves.attention_out(out_BTHD.reshape(batch, num_new, q_size).contiguous(), hidden,
                                                     scratch)

@@ -251,7 +251,7 @@ def test_few_bf16_rows_run_the_row_kernel_and_many_run_onednn(tiny_llama_dir, mo
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layer_halves_compute_the_ops_one_by_one_bit_for_bit(arch, request, monkeypatch):
     """Each layer's two C calls (cpu_gemm_layer.PackedBf16Layer), with the cache write and the
-    attention read in place between them (cpu_attention.RowWriter, QkvAttention), give exactly what
+    attention read in place between them (cpu_attention.RowWriter, AttentionCall), give exactly what
     its ops give one by one: a prefill of two rows, then a tree verify in the static cache (logits
     and every tap)."""
     target = TargetAdapter.from_pretrained(request.getfixturevalue(f"tiny_{arch}_dir"), dtype=torch.bfloat16,
@@ -272,8 +272,13 @@ def test_layer_halves_compute_the_ops_one_by_one_bit_for_bit(arch, request, monk
         return [first.logits, *first.taps, tree.logits, *tree.taps]
 
     calls = []
-    direct_call = cpu_attention.QkvAttention.__call__
-    monkeypatch.setattr(cpu_attention.QkvAttention, "__call__", lambda *args: calls.append(1) or direct_call(*args))
+    over_qkv = cpu_attention.AttentionCall.over_qkv
+
+    def counted(*args):  # the forward's in-place attention, its calls counted
+        call = over_qkv(*args)
+        return None if call is None else lambda *pointers: calls.append(1) or call(*pointers)
+
+    monkeypatch.setattr(cpu_attention.AttentionCall, "over_qkv", counted)
     halves = run()
     # the tree verify (after the first forward, which allocates the cache) attends in place, from
     # q/k/v rows, where the AVX2 attention takes the head size
