@@ -45,7 +45,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-from collections.abc import Sequence
 
 import torch
 
@@ -386,25 +385,26 @@ class AttentionCall:
 
 class RowWriter:
     """A forward's new keys and values [B, Hkv, T, D] (unit stride in D) into every layer's KV cache
-    buffers [B, Hkv, K, D] (D-contiguous rows, one layout for all) at slots [starts[b], starts[b] + T)
-    of row b (CPU int64 [B]; the caller keeps every slot below K): one C call a layer for its
-    keys and values, the layouts checked once. A cache's `update` (a Python slice copy per row
-    and buffer) cost about 30 us a layer of a SmolLM2 decode step."""
+    buffers, given as one view rows [L, 2, B, Hkv, K, D] (layer l's keys rows[l, 0], its values
+    rows[l, 1]; D-contiguous rows), at slots [starts[b], starts[b] + T) of row b (CPU int64 [B]; the
+    caller keeps every slot below K): one C call a layer for its keys and values, the layout checked
+    once. A cache's `update` (a Python slice copy per row and buffer) cost about 30 us a layer of a
+    SmolLM2 decode step. keys[l] and values[l]: the addresses of layer l's keys and values."""
 
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], starts_B: torch.Tensor):
-        first = keys[0]
-        batch, heads, _, dim = first.shape
-        strides = first.stride()
-        if strides[2:] != (dim, 1) or any(t.stride() != strides or t.shape[:2] != first.shape[:2]
-                                           or t.dtype != first.dtype for t in (*keys, *values)) \
-                or starts_B.dtype != torch.int64 or starts_B.shape != (batch,) or not starts_B.is_contiguous():
-            raise ValueError(f"RowWriter: every cache buffer must be [{batch}, {heads}, K, {dim}] {first.dtype} with "
-                             f"D-contiguous rows and one layout, and starts int64 [{batch}]; got strides {strides}, "
-                             f"starts {starts_B.dtype} {tuple(starts_B.shape)}")
+    def __init__(self, rows_L2BHKD: torch.Tensor, starts_B: torch.Tensor):
+        shape, strides = rows_L2BHKD.shape, rows_L2BHKD.stride()
+        if rows_L2BHKD.dim() != 6 or strides[4:] != (shape[5], 1) or starts_B.dtype != torch.int64 \
+                or starts_B.shape != (shape[2],) or not starts_B.is_contiguous():
+            raise ValueError(f"RowWriter: the cache buffers must be one view [L, 2, B, Hkv, K, D] with D-contiguous "
+                             f"rows, and starts int64 [B]; got {tuple(shape)} strides {strides}, starts "
+                             f"{starts_B.dtype} {tuple(starts_B.shape)}")
+        layers, batch, heads, dim = shape[0], shape[2], shape[3], shape[5]
         self.shape = (batch, heads, dim)
-        self.dtype = first.dtype
-        self.keys, self.values = [t.data_ptr() for t in keys], [t.data_ptr() for t in values]
-        self.cache_strides = strides[:2]
+        self.dtype = rows_L2BHKD.dtype
+        base, elem = rows_L2BHKD.data_ptr(), rows_L2BHKD.element_size()
+        self.keys = [base + layer * strides[0] * elem for layer in range(layers)]
+        self.values = [address + strides[1] * elem for address in self.keys]
+        self.cache_strides = strides[2:4]
         self.starts = starts_B  # held: the C reads it
         self.new_strides = None  # the new keys' and values' strides, checked on the first call
         self._write = _library().write_new_rows

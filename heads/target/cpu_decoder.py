@@ -438,7 +438,7 @@ class FusedDecoder:
         # C call a layer instead of its `update`
         direct = getattr(cache, "direct_writes", None) if cpu_attention.available() else None
         writes = direct(num_new) if direct is not None else None
-        write = cpu_attention.RowWriter(writes.keys, writes.values, writes.starts) if writes is not None else None
+        write = cpu_attention.RowWriter(writes.rows, writes.starts) if writes is not None else None
         # the config's attention is the grouped CPU one and the layer halves run: each layer's
         # attention reads q from its q/k/v rows and the keys where the cache holds them, one C call
         # (where grouped_attention_forward would take the kernel path: a [B, 1, T, K] bool mask, or
@@ -448,7 +448,7 @@ class FusedDecoder:
                 and (mask is None and num_new == 1 or mask is not None and mask.dtype is torch.bool
                      and mask.dim() == 4 and mask.shape[1] == 1):
             direct_attention = cpu_attention.AttentionCall.over_qkv(
-                self.num_q_heads, num_new, self.layers[0].halves.qkv_width, writes.keys[0], writes.values[0], mask,
+                self.num_q_heads, num_new, self.layers[0].halves.qkv_width, writes.rows[0, 0], writes.rows[0, 1], mask,
                 self.scaling)
         for index, layer in enumerate(self.layers):
             linears = layer.rows if few_rows and layer.rows is not None else layer.packed
@@ -460,8 +460,7 @@ class FusedDecoder:
                     self._head_norms(qkv, layer)
             if direct_attention is not None:  # q, k and v read where they are: no views, no wrappers
                 write.from_qkv(index, qkv, q_size, q_size + kv_size)
-                out_BTHD = direct_attention(qkv.data_ptr(), writes.keys[index].data_ptr(),
-                                            writes.values[index].data_ptr())
+                out_BTHD = direct_attention(qkv.data_ptr(), write.keys[index], write.values[index])
             else:
                 if halves:  # q and k rotated in qkv
                     q_BHTD = qkv[..., :q_size].view(batch, num_new, self.num_q_heads, self.head_dim).transpose(1, 2)
@@ -473,7 +472,7 @@ class FusedDecoder:
                                                           self.head_dim).transpose(1, 2)
                 if writes is not None:
                     write(index, k_BHTD, v_BHTD)
-                    k_BHTD, v_BHTD = writes.keys[index], writes.values[index]
+                    k_BHTD, v_BHTD = writes.rows[index].unbind(0)
                 elif cache is not None:
                     k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, index)
                 out_BTHD, _ = attend(layer.attention, q_BHTD, k_BHTD, v_BHTD, mask, dropout=0.0, scaling=self.scaling,

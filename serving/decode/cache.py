@@ -211,12 +211,11 @@ class TreeStaticLayer(CacheLayerMixin):
 @dataclass
 class DirectWrites:
     """Where a forward that writes its keys and values itself puts them (`TreeStaticCache.direct_writes`):
-    layer i's keys and values are keys[i], values[i], each [n, kv_heads, K, D] (views of the cache's
-    buffer: the active rows, the K keys the forward attends to); row b's T new entries go to slots
-    [starts[b], starts[b] + T) (CPU int64 [n])."""
+    rows [L, 2, n, kv_heads, K, D] is a view of the cache's buffer (the active rows, the K keys the
+    forward attends to): layer i's keys rows[i, 0], its values rows[i, 1]; row b's T new entries go
+    to slots [starts[b], starts[b] + T) (CPU int64 [n])."""
 
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
+    rows: torch.Tensor
     starts: torch.Tensor
 
 
@@ -307,7 +306,7 @@ class TreeStaticCache(CacheRows, Cache):
             raise ValueError(OVERFLOW.format(needed, max(active), num_new, self.max_cache_len))
         lengths.num_pending = num_new
         rows = buffer[:, :, lengths.start:lengths.stop, :, :needed]  # [L, 2, n, kv_heads, K, D]
-        return DirectWrites(rows[:, 0].unbind(0), rows[:, 1].unbind(0), torch.tensor(active, dtype=torch.int64))
+        return DirectWrites(rows, torch.tensor(active, dtype=torch.int64))
 
     def drop_pending(self) -> None:
         """Forget the last forward's pending entries (a step that failed after its forward): the
